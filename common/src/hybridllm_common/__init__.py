@@ -1,0 +1,1 @@
+"""hybridllm shared models: LLMService/EdgeFleet spec and status, OpenAI protocol, metric names."""

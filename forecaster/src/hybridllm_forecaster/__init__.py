@@ -1,0 +1,1 @@
+"""hybridllm forecaster: demand forecasting, capacity planning and a scaling simulator."""

@@ -1,0 +1,1 @@
+"""hybridllm gateway: OpenAI-compatible front door routing between edge and cloud."""

@@ -1,0 +1,1 @@
+"""hybridllm Kubernetes operator (kopf): reconciles LLMService into edge, cloud and gateway pools."""

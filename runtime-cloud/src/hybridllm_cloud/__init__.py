@@ -1,0 +1,1 @@
+"""hybridllm cloud runtime: paged-KV continuous-batching engine in torch."""

@@ -1,0 +1,1 @@
+"""hybridllm edge runtime and agent: llama.cpp and onnxruntime backends, without torch."""
