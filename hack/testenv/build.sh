@@ -21,6 +21,7 @@ have_all() {
   for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok; do
     [ -x "$bin/$b" ] || return 1
   done
+  [ -f "$bin/kwok-stages.yaml" ] || return 1
   "$bin/kube-apiserver" --version 2>/dev/null | grep -q "Kubernetes ${KUBERNETES_VERSION}\$" || return 1
   "$bin/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}" || return 1
 }
@@ -56,6 +57,13 @@ log "etcd done after $((SECONDS - start))s; building kwok ${KWOK_VERSION}"
 (cd "$here/kwok" && go build -trimpath \
   -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=${KUBERNETES_VERSION}" \
   -o "$bin.partial/kwok" sigs.k8s.io/kwok/cmd/kwok)
+# kwok's own "fast" stages (nodes become Ready with lease heartbeats, pods become Running
+# and Ready at once), taken from the pinned kwok module rather than copied into this repo.
+kwok_dir="$(cd "$here/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
+for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+         pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+  echo "---"; cat "$kwok_dir/kustomize/stage/$f"
+done > "$bin.partial/kwok-stages.yaml"
 rm -rf "$bin" && mv "$bin.partial" "$bin"
 log "built in $((SECONDS - start))s: $bin"
 have_all || { log "built binaries do not report the pinned versions"; exit 1; }

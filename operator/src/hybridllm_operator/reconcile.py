@@ -1,0 +1,165 @@
+"""Level-triggered reconciliation of one LLMService.
+
+Each call reads the world and converges it, so it is safe to run any number of times
+and from any trigger (the LLMService changed, one of its children changed or vanished,
+the operator restarted):
+
+1. parse the spec; a spec that can never work raises :class:`InvalidSpec` after the
+   status says why (``Degraded``, naming the field);
+2. server-side apply every desired child with ``force`` (the operator owns those
+   fields: a hand edit is reverted, a deleted object comes back);
+3. delete children of this instance that are no longer desired (a mode switch from
+   monolithic to disaggregated removes the monolithic pool);
+4. rebuild the status from the Deployments that now exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from hybridllm_common import crd
+from kubernetes import client, dynamic
+from kubernetes.client import exceptions as k8s_errors
+from pydantic import ValidationError
+
+from hybridllm_operator import builders, status
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = builders.MANAGED_BY
+
+# Child kinds the operator owns, for applying and pruning.
+CHILD_KINDS = (
+    ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+)
+
+
+class InvalidSpec(Exception):
+    """The spec can never be served; the message names the field."""
+
+
+@dataclass
+class Cluster:
+    """The API clients one operator process shares between handler threads."""
+
+    api: client.ApiClient
+    dyn: dynamic.DynamicClient
+
+    @classmethod
+    def connect(cls, api: client.ApiClient | None = None) -> Cluster:
+        api = api or client.ApiClient()
+        return cls(api=api, dyn=dynamic.DynamicClient(api))
+
+    def resource(self, api_version: str, kind: str) -> Any:
+        return self.dyn.resources.get(api_version=api_version, kind=kind)
+
+    def llmservices(self) -> Any:
+        return self.resource(crd.API_VERSION, "LLMService")
+
+
+def parse_spec(name: str, raw_spec: dict[str, Any]) -> crd.LLMServiceSpec:
+    """Parse and check a spec, raising InvalidSpec with the field path on any problem."""
+    try:
+        spec = crd.LLMServiceSpec.model_validate(raw_spec)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            path = ".".join(str(p) for p in error["loc"])
+            problems.append(f"spec.{path}: {error['msg']}" if path else f"spec: {error['msg']}")
+        raise InvalidSpec("; ".join(problems)) from exc
+    errors = crd.semantic_errors(name, spec)
+    if errors:
+        raise InvalidSpec("; ".join(str(e) for e in errors))
+    return spec
+
+
+def _instance_selector(name: str) -> str:
+    return f"{builders.LABEL_INSTANCE}={name},{builders.LABEL_MANAGED_BY}={builders.MANAGED_BY}"
+
+
+def apply_children(cluster: Cluster, service: builders.Service) -> list[dict[str, Any]]:
+    desired = builders.build_children(service)
+    for obj in desired:
+        cluster.resource(obj["apiVersion"], obj["kind"]).server_side_apply(
+            body=obj,
+            name=obj["metadata"]["name"],
+            namespace=service.namespace,
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+        )
+    return desired
+
+
+def prune_children(cluster: Cluster, service: builders.Service, desired: list[dict[str, Any]]) -> list[str]:
+    """Delete owned children that the spec no longer asks for; returns 'Kind/name' of each."""
+    keep = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
+    deleted = []
+    for api_version, kind in CHILD_KINDS:
+        existing = cluster.resource(api_version, kind).get(
+            namespace=service.namespace, label_selector=_instance_selector(service.name)
+        )
+        for item in existing.items:
+            owners = item.metadata.get("ownerReferences") or []
+            if (kind, item.metadata.name) in keep or not any(o.get("uid") == service.uid for o in owners):
+                continue
+            try:
+                cluster.resource(api_version, kind).delete(name=item.metadata.name, namespace=service.namespace)
+            except k8s_errors.ApiException as exc:
+                if exc.status != 404:
+                    raise
+            deleted.append(f"{kind}/{item.metadata.name}")
+    return deleted
+
+
+def list_deployments(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    result = cluster.resource("apps/v1", "Deployment").get(
+        namespace=namespace, label_selector=_instance_selector(name)
+    )
+    return [item.to_dict() for item in result.items]
+
+
+def patch_status(
+    cluster: Cluster, namespace: str, name: str, new_status: crd.LLMServiceStatus, previous: dict[str, Any]
+) -> None:
+    body = {"status": new_status.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    # A merge patch keeps map keys it does not mention: null out pools that no longer exist.
+    pools = body["status"].setdefault("pools", {})
+    for gone in set(previous.get("pools") or {}) - set(pools):
+        pools[gone] = None
+    cluster.llmservices().patch(
+        name=name,
+        namespace=namespace,
+        body=body,
+        subresource="status",
+        content_type="application/merge-patch+json",
+    )
+
+
+def _service_from(body: dict[str, Any], spec: crd.LLMServiceSpec, images: builders.Images) -> builders.Service:
+    meta = body["metadata"]
+    return builders.Service(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec, images=images)
+
+
+def reconcile(cluster: Cluster, body: dict[str, Any], images: builders.Images) -> crd.LLMServiceStatus:
+    """Converge one LLMService (given as its API object) and return the status written."""
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    previous = body.get("status") or {}
+    try:
+        spec = parse_spec(name, body.get("spec") or {})
+    except InvalidSpec as exc:
+        patch_status(cluster, namespace, name, status.invalid_status(generation, previous, str(exc)), previous)
+        raise
+    service = _service_from(body, spec, images)
+    desired = apply_children(cluster, service)
+    deleted = prune_children(cluster, service, desired)
+    if deleted:
+        log.info("removed %s no longer in the spec of %s/%s", ", ".join(deleted), namespace, name)
+    new_status = status.build_status(service, generation, list_deployments(cluster, namespace, name), previous)
+    patch_status(cluster, namespace, name, new_status, previous)
+    return new_status

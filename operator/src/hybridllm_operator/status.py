@@ -1,0 +1,128 @@
+"""Status from what exists: pool replicas read from the Deployments, and the three conditions.
+
+Pure functions over plain dicts, so the rules are tested without a cluster. A
+condition's ``lastTransitionTime`` moves only when its status changes, so a status that
+has not changed patches to the same bytes and writes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from hybridllm_common import crd
+
+from hybridllm_operator import builders
+
+CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def pool_statuses(deployments: Iterable[Mapping[str, Any]]) -> dict[str, crd.PoolStatus]:
+    """Component -> replicas, from Deployment objects (as returned by the API)."""
+    out: dict[str, crd.PoolStatus] = {}
+    for deployment in deployments:
+        labels = deployment.get("metadata", {}).get("labels") or {}
+        component = labels.get(builders.LABEL_COMPONENT)
+        if component is None:
+            continue
+        spec_replicas = deployment.get("spec", {}).get("replicas", 0) or 0
+        status = deployment.get("status") or {}
+        out[component] = crd.PoolStatus(
+            desired_replicas=spec_replicas,
+            ready_replicas=status.get("readyReplicas", 0) or 0,
+            revision=labels.get(builders.LABEL_REVISION),
+        )
+    return out
+
+
+def _summary(pools: Mapping[str, crd.PoolStatus], components: Iterable[str]) -> str | None:
+    present = [pools[c] for c in components if c in pools]
+    if not present:
+        return None
+    return f"{sum(p.ready_replicas for p in present)}/{sum(p.desired_replicas for p in present)}"
+
+
+def _condition(
+    previous: Mapping[str, crd.Condition], type_: str, status: bool, reason: str, message: str, generation: int | None
+) -> crd.Condition:
+    value = crd.ConditionStatus.true if status else crd.ConditionStatus.false
+    old = previous.get(type_)
+    changed = old is None or old.status != value
+    return crd.Condition(
+        type=type_,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=now() if changed or old is None else old.last_transition_time,
+        observed_generation=generation,
+    )
+
+
+def _old_conditions(previous: Mapping[str, Any] | None) -> dict[str, crd.Condition]:
+    return {c["type"]: crd.Condition.model_validate(c) for c in (previous or {}).get("conditions", []) if "type" in c}
+
+
+def build_status(
+    service: builders.Service,
+    generation: int | None,
+    deployments: Iterable[Mapping[str, Any]],
+    previous: Mapping[str, Any] | None,
+) -> crd.LLMServiceStatus:
+    """The whole status: pools, ready/desired summaries, conditions and endpoints."""
+    old = _old_conditions(previous)
+    pools = pool_statuses(deployments)
+    wanted = [p.component for p in builders.pools(service)]
+    missing = [c for c in wanted if c not in pools]
+    lagging = [
+        f"{c} {pools[c].ready_replicas}/{pools[c].desired_replicas}"
+        for c in wanted
+        if c in pools and pools[c].ready_replicas < pools[c].desired_replicas
+    ]
+    stale = [c for c in wanted if c in pools and pools[c].revision not in (None, service.revision)]
+    ready = not missing and not lagging
+    waiting = "waiting for " + ", ".join([f"{c} missing" for c in missing] + lagging)
+    ready_message = "all pools have their desired replicas ready" if ready else waiting
+    progressing = bool(missing or lagging or stale)
+    conditions = [
+        _condition(old, "Ready", ready, "AllPoolsReady" if ready else "PoolsNotReady", ready_message, generation),
+        _condition(
+            old,
+            "Progressing",
+            progressing,
+            "Reconciling" if progressing else "Stable",
+            ready_message if progressing else "every pool matches the spec",
+            generation,
+        ),
+        _condition(old, "Degraded", False, "AsExpected", "", generation),
+    ]
+    revisions = {p.revision for c, p in pools.items() if c != "gateway" and p.revision}
+    current = service.revision if revisions == {service.revision} else (previous or {}).get("currentRevision")
+    return crd.LLMServiceStatus(
+        observed_generation=generation,
+        conditions=conditions,
+        pools={c: pools[c] for c in wanted if c in pools},
+        edge_replicas=_summary(pools, ["edge"]),
+        cloud_replicas=_summary(pools, CLOUD_COMPONENTS),
+        current_revision=current,
+        endpoints=builders.endpoints(service),
+    )
+
+
+def invalid_status(generation: int | None, previous: Mapping[str, Any] | None, message: str) -> crd.LLMServiceStatus:
+    """Status for a spec that can never work: Degraded with the reason, the rest kept as it was."""
+    old = _old_conditions(previous)
+    kept = crd.LLMServiceStatus.model_validate(
+        {k: v for k, v in (previous or {}).items() if k not in ("conditions", "observedGeneration")}
+    )
+    kept.observed_generation = generation
+    kept.conditions = [
+        _condition(old, "Ready", False, "InvalidSpec", message, generation),
+        _condition(old, "Progressing", False, "InvalidSpec", "fix the spec to continue", generation),
+        _condition(old, "Degraded", True, "InvalidSpec", message, generation),
+    ]
+    return kept
