@@ -1,0 +1,196 @@
+"""Plain-torch references for every kernel: the specification the Triton kernels are tested against.
+
+These run on any device and are what the engine uses where there is no CUDA device. They
+favour clarity over speed, but stay vectorised where it costs nothing, because the engine's
+CPU path runs through them. All arithmetic that accumulates (softmax, norms, matmul) is
+done in float32 and the result is cast back to the input's dtype.
+
+Layouts (the contract with ``hybridllm_cloud``):
+
+- KV cache per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is
+  ``block_id * block_size + offset``.
+- ``block_tables`` int32 ``[num_seqs, max_blocks_per_seq]``; entries past
+  ``ceil(context_len / block_size)`` are never read (they may hold -1).
+- Sliding window ``W``: a query at position ``p`` sees keys at positions ``k`` with
+  ``p - W < k <= p`` (``W`` tokens including itself; Mistral / Hugging Face convention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+) -> None:
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_ids = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    k_cache[block_ids, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[block_ids, offsets] = v[keep].to(v_cache.dtype)
+
+
+def _gather_tokens(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks_per_seq]
+    num_tokens: int,
+) -> torch.Tensor:  # [num_tokens, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    positions = torch.arange(num_tokens, device=cache.device)
+    block_ids = block_table[positions // block_size].long()
+    return cache[block_ids, positions % block_size]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max().item())
+    # Pad every sequence to max_len: token slots past a sequence's length point at
+    # block 0 (always a valid address) and are masked out of the softmax.
+    positions = torch.arange(max_len, device=q.device)
+    lens = context_lens.to(device=q.device, dtype=torch.long)
+    valid = positions[None, :] < lens[:, None]  # [num_seqs, max_len]
+    if sliding_window is not None:
+        valid &= positions[None, :] > (lens[:, None] - 1 - sliding_window)
+    table_idx = (positions // block_size).expand(num_seqs, -1)
+    block_ids = torch.gather(block_tables.long(), 1, table_idx.clamp(max=block_tables.shape[1] - 1))
+    block_ids = torch.where(valid, block_ids, torch.zeros_like(block_ids))
+    offsets = (positions % block_size).expand(num_seqs, -1)
+    k = k_cache[block_ids, offsets].float()  # [num_seqs, max_len, num_kv_heads, head_dim]
+    v = v_cache[block_ids, offsets].float()
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,stkd->skgt", qg, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("skgt,stkd->skgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, cached prefix + new tokens
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    for seq_idx, context_len in enumerate(lens):
+        q_start, q_end = starts[seq_idx], starts[seq_idx + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _gather_tokens(k_cache, block_tables[seq_idx], context_len).float()
+        v = _gather_tokens(v_cache, block_tables[seq_idx], context_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [context_len, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        k_pos = torch.arange(context_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [..., hidden]
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    residual: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(rms_norm(x + residual), x + residual)``; the sum is rounded to x's dtype
+    before it is normalised (vLLM semantics). Inputs are not modified."""
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]: cos | sin
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates the first ``rotary_dim`` dims of every head in place; returns ``(q, k)``."""
+    rotary_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [num_tokens, rot/2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    for x in (q, k):
+        rot = x[..., :rotary_dim].float()
+        if is_neox:
+            x1, x2 = rot.chunk(2, dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        rotated = torch.cat((o1, o2), dim=-1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
+        x[..., :rotary_dim] = rotated.to(x.dtype)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    d = x.shape[-1] // 2
+    xf = x.float()
+    return (F.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
+
+
+def quantize_per_channel_int8(
+    w: torch.Tensor,  # [N, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # int8 [N, K], float32 scales [N]
+    """Symmetric per-output-channel int8: ``w ~= w_int8 * scales[:, None]``."""
+    wf = w.float()
+    scales = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    w_int8 = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return w_int8, scales
+
+
+def w8a16_matmul(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32
+    w_int8: torch.Tensor,  # [N, K] int8
+    scales: torch.Tensor,  # [N]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    out = (x.float() @ w_int8.float().t()) * scales.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
