@@ -1,0 +1,48 @@
+"""Prometheus metric names, one place for every component.
+
+Names carry the ``hybridllm_`` prefix and Prometheus base units (``_seconds``,
+``_tokens_total``); labels are ``service``, ``tier``, ``pool``, ``revision`` where they
+apply. Dashboards, alerts and the autoscaler read these names, so they are constants here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+PREFIX = "hybridllm_"
+
+# Request latency histograms (seconds).
+TIME_TO_FIRST_TOKEN_SECONDS = "hybridllm_time_to_first_token_seconds"
+TIME_PER_OUTPUT_TOKEN_SECONDS = "hybridllm_time_per_output_token_seconds"
+E2E_REQUEST_LATENCY_SECONDS = "hybridllm_e2e_request_latency_seconds"
+QUEUE_TIME_SECONDS = "hybridllm_request_queue_time_seconds"
+
+# Token and request counters.
+PROMPT_TOKENS_TOTAL = "hybridllm_prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = "hybridllm_generation_tokens_total"
+REQUESTS_TOTAL = "hybridllm_requests_total"  # label: finish_reason
+REQUESTS_REJECTED_TOTAL = "hybridllm_requests_rejected_total"  # label: code
+
+# Engine state gauges.
+NUM_REQUESTS_RUNNING = "hybridllm_num_requests_running"
+NUM_REQUESTS_WAITING = "hybridllm_num_requests_waiting"
+KV_BLOCKS_USED = "hybridllm_kv_cache_blocks_used"
+KV_BLOCKS_FREE = "hybridllm_kv_cache_blocks_free"
+KV_CACHE_USAGE_RATIO = "hybridllm_kv_cache_usage_ratio"
+
+# Engine counters and per-step histograms.
+PREFIX_CACHE_QUERIES_TOTAL = "hybridllm_prefix_cache_queries_tokens_total"
+PREFIX_CACHE_HITS_TOTAL = "hybridllm_prefix_cache_hits_tokens_total"
+PREFIX_CACHE_HIT_RATE = "hybridllm_prefix_cache_hit_rate"
+PREEMPTIONS_TOTAL = "hybridllm_preemptions_total"
+BATCH_SIZE = "hybridllm_engine_step_batch_size"
+TOKENS_PER_STEP = "hybridllm_engine_step_tokens"
+
+# Gateway.
+GATEWAY_REQUESTS_TOTAL = "hybridllm_gateway_requests_total"  # labels: tier, code
+GATEWAY_ROUTE_DECISIONS_TOTAL = "hybridllm_gateway_route_decisions_total"  # label: tier
+GATEWAY_UPSTREAM_LATENCY_SECONDS = "hybridllm_gateway_upstream_latency_seconds"
+
+# Latency histogram buckets (seconds) shared by the runtimes.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip

@@ -1,0 +1,294 @@
+"""OpenAI HTTP API models shared by the cloud runtime, the edge runtime and the gateway.
+
+Every hop of the request path speaks this dialect, so every part can be tested alone with
+the real ``openai`` client. Requests accept unknown fields (``extra="allow"``): a gateway
+forwards what it does not understand, and a runtime ignores it. Responses are strict.
+
+Errors have one shape everywhere, ``{"error": {"message", "type", "param", "code"}}``, and
+the ``code`` values below are stable: clients and the gateway branch on them. The HTTP
+status that goes with each code is in :data:`ERROR_STATUS`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# --- stable error codes -----------------------------------------------------------------
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+INVALID_PARAMETER = "invalid_parameter"
+INVALID_REQUEST = "invalid_request"
+MODEL_NOT_FOUND = "model_not_found"
+SERVER_OVERLOADED = "server_overloaded"
+MODEL_NOT_READY = "model_not_ready"
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+UNAUTHORIZED = "unauthorized"
+CONTENT_FILTERED = "content_filtered"
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+INTERNAL_ERROR = "internal_error"
+
+ERROR_STATUS: dict[str, int] = {
+    CONTEXT_LENGTH_EXCEEDED: 400,
+    INVALID_PARAMETER: 400,
+    INVALID_REQUEST: 400,
+    CONTENT_FILTERED: 400,
+    UNAUTHORIZED: 401,
+    MODEL_NOT_FOUND: 404,
+    RATE_LIMIT_EXCEEDED: 429,
+    INTERNAL_ERROR: 500,
+    UPSTREAM_UNAVAILABLE: 502,
+    SERVER_OVERLOADED: 503,
+    MODEL_NOT_READY: 503,
+}
+
+ERROR_TYPE: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def make_error(code: str, message: str, param: str | None = None) -> tuple[int, ErrorResponse]:
+    """The HTTP status and body for one of the stable codes."""
+    status = ERROR_STATUS.get(code, 500)
+    detail = ErrorDetail(
+        message=message, type=ERROR_TYPE.get(status, "server_error"), param=param, code=code
+    )
+    return status, ErrorResponse(error=detail)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields common to both endpoints, validated the same way everywhere."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None
+    # Extensions (vLLM names): top_k <= 0 means off.
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # hybridllm extension: "interactive" (default) or "batch" scheduling class.
+    priority: Literal["interactive", "batch"] = "interactive"
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if isinstance(v, list) and any(s == "" for s in v):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Content as plain text (text parts of a multi-part message are concatenated)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# --- responses --------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+FinishReason = Literal["stop", "length", "abort", "content_filter", "tool_calls"]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: FinishReason | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs shape (parallel lists)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of a completions stream chunk (OpenAI reuses it)."""
+
+    id: str = Field(default_factory=lambda: new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hybridllm"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def validation_error_param(loc: tuple[int | str, ...]) -> str | None:
+    """The parameter a pydantic error location names: ``("body", "top_p")`` -> ``top_p``."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    if not parts:
+        return None
+    # model_validator errors carry no field; keep the dotted path of the rest.
+    return ".".join(parts)
