@@ -1,0 +1,150 @@
+"""The block pool: fixed-size KV blocks, reference counts, prefix-cache hashes, LRU eviction.
+
+Design (vLLM v1 ``BlockPool``):
+
+- Every block has a ``ref_cnt``. A block with ``ref_cnt == 0`` sits in the free queue,
+  ordered by when it became free (oldest first); allocation pops from the front.
+- A full block may carry a ``block_hash`` that chains the hash of the block before it
+  with its own token ids, so equal hashes mean equal prefixes. Hashed blocks stay findable
+  in ``cached_blocks`` after they are freed: a later request with the same prefix
+  ``touch``es them back out of the free queue. When a cached free block reaches the
+  front of the queue and is allocated, its hash is evicted (LRU eviction of cached blocks).
+- A request frees its blocks tail first, so the blocks least likely to be shared (the end
+  of a sequence) are evicted before the shared prefix blocks.
+- ``adopt`` takes hashes computed elsewhere (a prefill worker) and returns the blocks the
+  caller must fill, reusing blocks already cached here: the disaggregated decode side.
+
+Hashes are Python ``hash`` of ``(parent_hash, tuple(token_ids))``: ints and tuples of ints
+hash the same in every process (PYTHONHASHSEED only salts str/bytes), so a prefill and a
+decode process agree on them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+NONE_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    return hash((NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+
+
+def hash_request_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # block_id -> block, oldest-freed first. OrderedDict: O(1) remove from the middle.
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached_blocks: dict[int, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        if not self.enable_caching:
+            return None
+        return self.cached_blocks.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Pops ``num_blocks`` from the front of the free queue; the caller checked it fits."""
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"need {num_blocks} blocks, {len(self.free_queue)} free")
+        out: list[KVBlock] = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+            self.num_evictions += 1
+        block.block_hash = None
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Registers a full, computed block under its hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks.setdefault(block_hash, block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drops one reference each; blocks reaching 0 join the free queue in the given order."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than allocated")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def adopt(self, block_hashes: Sequence[int]) -> tuple[list[KVBlock], list[bool]]:
+        """Blocks for hashes computed elsewhere, plus which ones the caller must fill.
+
+        Blocks already cached here are reused (touched); the others are new blocks registered
+        under the given hashes. The caller checked ``num_free_blocks`` and writes the K/V of
+        every block marked ``True`` before scheduling anything that reads it.
+        """
+        blocks: list[KVBlock] = []
+        needs_fill: list[bool] = []
+        for block_hash in block_hashes:
+            cached = self.get_cached_block(block_hash)
+            if cached is not None:
+                self.touch([cached])
+                blocks.append(cached)
+                needs_fill.append(False)
+                continue
+            (block,) = self.get_new_blocks(1)
+            self.cache_block(block, block_hash)
+            blocks.append(block)
+            needs_fill.append(True)
+        return blocks, needs_fill
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()

@@ -1,0 +1,70 @@
+"""What crosses the scheduler / model-runner seam: plain dataclasses only.
+
+These records are the boundary at which prefill and decode will run in separate
+processes, so they hold ids, token ids and numbers, never engine objects or tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridllm_cloud.engine.request import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_position: int  # position of token_ids[0] (= tokens already in the cache)
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0  # generated so far (for penalties / bookkeeping)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # since the previous step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress after a step, before detokenisation."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0

@@ -1,0 +1,221 @@
+"""The scheduler: waiting and running queues, a token budget per step, preemption.
+
+It owns every request object and the queues; it asks the KV cache manager for blocks and
+hands the model runner a plain ``SchedulerOutput``. There is no prefill/decode phase: a
+request is ``num_computed_tokens`` out of ``num_tokens``, and a step gives each request
+some of the gap (vLLM v1), so chunked prefill and decode share one batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from hybridllm_cloud.engine import kv_cache_manager
+from hybridllm_cloud.engine.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from hybridllm_cloud.engine.request import Priority, Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 64  # running requests at most
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: kv_cache_manager.KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
+        self.running: list[Request] = []  # kept sorted by Request.sort_key
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # --- queues ---------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens leaves no room in a context of "
+                f"{self.config.max_model_len}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting[request.priority].append(request)
+
+    def _peek_waiting(self) -> Request | None:
+        for priority in Priority:
+            if self.waiting[priority]:
+                return self.waiting[priority][0]
+        return None
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Ends requests from outside the step (abort, stop string); frees their blocks."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting[request.priority].remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_step.append(request.request_id)
+
+    def _preempt_last(self) -> Request:
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting[victim.priority].appendleft(victim)
+        log.debug("preempted %s (recompute)", victim.request_id)
+        return victim
+
+    # --- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Spends the token budget: running requests first, then waiting ones.
+
+        1. Running requests, in priority-then-arrival order, each get the tokens they still
+           need (1 for decode, the rest of the prompt for a chunked prefill), capped by the
+           remaining budget. If the pool has no block for one, the last running request
+           (lowest priority, latest arrival: never one already scheduled this step) is
+           preempted by recompute until it fits, or the request preempts itself.
+        2. If nothing was preempted, waiting requests (interactive before batch, FIFO in a
+           class) enter while budget, ``max_num_seqs`` and blocks allow; each starts after
+           its longest cached prefix, and a prompt longer than the budget is chunked.
+        """
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(finished_req_ids=self._finished_since_step)
+        self._finished_since_step = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < (
+                request.num_tokens - request.num_computed_tokens
+            ):
+                break
+            while not self.kv.append_slot(request, num_new):
+                victim = self._preempt_last()
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # preempted itself: everything after it is gone too
+            out.scheduled.append(self._record(request, num_new))
+            budget -= num_new
+            i += 1
+
+        while not out.preempted_req_ids and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self._peek_waiting()
+            if request is None:
+                break
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.can_allocate(request, num_new, computed_blocks):
+                break
+            self.kv.allocate(request, num_new, computed_blocks)
+            self.waiting[request.priority].popleft()
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            bisect.insort(self.running, request, key=Request.sort_key)
+            out.scheduled.append(self._record(request, num_new))
+            budget -= num_new
+        return out
+
+    def _record(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, start + num_new),
+            start_position=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advances computed tokens, appends sampled ones, finishes stopped requests."""
+        outputs: list[EngineCoreOutput] = []
+        for scheduled in sched.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += scheduled.num_tokens
+            token = result.sampled_token_ids.get(scheduled.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            logprobs = result.logprobs.get(scheduled.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token],
+                    finish_reason=status.value if status else None,
+                    stop_reason=request.stop_reason,
+                    logprobs=[logprobs] if logprobs else [],
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                self._free(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
