@@ -1,0 +1,149 @@
+"""Conversion targets, their recipes, and ``ensure``: pull and convert on demand, cached.
+
+Targets form a small tree rooted at the pulled source::
+
+    source (GGUF Q4_1, or an HF folder)
+      -> hf (fp32 safetensors)          -> hf-bf16
+                                        -> gguf-f16 -> gguf-q8_0, gguf-q4_k_m
+                                        -> onnx (fp32, past key/values) -> onnx-int8
+    gguf = the source GGUF as shipped (gguf-f16 when the source is an HF folder)
+
+Each target is built once per (source sha256, target): its manifest records the source's
+sha256 and ``Store.build_artifact`` reuses it while that matches, so a second ``ensure`` or
+``hybridllm model convert`` returns at once. Conversion modules import torch, transformers,
+onnx and llama_cpp lazily; the store does not need them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from hybridllm_models import errors, store, uri
+from hybridllm_models.progress import NULL, Progress
+from hybridllm_models.store import Artifact, Built
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("hf", "hf-bf16", "gguf", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "onnx", "onnx-int8")
+
+Recipe = Callable[[Path, Path, Progress], Built]
+
+
+def _gguf_to_hf(parent: Path, out: Path, progress: Progress) -> Built:
+    from hybridllm_models import gguf_to_hf
+
+    num_params = gguf_to_hf.convert(parent, out, progress)
+    return Built("safetensors", "f32", num_params, ".")
+
+
+def _hf_to_bf16(parent: Path, out: Path, progress: Progress) -> Built:
+    from hybridllm_models import gguf_to_hf
+
+    num_params = gguf_to_hf.to_bf16(parent, out, progress)
+    return Built("safetensors", "bf16", num_params, ".")
+
+
+def _hf_to_gguf_f16(parent: Path, out: Path, progress: Progress) -> Built:
+    from hybridllm_models import hf_to_gguf
+
+    num_params = hf_to_gguf.convert(parent, out / "model-f16.gguf", progress)
+    return Built("gguf", "F16", num_params, "model-f16.gguf")
+
+
+def _quantize(ftype: str) -> Recipe:
+    def recipe(parent: Path, out: Path, progress: Progress) -> Built:
+        from hybridllm_models import hf_to_gguf
+
+        name = f"model-{ftype.lower()}.gguf"
+        num_params = hf_to_gguf.quantize(parent, out / name, ftype, progress)
+        return Built("gguf", ftype, num_params, name)
+
+    return recipe
+
+
+def _hf_to_onnx(parent: Path, out: Path, progress: Progress) -> Built:
+    from hybridllm_models import onnx_export
+
+    num_params = onnx_export.export(parent, out, progress)
+    return Built("onnx", "f32", num_params, ".")
+
+
+def _onnx_to_int8(parent: Path, out: Path, progress: Progress) -> Built:
+    from hybridllm_models import onnx_export
+
+    num_params = onnx_export.quantize_int8(parent, out, progress)
+    return Built("onnx", "int8", num_params, ".")
+
+
+# target -> (parent target, recipe taking the parent's primary path)
+RECIPES: dict[str, tuple[str, Recipe]] = {
+    "hf": (store.SOURCE, _gguf_to_hf),
+    "hf-bf16": ("hf", _hf_to_bf16),
+    "gguf-f16": ("hf", _hf_to_gguf_f16),
+    "gguf-q8_0": ("gguf-f16", _quantize("Q8_0")),
+    "gguf-q4_k_m": ("gguf-f16", _quantize("Q4_K_M")),
+    "onnx": ("hf", _hf_to_onnx),
+    "onnx-int8": ("onnx", _onnx_to_int8),
+}
+
+
+def ensure_artifact(
+    source_uri: str = uri.DEFAULT_URI,
+    target: str = "hf",
+    *,
+    model_store: store.Store | None = None,
+    force: bool = False,
+    progress: Progress = NULL,
+) -> Artifact:
+    """The artifact for (source, target), pulled and converted as needed.
+
+    ``force`` rebuilds the target itself (not its parents).
+    """
+    if target not in (*TARGETS, store.SOURCE):
+        raise errors.ConversionError(
+            f"unknown target {target!r}; known targets: {', '.join(TARGETS)}"
+        )
+    model_store = model_store or store.Store()
+    source = model_store.pull(source_uri, progress=progress)
+    return _ensure(model_store, source, target, force, progress)
+
+
+def _ensure(
+    model_store: store.Store, source: Artifact, target: str, force: bool, progress: Progress
+) -> Artifact:
+    is_gguf = source.manifest.format == "gguf"
+    if target == store.SOURCE or (target == "gguf" and is_gguf):
+        return source
+    if target == "gguf":
+        return _ensure(model_store, source, "gguf-f16", force, progress)
+    if target == "hf" and not is_gguf:
+        return source
+    parent_target, recipe = RECIPES[target]
+    parent = _ensure(model_store, source, parent_target, False, progress)
+    log.debug("building %s from %s", target, parent.path)
+    return model_store.build_artifact(
+        source.manifest.name,
+        source.manifest.revision,
+        target,
+        lambda staging: recipe(parent.primary_path, staging, progress),
+        source_uri=source.manifest.source_uri,
+        derived_from_sha256=source.content_sha256,
+        force=force,
+        progress=progress,
+    )
+
+
+def ensure(
+    source_uri: str = uri.DEFAULT_URI,
+    target: str = "hf",
+    *,
+    model_store: store.Store | None = None,
+    force: bool = False,
+    progress: Progress = NULL,
+) -> Path:
+    """Path to load: the .gguf file for GGUF targets, the folder for hf and onnx targets."""
+    return ensure_artifact(
+        source_uri, target, model_store=model_store, force=force, progress=progress
+    ).primary_path
