@@ -22,8 +22,12 @@ have_all() {
     [ -x "$bin/$b" ] || return 1
   done
   [ -f "$bin/kwok-stages.yaml" ] || return 1
-  "$bin/kube-apiserver" --version 2>/dev/null | grep -q "Kubernetes ${KUBERNETES_VERSION}\$" || return 1
-  "$bin/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}" || return 1
+  # Capture first: grep -q closing the pipe early would fail the pipeline under pipefail.
+  local apiserver etcd
+  apiserver="$("$bin/kube-apiserver" --version 2>/dev/null)" || return 1
+  etcd="$("$bin/etcd" --version 2>/dev/null)" || return 1
+  [ "$apiserver" = "Kubernetes ${KUBERNETES_VERSION}" ] || return 1
+  [[ "$etcd" == *"etcd Version: ${ETCD_VERSION#v}"* ]] || return 1
 }
 
 if have_all; then

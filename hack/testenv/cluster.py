@@ -53,7 +53,7 @@ NODES = [
         {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"},
         [GPU_TAINT],
     ),
-    ("kwok-edge-0", {"hybridllm.io/pool": "edge", "hybridllm.io/edge": "true"}, {"cpu": "4", "memory": "8Gi", "pods": "110"}, []),
+    ("kwok-edge-0", {"hybridllm.io/pool": "edge", "hybridllm.io/edge": "true"}, {"cpu": "32", "memory": "64Gi", "pods": "110"}, []),
 ]
 
 
@@ -310,7 +310,9 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
     state_dir = state_dir.resolve()
     pids_dir = state_dir / "pids"
     pids: list[int] = []
-    for name in reversed(COMPONENTS):
+    # Components in reverse start order, then anything else started beside them (the demo's operator).
+    extra = sorted(p.name for p in pids_dir.glob("*") if p.name not in COMPONENTS) if pids_dir.exists() else []
+    for name in [*extra, *reversed(COMPONENTS)]:
         pid_file = pids_dir / name
         if not pid_file.exists():
             continue

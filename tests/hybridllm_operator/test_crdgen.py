@@ -52,7 +52,8 @@ def test_cel_rules_and_defaults_are_emitted() -> None:
     cloud = spec["properties"]["cloud"]
     rules = [r["rule"] for r in cloud["x-kubernetes-validations"]]
     assert any("disaggregated" in r for r in rules)
-    assert cloud["default"] == {}
+    assert cloud["default"]["mode"] == "monolithic"
+    assert cloud["default"]["monolithic"]["resources"]["gpu"] == 1
     assert cloud["properties"]["kvCache"]["properties"]["blockSize"]["enum"] == [8, 16, 32, 64, 128]
     assert "metadata.name" in root["x-kubernetes-validations"][0]["rule"]
     columns = [c["name"] for c in doc["spec"]["versions"][0]["additionalPrinterColumns"]]

@@ -59,8 +59,12 @@ class _Model(BaseModel):
 
 
 def _sub(model: type[_Model], description: str) -> Any:
-    """A nested object field defaulting to an empty object, so its own defaults apply."""
-    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+    """A nested object field that defaults to the model's own defaults, written out in full.
+
+    The API server checks a default against the CEL rules beside it without applying the
+    nested defaults first, so ``default: {}`` would fail ``self.minReplicas <= ...``.
+    """
+    return Field(default_factory=model, description=description, json_schema_extra={"default": model().to_wire()})
 
 
 # --------------------------------------------------------------------------- model
@@ -277,7 +281,7 @@ class CloudTierSpec(_Model):
     monolithic: PoolSpec = Field(
         default_factory=_gpu_pool,
         description="The pool used in monolithic mode.",
-        json_schema_extra={"default": {"resources": {"cpu": "4", "memory": "16Gi", "gpu": 1}}},
+        json_schema_extra={"default": _gpu_pool().to_wire()},
     )
     prefill: PoolSpec | None = Field(default=None, description="Prompt-processing pool (disaggregated mode).")
     decode: PoolSpec | None = Field(default=None, description="Token-generation pool (disaggregated mode).")

@@ -79,12 +79,40 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
                 out[key] = _resolve(value, defs)
         else:
             out[key] = value
+    # JSON Schema 2020 numbers -> OpenAPI 3.0 booleans beside minimum/maximum.
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(out.get(flag), int | float) and not isinstance(out.get(flag), bool):
+            out[bound] = out[flag]
+            out[flag] = True
+    if out.get("type") == "number":
+        _guard_fractional_bounds(out)
     if "enum" in out and "type" not in out:
         kinds = {type(v) for v in out["enum"]}
         out["type"] = "integer" if kinds == {int} else "string"
     if "properties" in out:
         out["type"] = "object"
     return out
+
+
+def _guard_fractional_bounds(node: dict[str, Any]) -> None:
+    """Repeat fractional bounds of a number as CEL rules.
+
+    The API server compares an integer value (``0``) with ``int64(minimum)``, so
+    ``minimum: 0.05`` lets ``0`` through; CEL compares as doubles and catches it.
+    """
+    rules = []
+    for bound, op, word in (("minimum", ">", "greater"), ("maximum", "<", "less")):
+        value = node.get(bound)
+        if isinstance(value, float) and not value.is_integer():
+            strict = node.get(f"exclusive{bound[:1].upper()}{bound[1:]}") is True
+            rules.append(
+                {
+                    "rule": f"self {op}{'' if strict else '='} {value!r}",
+                    "message": f"must be {word} than {'' if strict else 'or equal to '}{value!r}",
+                }
+            )
+    if rules:
+        node["x-kubernetes-validations"] = [*node.get("x-kubernetes-validations", []), *rules]
 
 
 def structural_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -26,6 +26,13 @@ OWNED = {builders.LABEL_MANAGED_BY: builders.MANAGED_BY}
 _state: dict[str, Any] = {}
 
 
+class _QuietChildEvents(logging.Filter):
+    """Drop kopf's per-event success line for child watches: one per Deployment status change."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Handler 'child_changed' succeeded" not in record.getMessage()
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     # Progress and the last-handled spec live in annotations: the structural status schema
@@ -47,6 +54,7 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
+    logging.getLogger("kopf.objects").addFilter(_QuietChildEvents())
     _state["cluster"] = reconcile.Cluster.connect()
     _state["images"] = operator_settings.images()
     logger.info("hybridllm operator configured: images %s", _state["images"])

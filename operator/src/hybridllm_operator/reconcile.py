@@ -131,12 +131,8 @@ def patch_status(
     pools = body["status"].setdefault("pools", {})
     for gone in set(previous.get("pools") or {}) - set(pools):
         pools[gone] = None
-    cluster.llmservices().patch(
-        name=name,
-        namespace=namespace,
-        body=body,
-        subresource="status",
-        content_type="application/merge-patch+json",
+    cluster.llmservices().subresources["status"].patch(
+        name=name, namespace=namespace, body=body, content_type="application/merge-patch+json"
     )
 
 

@@ -1,0 +1,38 @@
+# hybridllm developer entry points. `make demo` and `make test` do every set-up step themselves.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PYTEST_ARGS ?=
+
+.PHONY: help setup demo test lint crds cluster-up cluster-down testenv
+
+help:
+	@echo "make demo          run the local demo (control plane + operator + example LLMService)"
+	@echo "make test          set up everything, lint, check CRD drift, run all tests"
+	@echo "make lint          ruff, mypy and the CRD drift check"
+	@echo "make crds          regenerate crds/ from the models"
+	@echo "make cluster-up    start the local control plane (.testenv/kubeconfig)"
+	@echo "make cluster-down  stop it (and the demo operator)"
+
+setup:
+	@hack/phase.sh setup hack/setup.sh
+
+testenv:
+	@hack/testenv/build.sh
+
+demo: setup
+	@hack/demo.sh
+
+lint:
+	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check'
+
+test: setup lint
+	@hack/phase.sh pytest uv run --no-sync pytest $(PYTEST_ARGS)
+
+crds:
+	uv run --no-sync hybridllm crds generate
+
+cluster-up: setup
+	@uv run --no-sync python hack/testenv/cluster.py up
+
+cluster-down:
+	@python3 hack/testenv/cluster.py down

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything a fresh machine needs before `make demo` or `make test`: uv, the Python
+# workspace (uv.lock, all members, dev tools), and the test control plane's binaries.
+# Idempotent; caches live in fixed directories under ~/.cache so a second run is quick:
+#   ~/.cache/uv                       wheels, including the llama-cpp-python build
+#   ~/.cache/hybridllm/go             Go module and build caches
+#   ~/.cache/hybridllm/testenv        the built control-plane binaries
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+UV_VERSION=0.13.9
+if ! command -v uv >/dev/null 2>&1 || [ "$(uv --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+  echo "[setup] installing uv $UV_VERSION"
+  python3 -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
+fi
+export UV_CACHE_DIR="${UV_CACHE_DIR:-$HOME/.cache/uv}"
+echo "[setup] syncing the Python workspace (first run: torch and a llama.cpp build, ~15 min)"
+uv sync --all-packages --frozen
+
+if [ "${HYBRIDLLM_SKIP_TESTENV:-0}" != "1" ]; then
+  echo "[setup] building the test control plane (first run: ~25 min on 2 cores; cached after)"
+  hack/testenv/build.sh >/dev/null
+fi

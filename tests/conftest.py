@@ -1,0 +1,60 @@
+"""Fixtures shared by every test folder: the real Kubernetes control plane (k8s marker) and GPU skips."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_testenv() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("hybridllm_testenv", ROOT / "hack" / "testenv" / "cluster.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hybridllm_testenv"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok), up once per run.
+
+    Built from the Go module proxy on first use and cached under ~/.cache/hybridllm/testenv.
+    Torn down by PID at the end of the session.
+    """
+    testenv = _load_testenv()
+    state_dir = tmp_path_factory.mktemp("testenv")
+    cluster = testenv.up(state_dir)
+    previous = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    try:
+        yield cluster
+    finally:
+        testenv.down(state_dir)
+        if previous is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = previous

@@ -1,0 +1,98 @@
+"""Operator fixtures: CRDs installed in the real control plane, the operator running in-process."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+_counter = itertools.count()
+
+
+class Kube:
+    """kubectl against the test cluster, plus polling for eventual state."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.kubectl_bin = str(Path(cluster.state_dir) / "bin" / "kubectl")
+
+    def run(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.kubectl_bin, "--kubeconfig", str(self.cluster.kubeconfig), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def apply(self, manifest: dict[str, Any] | str, namespace: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+        text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
+        return self.run("apply", "-n", namespace, "-f", "-", stdin=text, check=check)
+
+    def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        result = self.run("get", kind, name, "-n", namespace, "-o", "json", check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr:
+                return None
+            raise AssertionError(result.stderr)
+        return dict(json.loads(result.stdout))
+
+    def names(self, kind: str, namespace: str, selector: str) -> list[str]:
+        out = self.run("get", kind, "-n", namespace, "-l", selector, "-o", "json")
+        return sorted(item["metadata"]["name"] for item in json.loads(out.stdout)["items"])
+
+    @staticmethod
+    def eventually(check: Callable[[], T], timeout: float = 60, what: str = "condition") -> T:
+        """Poll ``check`` until it returns something truthy; fail with the last value otherwise."""
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        last: Any = None
+        while time.monotonic() < deadline:
+            last = check()
+            if last:
+                return last
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+@pytest.fixture(scope="session")
+def kube(k8s_cluster: Any) -> Kube:
+    kube = Kube(k8s_cluster)
+    kube.run("apply", "--server-side", "-f", str(ROOT / "crds"))
+    for crd_name in ("llmservices.hybridllm.io", "edgefleets.hybridllm.io"):
+        kube.run("wait", "--for=condition=Established", f"crd/{crd_name}", "--timeout=60s")
+    return kube
+
+
+@pytest.fixture
+def namespace(kube: Kube) -> Iterator[str]:
+    name = f"t{next(_counter)}-{int(time.time()) % 100000}"
+    kube.run("create", "namespace", name)
+    yield name
+    kube.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def operator(kube: Kube) -> Iterator[Any]:
+    """The real operator (kopf handlers) running in this process against the test cluster."""
+    from kopf.testing import KopfRunner
+
+    args = ["run", "--all-namespaces", "--standalone", "--verbose", "-m", "hybridllm_operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exit_code == 0, runner.output
+    assert runner.exception is None
