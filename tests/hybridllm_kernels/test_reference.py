@@ -3,6 +3,11 @@ dispatch decision. These are the specification the Triton kernels are held to.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,3 +162,38 @@ def test_dispatch_runs_every_op_on_cpu() -> None:
     )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     assert ops.backend_name() in {"torch", "triton", "triton-interpret"}
+
+
+def test_dispatch_forced_to_triton_runs_the_kernels(tmp_path) -> None:
+    """HYBRIDLLM_KERNELS=triton (with the interpreter on CPU) routes every op to Triton.
+
+    A fresh process, since the backend is chosen once at import."""
+    script = tmp_path / "run_ops.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from hybridllm_kernels import ops, reference, triton_ops
+            from hybridllm_kernels.testing import make_paged_kv
+
+            assert ops.BACKEND == "triton", ops.BACKEND
+            assert ops._impl(torch.zeros(1)) is triton_ops
+            kv = make_paged_kv([3, 9], 2, 16, 4, torch.float32)
+            q = torch.randn(2, 4, 16)
+            args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.25)
+            diff = (ops.paged_decode_attention(*args) - reference.paged_decode_attention(*args))
+            assert diff.abs().max() < 1e-5, diff
+            x = torch.randn(3, 64)
+            assert (ops.silu_and_mul(x) - reference.silu_and_mul(x)).abs().max() < 1e-6
+            print("backend", ops.backend_name())
+            """
+        )
+    )
+    env = {**os.environ, "HYBRIDLLM_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    if torch.cuda.is_available():
+        env.pop("TRITON_INTERPRET")
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "backend triton" in result.stdout

@@ -40,10 +40,9 @@ def write_kv(
 def _gather_tokens(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_blocks_per_seq]
-    num_tokens: int,
-) -> torch.Tensor:  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [n] token positions in the sequence
+) -> torch.Tensor:  # [n, num_kv_heads, head_dim]
     block_size = cache.shape[1]
-    positions = torch.arange(num_tokens, device=cache.device)
     block_ids = block_table[positions // block_size].long()
     return cache[block_ids, positions % block_size]
 
@@ -74,8 +73,10 @@ def paged_decode_attention(
     block_ids = torch.gather(block_tables.long(), 1, table_idx.clamp(max=block_tables.shape[1] - 1))
     block_ids = torch.where(valid, block_ids, torch.zeros_like(block_ids))
     offsets = (positions % block_size).expand(num_seqs, -1)
-    k = k_cache[block_ids, offsets].float()  # [num_seqs, max_len, num_kv_heads, head_dim]
-    v = v_cache[block_ids, offsets].float()
+    keep = valid[:, :, None, None]
+    # Zero the padding rows: block 0 may hold anything (even NaN), and 0 * NaN is NaN.
+    k = torch.where(keep, k_cache[block_ids, offsets].float(), 0.0)  # [num_seqs, max_len, Hkv, D]
+    v = torch.where(keep, v_cache[block_ids, offsets].float(), 0.0)
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,stkd->skgt", qg, k) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -105,14 +106,17 @@ def paged_prefill_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _gather_tokens(k_cache, block_tables[seq_idx], context_len).float()
-        v = _gather_tokens(v_cache, block_tables[seq_idx], context_len).float()
-        k = k.repeat_interleave(group, dim=1)  # [context_len, num_heads, head_dim]
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        k_lo = 0 if sliding_window is None else max(0, context_len - q_len - sliding_window + 1)
+        # Only positions some query can see are read: blocks before a sliding window may
+        # have been freed (their table entries may be -1).
+        k_pos = torch.arange(k_lo, context_len, device=q.device)
+        k = _gather_tokens(k_cache, block_tables[seq_idx], k_pos).float()
+        v = _gather_tokens(v_cache, block_tables[seq_idx], k_pos).float()
+        k = k.repeat_interleave(group, dim=1)  # [num_keys, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-        k_pos = torch.arange(context_len, device=q.device)
         visible = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window

@@ -103,9 +103,12 @@ def _prefill_kernel(
 
     last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
     hi = prefix_len + last_tok + 1
-    lo = 0
+    # Keys before the first one the block's earliest token can see are never loaded: with
+    # a sliding window their blocks may have been freed.
+    first_key = 0
     if USE_WINDOW:
-        lo = (tl.maximum(prefix_len + first_tok - sliding_window + 1, 0) // TILE_N) * TILE_N
+        first_key = tl.maximum(prefix_len + first_tok - sliding_window + 1, 0)
+    lo = (first_key // TILE_N) * TILE_N
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -113,7 +116,7 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(lo, hi, TILE_N):
         offs = tile_start + tl.arange(0, TILE_N)
-        k_valid = offs < hi
+        k_valid = (offs < hi) & (offs >= first_key)
         block_ids = tl.load(table + offs // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         slot_offs = offs % BLOCK_SIZE
         kv_mask = k_valid[:, None] & d_mask[None, :]
