@@ -1,0 +1,276 @@
+"""The synchronous engine: one ``step()`` = schedule, run the model, update, detokenise.
+
+This is the monolithic role: scheduler, model runner and output processing in one
+process. Values discovered at load time (number of KV blocks, EOS ids, context length)
+land in ``EngineInfo``, never back in the config. Stop strings are matched here, on the
+detokenised text, and end the request through the scheduler like an abort; while a
+request runs, the last ``len(longest stop) - 1`` characters are held back so a stream
+never shows the beginning of a stop string.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridllm_cloud import tokenizer as tokenizer_mod
+from hybridllm_cloud.engine import block_pool, kv_cache_manager, scheduler
+from hybridllm_cloud.engine.outputs import TokenLogprobs
+from hybridllm_cloud.engine.request import Priority, Request, RequestStatus, SamplingParams
+from hybridllm_cloud.model import llama
+from hybridllm_cloud.worker import model_runner
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    kernels_backend: str
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]  # all generated so far
+    text: str  # all generated text released so far
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _OutputState:
+    detok: tokenizer_mod.IncrementalDetokenizer | None
+    stop: tuple[str, ...]
+    num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    released: int = 0  # characters of detok.text already returned
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    last_batch_size: int
+    last_num_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: llama.LlamaModel,
+        tokenizer: tokenizer_mod.Tokenizer | None,
+        config: EngineConfig,
+    ) -> None:
+        from hybridllm_kernels import ops
+
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        max_len = config.max_model_len or model.config.max_position_embeddings
+        max_len = min(max_len, model.config.max_position_embeddings)
+        per_block = model_runner.kv_bytes_per_block(model, config.block_size)
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
+        if num_blocks * config.block_size < max_len:
+            log.warning(
+                "KV cache of %d blocks holds %d tokens, less than max_model_len %d: capping it",
+                num_blocks, num_blocks * config.block_size, max_len,
+            )  # fmt: skip
+            max_len = num_blocks * config.block_size
+        eos = model.config.eos_token_ids
+        if tokenizer is not None:
+            eos = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *eos]))
+        self.info = EngineInfo(num_blocks, config.block_size, max_len, eos, ops.backend_name())
+        pool = block_pool.BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = kv_cache_manager.KVCacheManager(pool, config.block_size)
+        self.scheduler = scheduler.Scheduler(
+            scheduler.SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv,
+        )
+        self.runner = model_runner.ModelRunner(model, num_blocks, config.block_size)
+        self._outputs: dict[str, _OutputState] = {}
+        self._last_batch = (0, 0)
+        log.info(
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d, kernels %s",
+            num_blocks, config.block_size, max_len, self.info.kernels_backend,
+        )  # fmt: skip
+
+    @classmethod
+    def from_path(cls, path: Path, config: EngineConfig) -> LLMEngine:
+        model = llama.load_llama(
+            path, DTYPES[config.dtype], torch.device(config.device), config.max_model_len
+        )
+        return cls(model, tokenizer_mod.Tokenizer(path), config)
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> None:
+        params.validate()
+        request = Request(
+            request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority
+        )
+        self.scheduler.add_request(request)
+        detok = None
+        if self.tokenizer is not None:
+            detok = tokenizer_mod.IncrementalDetokenizer(
+                self.tokenizer, prompt_tail=list(prompt_token_ids[-5:])
+            )
+        self._outputs[request_id] = _OutputState(detok, params.stop, len(prompt_token_ids))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._outputs.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._last_batch = (len(sched.scheduled), sched.total_num_scheduled_tokens)
+        result = self.runner.execute(sched)
+        core_outputs = self.scheduler.update_from_output(sched, result)
+        outputs: list[RequestOutput] = []
+        for core in core_outputs:
+            state = self._outputs.get(core.request_id)
+            if state is None:
+                continue
+            finish, stop_reason = core.finish_reason, core.stop_reason
+            state.token_ids.extend(core.new_token_ids)
+            if state.detok is not None:
+                for token in core.new_token_ids:
+                    state.detok.push(token)
+                hit = self._match_stop(state) if state.stop else None
+                if hit is not None:
+                    if finish is None:
+                        self.scheduler.finish_requests(
+                            [core.request_id], RequestStatus.FINISHED_STOPPED
+                        )
+                    finish, stop_reason = "stop", hit
+            text = state.detok.text if state.detok is not None else ""
+            release_to = len(text)
+            if finish is None and state.stop:
+                release_to = max(state.released, len(text) - max(map(len, state.stop)) + 1)
+            new_text = text[state.released : release_to]
+            state.released = release_to
+            outputs.append(
+                RequestOutput(
+                    request_id=core.request_id,
+                    new_token_ids=core.new_token_ids,
+                    new_text=new_text,
+                    token_ids=list(state.token_ids),
+                    text=text[:release_to],
+                    finished=finish is not None,
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    new_logprobs=core.logprobs,
+                    num_prompt_tokens=state.num_prompt_tokens,
+                    num_cached_tokens=core.num_cached_tokens,
+                )
+            )
+            if finish is not None:
+                del self._outputs[core.request_id]
+        return outputs
+
+    @staticmethod
+    def _match_stop(state: _OutputState) -> str | None:
+        """Truncates the text at the first stop string; returns the string that matched."""
+        assert state.detok is not None
+        text = state.detok.text
+        window = max(map(len, state.stop), default=0) + 16
+        start = max(0, state.released - window)
+        best: tuple[int, str] | None = None
+        for stop in state.stop:
+            idx = text.find(stop, start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        state.detok.text = text[: best[0]]
+        state.released = min(state.released, best[0])
+        return best[1]
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks_free=pool.num_free_blocks,
+            prefix_cache_queries=self.kv.num_query_tokens,
+            prefix_cache_hits=self.kv.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            last_batch_size=self._last_batch[0],
+            last_num_tokens=self._last_batch[1],
+        )
+
+    # --- offline use (tests, benchmarks) --------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Runs requests to completion; returns the final output of each, in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

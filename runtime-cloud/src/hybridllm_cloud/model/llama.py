@@ -1,0 +1,206 @@
+"""Llama-family decoder over a paged KV cache: RMSNorm, RoPE, GQA, SwiGLU.
+
+Every op goes through ``hybridllm_kernels.ops`` (Triton on CUDA, torch references
+elsewhere); only the matmuls and the embedding are plain torch. The forward pass takes
+all scheduled tokens of a step packed into one sequence (``[num_tokens, ...]``) plus the
+attention metadata built by the model runner; for every layer the K/V of all tokens are
+written to the cache before any attention reads it, which is what lets requests in the
+same step share prefix blocks.
+
+Weights are fused at load time (q|k|v into ``qkv``, gate|up into ``gate_up``) so a layer
+runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from hybridllm_cloud.model import config as model_config
+from hybridllm_kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    decode_only: bool  # every sequence has exactly one query token
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: model_config.LlamaConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        max_position: int,
+    ) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head  # [vocab, hidden]
+        self.cos_sin_cache = model_config.cos_sin_cache(config, max_position).to(embed.device)
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_attention_heads * config.head_dim
+        self.kv_size = config.num_key_value_heads * config.head_dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = x
+                x = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = ops.fused_add_rms_norm(
+                    x, residual, layer.input_norm, cfg.rms_norm_eps
+                )
+            qkv = F.linear(x, layer.qkv)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
+            k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache, True)
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if meta.decode_only:
+                attn = ops.paged_decode_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+                )
+            else:
+                attn = ops.paged_prefill_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta.block_tables,
+                    meta.query_start_loc,
+                    meta.context_lens,
+                    self.scale,
+                )
+            x = F.linear(attn.reshape(num_tokens, self.q_size), layer.o)
+            x, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
+            x = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        assert residual is not None
+        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, cfg.rms_norm_eps)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        return F.linear(hidden, self.lm_head).float()
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    return files
+
+
+def load_llama(
+    path: Path, dtype: torch.dtype, device: torch.device, max_position: int | None = None
+) -> LlamaModel:
+    """Loads a Hugging Face layout folder (config.json + safetensors)."""
+    cfg = model_config.LlamaConfig.from_dir(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[name.removeprefix("model.")] = f.get_tensor(name)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"{path}: weight {name!r} missing")
+        return tensors[name].to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                o=take(p + "self_attn.o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
+                down=take(p + "mlp.down_proj.weight"),
+            )
+        )
+    embed = take("embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors else None
+    if lm_head is None:
+        lm_head = tensors["lm_head.weight"].to(device=device, dtype=dtype)
+    return LlamaModel(
+        cfg,
+        embed,
+        layers,
+        take("norm.weight"),
+        lm_head,
+        max_position or cfg.max_position_embeddings,
+    )
+
+
+def random_llama(
+    cfg: model_config.LlamaConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    seed: int = 0,
+) -> LlamaModel:
+    """Random weights of the given shape: benchmarks of larger configurations."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen, dtype=torch.float32) * 0.02
+        return t.to(device=device, dtype=dtype)
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    ones = torch.ones(h, device=device, dtype=dtype)
+    layers = [
+        LayerWeights(
+            ones,
+            w(qkv_out, h),
+            w(h, cfg.num_attention_heads * cfg.head_dim),
+            ones,
+            w(2 * i, h),
+            w(h, i),
+        )  # fmt: skip
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    embed = w(cfg.vocab_size, h)
+    return LlamaModel(cfg, embed, layers, ones, embed, max_position)

@@ -1,0 +1,1 @@
+"""Tensor side of the engine: the model runner and the sampler."""

@@ -1,0 +1,107 @@
+"""The model runner: one forward pass over every scheduled token of a step, then sampling.
+
+It owns the KV cache tensors (one ``k_cache``/``v_cache`` pair per layer,
+``[num_blocks, block_size, num_kv_heads, head_dim]``) and per-request generators; it sees
+requests only as ``ScheduledRequest`` records. Inputs are packed: all new tokens of all
+scheduled requests form one ``[num_tokens]`` batch; per sequence, ``query_start_loc``,
+``context_lens`` and its block table give attention its view of the cache. When every
+sequence brings a single token (pure decode), the decode kernel runs instead of the
+varlen prefill one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridllm_cloud.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from hybridllm_cloud.model import llama
+from hybridllm_cloud.worker import sampler
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(model: llama.LlamaModel, block_size: int) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: llama.LlamaModel, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.req_to_generator: dict[str, torch.Generator] = {}
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self.req_to_generator.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.model.device).manual_seed(seed)
+            self.req_to_generator[request_id] = gen
+        return gen
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_req_ids:
+            self.req_to_generator.pop(request_id, None)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        context_lens: list[int] = []
+        logits_rows: list[int] = []
+        bs = self.block_size
+        for s in sched.scheduled:
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_position, s.context_len)
+            positions.extend(pos)
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
+            starts.append(starts[-1] + s.num_tokens)
+            context_lens.append(s.context_len)
+            if s.sample:
+                logits_rows.append(starts[-1] - 1)
+        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
+        dev = self.model.device
+        meta = llama.AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            decode_only=len(input_ids) == len(sched.scheduled),
+        )
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        if not logits_rows:
+            return ModelRunnerOutput()
+        sampled = [s for s in sched.scheduled if s.sample]
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+        result = sampler.sample(
+            logits,
+            [s.sampling_params for s in sampled],
+            [self._generator(s.request_id, s.sampling_params.seed) for s in sampled],
+        )
+        out = ModelRunnerOutput()
+        for s, token, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            out.sampled_token_ids[s.request_id] = token
+            if lp is not None:
+                out.logprobs[s.request_id] = lp
+        return out

@@ -1,0 +1,67 @@
+"""Sampling from a step's logits: greedy, temperature, top-k, top-p, per-request seeds.
+
+Greedy rows take the argmax (ties go to the lowest id, as in HF). Random rows draw with
+the exponential-race trick (``argmax(p / Exp(1))`` is a sample from ``p``), one row at a
+time when the request has its own generator so a seed reproduces the same text no matter
+what else is in the batch. Logprobs are of the model's raw distribution (before
+temperature and truncation), like OpenAI and vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridllm_cloud.engine.outputs import TokenLogprobs
+from hybridllm_cloud.engine.request import SamplingParams
+
+
+@dataclass
+class SamplerResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:  # [vocab]
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (keeps at least one)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> SamplerResult:
+    greedy = logits.argmax(dim=-1).tolist()
+    token_ids: list[int] = []
+    for row, p in enumerate(params):
+        if p.greedy or p.top_k == 1:
+            token_ids.append(greedy[row])
+            continue
+        scaled = _truncate(logits[row] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=generators[row])
+        token_ids.append(int((probs / noise).argmax()))
+    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    want = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(logits[want], dim=-1)
+        for i, row in enumerate(want):
+            k = params[row].logprobs or 0
+            top = torch.topk(lp[i], k) if k else None
+            logprobs[row] = TokenLogprobs(
+                logprob=float(lp[i, token_ids[row]]),
+                top_token_ids=top.indices.tolist() if top is not None else [],
+                top_logprobs=top.values.tolist() if top is not None else [],
+            )
+    return SamplerResult(token_ids, logprobs)
