@@ -1,0 +1,178 @@
+"""`hybridllm forecast ...`: evaluate forecasts and scaling policies on any supported trace.
+
+``hybridllm forecast eval --trace PATH`` detects the format from the content, splits
+the trace in time (train on the early part, test on the late part), prints the
+forecast and policy tables and writes report.md, results.json and plots to ``--out``.
+``hybridllm forecast inspect --trace PATH`` only loads the trace and summarises it.
+Defaults describe a generic pool (see `capacity.py`), not the shipped traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridllm_forecaster import evaluate, loaders, plots, report
+from hybridllm_forecaster.capacity import DEFAULT_POOLS, PoolConfig, Slo
+from hybridllm_forecaster.errors import TraceFormatError
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("forecast", help="demand forecasting and scaling simulation")
+    sub = parser.add_subparsers(dest="forecast_command", metavar="ACTION", required=True)
+
+    ev = sub.add_parser("eval", help="compare forecasts and scaling policies on a trace")
+    _trace_args(ev)
+    ev.add_argument("--slo", default="2,0.1", metavar="TTFT_S[,TBT_S]",
+                    help="SLO: time to first token and mean time between tokens, seconds "
+                         "(also 'ttft=2,tbt=0.1'; default 2,0.1)")  # fmt: skip
+    ev.add_argument("--pool", choices=sorted(DEFAULT_POOLS), default="monolithic")
+    ev.add_argument("--cold-start", type=float, default=None, metavar="S",
+                    help="seconds from scale-up to ready (default 180)")  # fmt: skip
+    ev.add_argument("--capacity-scale", default="1", metavar="X|auto",
+                    help="multiply a replica's throughput (prefill and decode; per-token "
+                         "latency unchanged); 'auto': the mean load needs 8 replicas "
+                         "(default 1)")  # fmt: skip
+    ev.add_argument("--train-frac", type=float, default=0.5, help="share of time used to train")
+    ev.add_argument(
+        "--model", default="auto", choices=["auto", "last", "seasonal", "holt-winters", "gbm"]
+    )
+    ev.add_argument("--simulator", default="auto", choices=["auto", "des", "fluid"])
+    ev.add_argument("--out", type=Path, default=None, help="folder for report and plots")
+    ev.set_defaults(func=run_eval)
+
+    ins = sub.add_parser("inspect", help="detect a trace's format and summarise it")
+    _trace_args(ins)
+    ins.set_defaults(func=run_inspect)
+
+
+def _trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, required=True, help="trace file or folder")
+    p.add_argument("--format", default=None, help=f"one of {', '.join(loaders.FORMATS)} "
+                   "(default: detected from the content)")  # fmt: skip
+    p.add_argument("--bin-s", type=float, default=None, help="forecast bin width in seconds")
+    p.add_argument("--mean-input-tokens", type=float, default=None,
+                   help="rate-only traces (ServeGen): mean prompt length to assume")  # fmt: skip
+    p.add_argument("--mean-output-tokens", type=float, default=None,
+                   help="rate-only traces (ServeGen): mean output length to assume")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parse_slo(text: str) -> Slo:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    values: dict[str, float] = {}
+    try:
+        for k, part in enumerate(parts):
+            if "=" in part:
+                key, val = part.split("=", 1)
+                values[key.strip().lower()] = float(val)
+            else:
+                values[("ttft", "tbt")[k]] = float(part)
+    except (ValueError, IndexError) as exc:
+        raise ValueError(f"--slo {text!r}: expected TTFT_S[,TBT_S] or ttft=S,tbt=S") from exc
+    unknown = set(values) - {"ttft", "tbt"}
+    if unknown:
+        raise ValueError(f"--slo {text!r}: unknown keys {sorted(unknown)}")
+    default = Slo()
+    return Slo(values.get("ttft", default.ttft_s), values.get("tbt", default.tbt_s))
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    fmt = loaders.normalise_format(args.format) or loaders.detect_format(args.trace)
+    kwargs = {}
+    if args.mean_input_tokens:
+        kwargs["mean_input_tokens"] = args.mean_input_tokens
+    if args.mean_output_tokens:
+        kwargs["mean_output_tokens"] = args.mean_output_tokens
+    demand, stream = loaders.load_demand(
+        args.trace, fmt, bin_s=args.bin_s, seed=args.seed, **kwargs
+    )
+    return fmt, (demand, stream)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    try:
+        fmt, (demand, stream) = _load(args)
+    except (TraceFormatError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.trace}: format {fmt}, {demand.num_bins} bins of {demand.bin_s:g} s "
+          f"({demand.duration_s / 3600:.1f} h)")  # fmt: skip
+    rpm = demand.req_per_s * 60
+    print(f"requests/min: mean {rpm.mean():,.1f}, max {rpm.max():,.1f}")
+    if stream is not None:
+        print(f"{stream.num_requests} requests; input tokens mean "
+              f"{stream.input_tokens.mean():.0f}, "
+              f"output mean {stream.output_tokens.mean():.0f}")  # fmt: skip
+        for note in stream.notes:
+            print(note)
+    return 0
+
+
+def _pool(args: argparse.Namespace, demand: Any) -> tuple[PoolConfig, float]:
+    pool = DEFAULT_POOLS[args.pool].with_(slo=parse_slo(args.slo))
+    if args.cold_start is not None:
+        pool = pool.with_(cold_start_s=args.cold_start)
+    if args.capacity_scale == "auto":
+        mean_work = float(np.mean(pool.work_series(demand)))
+        scale = mean_work / 8.0 if mean_work > 0 else 1.0
+    else:
+        scale = float(args.capacity_scale)
+    if scale != 1.0:
+        pool = pool.with_(capacity=pool.capacity.scaled(scale))
+    return pool, scale
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    started = time.monotonic()
+    try:
+        fmt, (demand, stream) = _load(args)
+        pool, scale = _pool(args, demand)
+    except (TraceFormatError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cfg = evaluate.EvalConfig(pool=pool, train_frac=args.train_frac, model=args.model,
+                              simulator=args.simulator)  # fmt: skip
+    num_steps = sum(len(s) for s in evaluate.SWEEPS.values()) * 2 + len(evaluate.forecast.MODELS)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("evaluating", total=num_steps)
+
+        def tick(msg: str) -> None:
+            bar.update(task, advance=1, description=msg)
+
+        try:
+            res = evaluate.evaluate(demand, stream, cfg, progress=tick)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    name = args.trace.name if args.trace.name else str(args.trace)
+    out = args.out or Path(f"forecast-eval-{args.trace.stem}")
+    header = (
+        f"trace `{args.trace}` (format {fmt}), {demand.num_bins} bins of {demand.bin_s:g} s "
+        f"({demand.duration_s / 3600:.1f} h); pool {pool.name}, "
+        f"cold start {pool.cold_start_s:g} s, lead time {pool.lead_time_s:g} s, "
+        f"SLO TTFT {pool.slo.ttft_s:g} s / TBT {pool.slo.tbt_s:g} s; "
+        f"replica capacity x{scale:.3g} (prefill {pool.capacity.prefill_tok_s:,.0f} tok/s, decode "
+        f"{pool.decode_tok_s:,.0f} tok/s, max batch {pool.max_batch}); simulator {res.simulator}; "
+        f"train on the first {100 * args.train_frac:g}% of time, test on the rest; "
+        f"machine {platform.node()} ({platform.processor() or platform.machine()}); "
+        f"ran {time.monotonic() - started:.0f} s"
+    )
+    if stream is not None and stream.notes:
+        header += "; " + "; ".join(stream.notes)
+    paths = plots.write_all(res, out, name)
+    report.print_tables(res, header)
+    md = report.write(res, out, header, paths)
+    print(f"wrote {md}, {out / 'results.json'} and {len(paths)} plots")
+    return 0

@@ -1,0 +1,156 @@
+"""Tables of an evaluation, as rich tables for the terminal and markdown/JSON for the record."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridllm_forecaster.evaluate import EvalResult
+
+FAMILIES = ("hpa", "keda-queue", "predictive", "predictive+floor", "oracle")
+
+
+def forecast_rows(res: EvalResult) -> list[dict[str, Any]]:
+    rows = []
+    for s in sorted(res.scores, key=lambda s: (s.horizon, s.model)):
+        rows.append({
+            "model": s.model + (" *" if s.model == res.chosen_model else ""),
+            "horizon_min": s.horizon * res.demand.bin_s / 60,
+            "scale_up_horizon": s.horizon == res.scale_up_h,
+            "wape": s.wape,
+            "pinball_p50": s.pinball_50,
+            f"pinball_p{round(100 * res.forecasts[s.model].upper_q)}": s.pinball_upper,
+            "coverage_upper": s.coverage_upper,
+            "points": s.num_points,
+        })  # fmt: skip
+    return rows
+
+
+def policy_rows(res: EvalResult) -> list[dict[str, Any]]:
+    ref = res.test_result("hpa")
+    rows = []
+    for fam in FAMILIES:
+        r = res.test_result(fam)
+        rows.append({
+            "policy": fam,
+            "setting": res.chosen[fam],
+            "slo_attainment": r.slo_attainment,
+            "ttft_attainment": r.ttft_attainment,
+            "tbt_attainment": r.tbt_attainment,
+            "replica_hours": r.replica_hours,
+            "cost_vs_hpa": r.replica_hours / ref.replica_hours if ref.replica_hours else math.nan,
+            "slo_points_vs_hpa": 100 * (r.slo_attainment - ref.slo_attainment),
+        })  # fmt: skip
+    return rows
+
+
+def attainment_at_cost(res: EvalResult, family: str, hours: float) -> float:
+    """A family's test attainment at `hours` replica-hours, interpolated along its sweep."""
+    pts = sorted((r.replica_hours, r.slo_attainment) for _, r in res.test_runs[family])
+    xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    if hours < xs[0] or hours > xs[-1]:
+        return math.nan
+    return float(np.interp(hours, xs, ys))
+
+
+def verdict(res: EvalResult) -> dict[str, Any]:
+    hpa = res.test_result("hpa")
+    out: dict[str, Any] = {"reference": f"hpa at target utilisation {res.chosen['hpa']:g}"}
+    for fam in ("predictive", "predictive+floor"):
+        r = res.test_result(fam)
+        ratio = r.replica_hours / hpa.replica_hours
+        at_equal = attainment_at_cost(res, fam, hpa.replica_hours)
+        out[fam] = {
+            "cost_ratio": ratio,
+            "slo_points": 100 * (r.slo_attainment - hpa.slo_attainment),
+            "slo_points_at_equal_cost": 100 * (at_equal - hpa.slo_attainment),
+            "goal_met": bool(
+                (r.slo_attainment >= hpa.slo_attainment - 1e-9 and ratio <= 0.8)
+                or (not math.isnan(at_equal) and at_equal - hpa.slo_attainment >= 0.05)
+            ),
+        }
+    scores = {(s.model, s.horizon): s.wape for s in res.scores}
+    h = res.scale_up_h
+    out["forecast"] = {
+        "horizon_min": h * res.demand.bin_s / 60,
+        "chosen_model": res.chosen_model,
+        "wape_chosen": scores.get((res.chosen_model, h)),
+        "wape_last_value": scores.get(("last", h)),
+    }
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else ""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(none)\n"
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def print_tables(res: EvalResult, header: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(header)
+    for title, rows in (
+        ("Forecasts on the test period (* drives the predictive policies)", forecast_rows(res)),
+        ("Policies on the test period (settings tuned on the training period)", policy_rows(res)),
+    ):
+        table = Table(title=title)
+        for k in rows[0]:
+            table.add_column(k, justify="right")
+        for r in rows:
+            table.add_row(*(_fmt(v) for v in r.values()))
+        console.print(table)
+    console.print(json.dumps(verdict(res), indent=2, default=_json_default))
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(str(type(o)))
+
+
+def write(res: EvalResult, out_dir: Path, header: str, plots: list[Path]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {
+        "header": header,
+        "forecasts": forecast_rows(res),
+        "policies": policy_rows(res),
+        "verdict": verdict(res),
+        "sweeps_test": {
+            fam: [{"setting": s, **r.summary()} for s, r in runs]
+            for fam, runs in res.test_runs.items()
+        },
+        "sweeps_train": {
+            fam: [{"setting": s, **r.summary()} for s, r in runs]
+            for fam, runs in res.train_runs.items()
+        },
+    }
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=_json_default))
+    md = [f"# Forecast evaluation\n\n{header}\n", "## Forecasts (test period)\n",
+          markdown_table(forecast_rows(res)), "\n## Policies (test period)\n",
+          markdown_table(policy_rows(res)), "\n## Verdict\n", "```json",
+          json.dumps(verdict(res), indent=2, default=_json_default), "```\n",
+          "## Plots\n"]  # fmt: skip
+    md += [f"![{p.stem}]({p.name})\n" for p in plots]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md))
+    return path

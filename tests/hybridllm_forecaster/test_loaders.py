@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridllm_forecaster import loaders
+from hybridllm_forecaster.errors import TraceFormatError
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
+def test_azure_csv_roundtrip(tmp_path, traces, small_stream):
+    path = traces.azure_csv(tmp_path / "a.csv", small_stream)
+    assert loaders.detect_format(path) == "requests-csv"
+    got = loaders.load_requests(path)
+    assert got.num_requests == small_stream.num_requests
+    np.testing.assert_allclose(
+        got.arrival_s, small_stream.arrival_s - small_stream.arrival_s[0], atol=1e-5
+    )
+    np.testing.assert_array_equal(got.input_tokens, small_stream.input_tokens)
+    assert got.start_epoch_s is not None
+
+
+def test_csv_columns_found_by_name_and_numeric_ms_times(tmp_path):
+    path = tmp_path / "burst.csv"
+    path.write_text("Model,timestamp_ms,Request tokens,Response tokens\nx,2000,10,5\nx,1000,20,6\n")
+    got = loaders.load_requests(path)
+    np.testing.assert_allclose(got.arrival_s, [0.0, 1.0])
+    np.testing.assert_array_equal(got.input_tokens, [20, 10])  # sorted by arrival
+
+
+def test_mooncake_keeps_prefix_ids(tmp_path, traces, small_stream):
+    path = traces.mooncake(tmp_path / "m.jsonl", small_stream)
+    assert loaders.detect_format(path) == "mooncake"
+    got = loaders.load_requests(path)
+    assert got.num_requests == small_stream.num_requests
+    assert got.prefix_ids is not None
+    assert got.prefix_ids[3] == [0, 4]
+
+
+def test_servegen_folder_sums_clients_and_keeps_rates_exact(tmp_path, traces):
+    folder = tmp_path / "sg"
+    folder.mkdir()
+    traces.servegen_client(folder / "chunk-1-trace.csv", np.array([1.0, 2.0, 0.0, 4.0]))
+    traces.servegen_client(folder / "chunk-2-trace.csv", np.array([0.5, 0.5, 0.5, 0.5]), cv=2.0)
+    (folder / "LICENSE").write_text("Apache")
+    assert loaders.detect_format(folder) == "servegen"
+    demand, stream = loaders.load_demand(folder)
+    assert stream is None
+    assert demand.bin_s == 600
+    np.testing.assert_allclose(demand.req_per_s, [1.5, 2.5, 0.5, 4.5])
+    assert demand.cv()[2] == pytest.approx(2.0)  # only the bursty client is active
+    sampled = loaders.load_requests(folder)
+    assert sampled.num_requests == pytest.approx(9.0 * 600, rel=0.1)
+
+
+def test_servegen_aggregate_file(tmp_path):
+    path = tmp_path / "agg.csv"
+    path.write_text("t_sec,req_per_min\n0,60\n600,120\n")
+    demand, _ = loaders.load_demand(path)
+    np.testing.assert_allclose(demand.req_per_s, [1.0, 2.0])
+
+
+def test_swe_agent_sessions(tmp_path, traces):
+    folder = tmp_path / "traj"
+    folder.mkdir()
+    traces.trajectory(folder / "a.traj", num_calls=3)
+    traces.trajectory(folder / "b.traj", num_calls=5)
+    assert loaders.detect_format(folder) == "swe-agent"
+    stream = loaders.load_requests(folder)
+    assert stream.session_ids is not None
+    for sid in np.unique(stream.session_ids)[:20]:
+        calls = stream.input_tokens[stream.session_ids == sid]
+        assert len(calls) in (3, 5)
+        assert np.all(np.diff(calls) > 0)  # each call's prompt holds the history before it
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "line", "needle"),
+    [
+        ("bad_tokens.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-01-01 00:00:00,5,1\n"
+         "2024-01-01 00:00:01,5,1\n2024-01-01 00:00:02,five,1\n", 4, "ContextTokens"),
+        ("bad_time.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-01-01 00:00:00,5,1\n"
+         "yesterday,5,1\n", 3, "TIMESTAMP"),
+        ("neg.csv", "timestamp,input_tokens,output_tokens\n0,5,1\n1,5,-3\n", 3, "output_tokens"),
+        ("bad.jsonl", '{"timestamp": 0, "input_length": 1, "output_length": 1}\n'
+         '{"timestamp": 5, "input_length": 1, "output_length": 1}\n'
+         '{"timestamp": 9, "input_', 3, "JSON"),
+        ("missing.jsonl", '{"timestamp": 0, "input_length": 1, "output_length": 1}\n'
+         '{"timestamp": 5, "input_length": 1}\n', 2, "output_length"),
+        ("sg.csv", "0,1.0,1.0,Gamma,1.0,1.0\n600,fast,1.0,Gamma,1.0,1.0\n", 2, "column 2"),
+        ("empty.csv", "\n\n", 1, "empty"),
+        ("what.csv", "a,b,c\n1,2,3\n", 1, "unrecognised"),
+    ],
+)  # fmt: skip
+def test_malformed_input_names_file_and_line(tmp_path, name, content, line, needle):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(TraceFormatError) as info:
+        loaders.load_requests(path)
+    assert info.value.line == line
+    assert str(info.value).startswith(f"{path}:{line}:")
+    assert needle in str(info.value)
+
+
+def test_trajectory_without_history(tmp_path):
+    path = tmp_path / "x.traj"
+    path.write_text('{"trajectory": [], "history": "nope"}')
+    with pytest.raises(TraceFormatError, match="history"):
+        loaders.load_requests(path)
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.csv"):
+        loaders.load_requests(tmp_path / "nope.csv")
+    with pytest.raises(ValueError, match="unknown trace format"):
+        loaders.load_requests(tmp_path, fmt="parquet")
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared traces not present")
+@pytest.mark.parametrize(
+    ("rel", "fmt"),
+    [
+        ("azure-2023/AzureLLMInferenceTrace_code.csv", "requests-csv"),
+        ("mooncake-2025/conversation_trace.jsonl", "mooncake"),
+        ("servegen-2025/m-large/chunk-78-trace.csv", "servegen"),
+        ("servegen-2025/m-large-aggregate-10min.csv", "servegen"),
+        ("swe-agent", "swe-agent"),
+    ],
+)
+def test_detects_the_shipped_traces(rel, fmt):
+    assert loaders.detect_format(SHARED / rel) == fmt

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridllm_forecaster import des, fluid, policies
+from hybridllm_forecaster.capacity import CapacityModel, PoolConfig
+from hybridllm_forecaster.simresult import integrate_changes
+from hybridllm_forecaster.stream import DemandSeries
+
+# a small replica so that a few requests per second need several of them
+POOL = PoolConfig(
+    capacity=CapacityModel(
+        prefill_tok_s=4000.0, tbt_base_s=0.02, tbt_per_seq_s=0.002, kv_max_batch=24
+    ),
+    cold_start_s=120.0,
+    min_replicas=1,
+)
+
+
+def ramp_demand(hours: float = 12.0, bin_s: float = 300.0) -> DemandSeries:
+    n = int(hours * 3600 / bin_s)
+    i = np.arange(n)
+    rate = 5.0 + 45.0 * np.sin(np.pi * i / n) ** 2  # requests/s, one smooth hump 5 -> 50 -> 5
+    rate[n // 3 : n // 3 + 3] *= 1.6  # and a burst
+    return DemandSeries(bin_s, rate, rate * 1000.0, rate * 150.0, source="ramp")
+
+
+def test_des_loses_no_request_and_hours_match_the_series(traces):
+    stream = traces.ramp_stream(duration_s=3600.0, low=1.0, high=10.0)
+    res = des.simulate_des(stream, POOL, policies.Hpa(POOL, 0.7))
+    assert res.num_completed == stream.num_requests
+    assert len(np.unique(res.provisioned)) > 2  # the policy did scale up and down
+    assert res.replica_hours == pytest.approx(
+        integrate_changes(res.replica_changes, res.duration_s)
+    )
+    sampled = float(np.sum(res.provisioned) * POOL.control_interval_s / 3600.0)
+    assert sampled == pytest.approx(res.replica_hours, rel=0.03)
+
+
+def test_des_latencies_respect_the_replica_model(traces):
+    stream = traces.ramp_stream(duration_s=900.0, low=0.5, high=2.0)
+    sim = des.PoolSimulator(stream, POOL, policies.Hpa(POOL, 0.5))
+    sim.run(initial_replicas=4)
+    prefill = stream.input_tokens / POOL.capacity.prefill_tok_s
+    assert np.all(sim.ttft >= prefill - 1e-9)
+    multi = stream.output_tokens > 1
+    assert np.all(sim.tbt[multi] >= POOL.capacity.step_s(1) - 1e-9)
+    assert np.all(sim.done >= stream.arrival_s + sim.ttft - 1e-9)
+
+
+def test_cold_start_delays_readiness():
+    class StepUp(policies.Policy):
+        name = "step-up"
+
+        def decide(self, obs: policies.Observation) -> int:
+            return 1 if obs.now_s < 600 else 5
+
+    demand = ramp_demand(hours=1.0)
+    res = fluid.simulate_fluid(demand, POOL, StepUp(), initial_replicas=1)
+    t = res.times_s
+    assert np.all(res.ready[(t >= 600) & (t < 600 + POOL.cold_start_s)] == 1)
+    assert np.all(res.ready[t >= 600 + POOL.cold_start_s] == 5)
+    assert np.all(res.provisioned[t >= 600] == 5)  # paid for from the moment they are asked for
+
+
+def test_fluid_hours_match_the_series():
+    demand = ramp_demand()
+    res = fluid.simulate_fluid(demand, POOL, policies.Hpa(POOL, 0.7))
+    assert res.replica_hours == pytest.approx(
+        np.sum(res.provisioned) * POOL.control_interval_s / 3600
+    )
+    assert res.num_requests == pytest.approx(np.sum(demand.req_per_s) * demand.bin_s)
+
+
+def _oracle(pool: PoolConfig, demand: DemandSeries, target: float) -> policies.Policy:
+    truth = pool.work_series(demand)
+    step = pool.control_interval_s
+    fine = truth[np.minimum((np.arange(int(demand.duration_s // step)) * step // demand.bin_s)
+                            .astype(int), demand.num_bins - 1)]  # fmt: skip
+    return policies.Oracle(pool, policies.series_max_fn(fine, step), target)
+
+
+def test_oracle_never_worse_than_reactive_at_equal_cost_fluid():
+    demand = ramp_demand()
+    hpa = fluid.simulate_fluid(demand, POOL, policies.Hpa(POOL, 0.7))
+    for target in (0.6, 0.7, 0.8, 0.9, 0.95):
+        orc = fluid.simulate_fluid(demand, POOL, _oracle(POOL, demand, target))
+        if orc.replica_hours <= hpa.replica_hours:
+            assert orc.slo_attainment >= hpa.slo_attainment - 1e-9
+            return
+    pytest.fail("no oracle setting was as cheap as the HPA")
+
+
+def test_oracle_never_worse_than_reactive_at_equal_cost_des(traces):
+    stream = traces.ramp_stream(duration_s=5400.0, low=1.0, high=12.0)
+    demand = stream.to_demand(60.0)
+    hpa = des.simulate_des(stream, POOL, policies.Hpa(POOL, 0.7))
+    step = POOL.control_interval_s
+    idx = (stream.arrival_s // step).astype(int)
+    fine = (
+        np.bincount(idx, weights=POOL.work_per_s(stream.input_tokens, stream.output_tokens)) / step
+    )
+    for target in (0.6, 0.7, 0.8, 0.9):
+        orc = des.simulate_des(
+            stream, POOL, policies.Oracle(POOL, policies.series_max_fn(fine, step), target)
+        )
+        if orc.replica_hours <= hpa.replica_hours:
+            assert orc.slo_attainment >= hpa.slo_attainment - 1e-9
+            return
+    pytest.fail(f"no oracle setting was as cheap as the HPA ({demand.num_bins} bins)")
+
+
+def test_overload_shows_as_missed_slo_not_lost_requests(traces):
+    stream = traces.ramp_stream(duration_s=900.0, low=5.0, high=10.0)
+    pinned = POOL.with_(max_replicas=1)
+    res = des.simulate_des(stream, pinned, policies.Hpa(pinned, 0.7))
+    assert res.num_completed == stream.num_requests
+    assert res.slo_attainment < 0.5
