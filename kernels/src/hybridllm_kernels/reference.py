@@ -37,14 +37,38 @@ def write_kv(
     v_cache[block_ids, offsets] = v[keep].to(v_cache.dtype)
 
 
-def _gather_tokens(
+def _gather_blocks(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [max_blocks_per_seq]
-    positions: torch.Tensor,  # [n] token positions in the sequence
-) -> torch.Tensor:  # [n, num_kv_heads, head_dim]
-    block_size = cache.shape[1]
-    block_ids = block_table[positions // block_size].long()
-    return cache[block_ids, positions % block_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    block_needed: torch.Tensor,  # [num_seqs, num_table_blocks] bool
+    token_valid: torch.Tensor,  # [num_seqs, num_table_blocks * block_size] bool
+) -> torch.Tensor:  # [num_seqs, num_kv_heads, num_table_blocks * block_size, head_dim] float32
+    """Whole blocks, read only where needed (other table entries may hold -1 or garbage);
+    invalid token rows are zeroed, since stale cache memory may hold NaN and 0 * NaN = NaN."""
+    num_table_blocks = block_needed.shape[1]
+    table = block_tables[:, :num_table_blocks].long()
+    table = torch.where(block_needed, table, torch.zeros_like(table))
+    blocks = cache[table]  # [num_seqs, num_table_blocks, block_size, num_kv_heads, head_dim]
+    tokens = blocks.flatten(1, 2).transpose(1, 2).float()
+    return torch.where(token_valid[:, None, :, None], tokens, 0.0)
+
+
+def _visible_keys(
+    context_lens: torch.Tensor,  # [num_seqs]
+    first_query_pos: torch.Tensor,  # [num_seqs]: the earliest query position of each sequence
+    num_table_blocks: int,
+    block_size: int,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_needed, token_valid): keys in [first visible, context_len) of each sequence."""
+    positions = torch.arange(num_table_blocks * block_size, device=context_lens.device)
+    lens = context_lens.long()[:, None]
+    lo = torch.zeros_like(lens)
+    if sliding_window is not None:
+        lo = (first_query_pos.long()[:, None] - sliding_window + 1).clamp(min=0)
+    token_valid = (positions[None, :] < lens) & (positions[None, :] >= lo)
+    block_needed = token_valid.view(len(lens), num_table_blocks, block_size).any(dim=-1)
+    return block_needed, token_valid
 
 
 def paged_decode_attention(
@@ -61,27 +85,16 @@ def paged_decode_attention(
         return torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(context_lens.max().item())
-    # Pad every sequence to max_len: token slots past a sequence's length point at
-    # block 0 (always a valid address) and are masked out of the softmax.
-    positions = torch.arange(max_len, device=q.device)
-    lens = context_lens.to(device=q.device, dtype=torch.long)
-    valid = positions[None, :] < lens[:, None]  # [num_seqs, max_len]
-    if sliding_window is not None:
-        valid &= positions[None, :] > (lens[:, None] - 1 - sliding_window)
-    table_idx = (positions // block_size).expand(num_seqs, -1)
-    block_ids = torch.gather(block_tables.long(), 1, table_idx.clamp(max=block_tables.shape[1] - 1))
-    block_ids = torch.where(valid, block_ids, torch.zeros_like(block_ids))
-    offsets = (positions % block_size).expand(num_seqs, -1)
-    keep = valid[:, :, None, None]
-    # Zero the padding rows: block 0 may hold anything (even NaN), and 0 * NaN is NaN.
-    k = torch.where(keep, k_cache[block_ids, offsets].float(), 0.0)  # [num_seqs, max_len, Hkv, D]
-    v = torch.where(keep, v_cache[block_ids, offsets].float(), 0.0)
+    num_table_blocks = -(-int(context_lens.max().item()) // block_size)
+    block_needed, token_valid = _visible_keys(
+        context_lens, context_lens - 1, num_table_blocks, block_size, sliding_window
+    )
+    k = _gather_blocks(k_cache, block_tables, block_needed, token_valid)  # [S, Hkv, T, D]
+    v = _gather_blocks(v_cache, block_tables, block_needed, token_valid)
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", qg, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgt,stkd->skgd", probs, v)
+    out = F.scaled_dot_product_attention(
+        qg, k, v, attn_mask=token_valid[:, None, None, :], scale=scale
+    )
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -95,34 +108,32 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for seq_idx, context_len in enumerate(lens):
+    for seq_idx, context_len in enumerate(context_lens.tolist()):
         q_start, q_end = starts[seq_idx], starts[seq_idx + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
+        num_table_blocks = -(-context_len // block_size)
+        lens = context_lens[seq_idx : seq_idx + 1]
+        block_needed, token_valid = _visible_keys(
+            lens, lens - q_len, num_table_blocks, block_size, sliding_window
+        )
+        table = block_tables[seq_idx : seq_idx + 1]
+        k = _gather_blocks(k_cache, table, block_needed, token_valid)[0]  # [Hkv, T, D]
+        v = _gather_blocks(v_cache, table, block_needed, token_valid)[0]
         q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-        k_lo = 0 if sliding_window is None else max(0, context_len - q_len - sliding_window + 1)
-        # Only positions some query can see are read: blocks before a sliding window may
-        # have been freed (their table entries may be -1).
-        k_pos = torch.arange(k_lo, context_len, device=q.device)
-        k = _gather_tokens(k_cache, block_tables[seq_idx], k_pos).float()
-        v = _gather_tokens(v_cache, block_tables[seq_idx], k_pos).float()
-        k = k.repeat_interleave(group, dim=1)  # [num_keys, num_heads, head_dim]
-        v = v.repeat_interleave(group, dim=1)
-        qs = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        visible = k_pos[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(k.shape[1], device=q.device)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & token_valid  # [q_len, T]
         if sliding_window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        qs = q[q_start:q_end].float().transpose(0, 1)  # [num_heads, q_len, head_dim]
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True
+        )
+        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
