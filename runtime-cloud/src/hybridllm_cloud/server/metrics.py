@@ -1,0 +1,70 @@
+"""Prometheus metrics of one server instance, on a registry of its own (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hybridllm_cloud.engine import llm_engine
+from hybridllm_common import metrics as names
+
+STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, b = self.registry, names.LATENCY_BUCKETS
+        self.ttft = Histogram(
+            names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token", buckets=b, registry=r
+        )
+        self.tbt = Histogram(
+            names.TIME_PER_OUTPUT_TOKEN_SECONDS, "Time between output tokens", buckets=b, registry=r
+        )
+        self.e2e = Histogram(
+            names.E2E_REQUEST_LATENCY_SECONDS, "End-to-end request latency", buckets=b, registry=r
+        )
+        self.prompt_tokens = Counter(
+            names.PROMPT_TOKENS_TOTAL.removesuffix("_total"), "Prompt tokens", registry=r
+        )
+        self.generation_tokens = Counter(
+            names.GENERATION_TOKENS_TOTAL.removesuffix("_total"), "Generated tokens", registry=r
+        )
+        self.requests = Counter(
+            names.REQUESTS_TOTAL.removesuffix("_total"),
+            "Finished requests",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            names.REQUESTS_REJECTED_TOTAL.removesuffix("_total"),
+            "Rejected requests",
+            ["code"],
+            registry=r,
+        )
+        self.running = Gauge(names.NUM_REQUESTS_RUNNING, "Requests running", registry=r)
+        self.waiting = Gauge(
+            names.NUM_REQUESTS_WAITING, "Requests waiting (queue depth)", registry=r
+        )
+        self.blocks_used = Gauge(names.KV_BLOCKS_USED, "KV blocks in use", registry=r)
+        self.blocks_free = Gauge(names.KV_BLOCKS_FREE, "KV blocks free", registry=r)
+        self.hit_rate = Gauge(
+            names.PREFIX_CACHE_HIT_RATE, "Prefix cache hit rate (tokens)", registry=r
+        )
+        self.preemptions = Gauge(names.PREEMPTIONS_TOTAL, "Preemptions so far", registry=r)
+        self.batch_size = Histogram(
+            names.BATCH_SIZE, "Requests per engine step", buckets=STEP_BUCKETS, registry=r
+        )
+        self.step_tokens = Histogram(
+            names.TOKENS_PER_STEP, "Tokens per engine step", buckets=STEP_BUCKETS, registry=r
+        )
+
+    def on_step(self, stats: llm_engine.EngineStats) -> None:
+        """Called from the engine thread after every step (prometheus_client is thread-safe)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.blocks_used.set(stats.num_kv_blocks_used)
+        self.blocks_free.set(stats.num_kv_blocks_free)
+        self.hit_rate.set(stats.prefix_hit_rate)
+        self.preemptions.set(stats.num_preemptions)
+        self.batch_size.observe(stats.last_batch_size)
+        self.step_tokens.observe(stats.last_num_tokens)

@@ -1,0 +1,383 @@
+"""Chat and text completions: request -> engine requests -> OpenAI responses or SSE.
+
+A request with ``n`` choices becomes ``n`` engine requests (the prompt's blocks are shared
+through the prefix cache) whose outputs arrive, tagged by choice index, on one asyncio
+queue. A stream is answered only after its first item arrives, so a failure at admission
+is an HTTP error rather than a broken stream. A client that goes away (stream cancelled,
+or ``http.disconnect`` while a non-streaming answer is computed) aborts every engine
+request it started, which frees their KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hybridllm_cloud.engine.llm_engine import RequestOutput
+from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_common import openai_protocol as oai
+
+Item = tuple[int, RequestOutput | BaseException]
+
+
+@dataclass
+class _Timing:
+    start: float = field(default_factory=time.monotonic)
+    last: float | None = None
+
+
+class Serving:
+    def __init__(self, app: FastAPI, error: Callable[..., Exception]) -> None:
+        self.app = app
+        self.error = error
+        self.engine = app.state.engine
+        self.tokenizer = self.engine.engine.tokenizer
+        self.metrics = app.state.metrics
+        self.max_len: int = self.engine.engine.info.max_model_len
+
+    # --- admission ------------------------------------------------------------------------
+
+    def _check_ready(self, model: str) -> None:
+        if not self.app.state.ready:
+            raise self.error(oai.MODEL_NOT_READY, "model is loading")
+        if model and model != self.app.state.model_name:
+            raise self.error(oai.MODEL_NOT_FOUND, f"model {model!r} is not served here", "model")
+
+    def _params(
+        self,
+        body: oai.ChatCompletionRequest | oai.CompletionRequest,
+        prompt_len: int,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        if prompt_len >= self.max_len:
+            raise self.error(
+                oai.CONTEXT_LENGTH_EXCEEDED,
+                f"prompt of {prompt_len} tokens exceeds the context length {self.max_len}",
+                "messages" if isinstance(body, oai.ChatCompletionRequest) else "prompt",
+            )
+        max_tokens = body.effective_max_tokens()
+        if max_tokens is not None and prompt_len + max_tokens > self.max_len:
+            raise self.error(
+                oai.CONTEXT_LENGTH_EXCEEDED,
+                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context "
+                f"length {self.max_len}",
+                "max_tokens",
+            )
+        if body.top_k is not None and body.top_k < 0:
+            raise self.error(oai.INVALID_PARAMETER, "top_k: must be >= 0", "top_k")
+        params = SamplingParams(
+            max_tokens=max_tokens or self.max_len - prompt_len,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            stop=tuple(body.stop_list()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+        return params
+
+    def _start(
+        self, prompt: list[int], params: SamplingParams, n: int, priority: str
+    ) -> tuple[list[str], asyncio.Queue[Item]]:
+        if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
+            retry = str(self.app.state.settings.retry_after_seconds)
+            raise self.error(
+                oai.SERVER_OVERLOADED,
+                "too many queued requests, retry later",
+                None,
+                {"Retry-After": retry},
+            )
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        base = oai.new_id("req")
+        ids = [f"{base}-{i}" for i in range(n)]
+        prio = Priority.BATCH if priority == "batch" else Priority.INTERACTIVE
+        for i, request_id in enumerate(ids):
+            p = params
+            if params.seed is not None and i:
+                p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            self.engine.add(request_id, prompt, p, prio, queue, tag=i)
+        self.metrics.prompt_tokens.inc(len(prompt) * n)
+        return ids, queue
+
+    async def _items(
+        self, ids: list[str], queue: asyncio.Queue[Item]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all choices until each finished; aborts the rest if left early."""
+        open_tags = set(range(len(ids)))
+        timing = [_Timing() for _ in ids]
+        try:
+            while open_tags:
+                tag, item = await queue.get()
+                if isinstance(item, BaseException):
+                    open_tags.discard(tag)
+                    raise item
+                self._observe(timing[tag], item)
+                if item.finished:
+                    open_tags.discard(tag)
+                yield tag, item
+        finally:
+            for tag in open_tags:
+                self.engine.abort(ids[tag])
+
+    def _observe(self, t: _Timing, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if t.last is None:
+            self.metrics.ttft.observe(now - t.start)
+        else:
+            self.metrics.tbt.observe(now - t.last)
+        t.last = now
+        self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        if out.finished:
+            self.metrics.e2e.observe(now - t.start)
+            self.metrics.requests.labels(finish_reason=out.finish_reason or "").inc()
+
+    # --- endpoints ------------------------------------------------------------------------
+
+    async def chat(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
+        self._check_ready(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = self.tokenizer.encode_chat(messages)
+        except Exception as exc:
+            raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
+        top = body.top_logprobs or 0
+        params = self._params(body, len(prompt), top if body.logprobs else None)
+        ids, queue = self._start(prompt, params, body.n, body.priority)
+        items = self._items(ids, queue)
+        if body.stream:
+            return await self._stream(items, self._chat_chunks(body, ids[0], prompt, items))
+        finals = await self._collect(items, request)
+        choices = [
+            oai.ChatChoice(
+                index=i,
+                message=oai.ChatResponseMessage(content=out.text),
+                finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                logprobs=self._chat_logprobs(lps) if body.logprobs else None,
+            )
+            for i, (out, lps) in enumerate(finals)
+        ]
+        resp = oai.ChatCompletionResponse(
+            id=ids[0],
+            model=self.app.state.model_name,
+            choices=choices,
+            usage=self._usage(prompt, [f[0] for f in finals]),
+        )
+        return JSONResponse(resp.model_dump(exclude_none=True))
+
+    async def completion(self, body: oai.CompletionRequest, request: Request) -> Response:
+        self._check_ready(body.model)
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            if len(body.prompt) != 1:
+                raise self.error(oai.INVALID_PARAMETER, "prompt: one prompt per request", "prompt")
+            text: str | None = str(body.prompt[0])
+        else:
+            text = body.prompt if isinstance(body.prompt, str) else None
+        prompt = self.tokenizer.encode(text) if text is not None else list(body.prompt)  # type: ignore[arg-type]
+        params = self._params(body, len(prompt), body.logprobs)
+        ids, queue = self._start(prompt, params, body.n, body.priority)
+        items = self._items(ids, queue)
+        echo = (text or self.tokenizer.decode(prompt)) if body.echo else ""
+        if body.stream:
+            return await self._stream(
+                items, self._completion_chunks(body, ids[0], prompt, items, echo)
+            )
+        finals = await self._collect(items, request)
+        choices = [
+            oai.CompletionChoice(
+                index=i,
+                text=echo + out.text,
+                finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                logprobs=self._completion_logprobs(lps) if body.logprobs is not None else None,
+            )
+            for i, (out, lps) in enumerate(finals)
+        ]
+        resp = oai.CompletionResponse(
+            id=ids[0],
+            model=self.app.state.model_name,
+            choices=choices,
+            usage=self._usage(prompt, [f[0] for f in finals]),
+        )
+        return JSONResponse(resp.model_dump(exclude_none=True))
+
+    # --- non-streaming --------------------------------------------------------------------
+
+    async def _collect(
+        self, items: AsyncIterator[tuple[int, RequestOutput]], request: Request
+    ) -> list[tuple[RequestOutput, list[Any]]]:
+        """Gathers every choice's final output, racing the client's disconnect."""
+        finals: dict[int, RequestOutput] = {}
+        logprobs: dict[int, list[Any]] = {}
+
+        async def gather() -> None:
+            async for tag, out in items:
+                logprobs.setdefault(tag, []).extend(
+                    zip(out.new_token_ids, out.new_logprobs, strict=False)
+                )
+                if out.finished:
+                    finals[tag] = out
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(gather())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                await items.aclose()  # type: ignore[attr-defined]
+        if not work.done() or work.cancelled():
+            raise self.error(oai.INVALID_REQUEST, "client disconnected")
+        work.result()  # re-raises an engine error
+        return [(finals[i], logprobs.get(i, [])) for i in sorted(finals)]
+
+    def _usage(self, prompt: list[int], outs: list[RequestOutput]) -> oai.Usage:
+        completion = sum(len(o.token_ids) for o in outs)
+        cached = max((o.num_cached_tokens for o in outs), default=0)
+        return oai.Usage(
+            prompt_tokens=len(prompt),
+            completion_tokens=completion,
+            total_tokens=len(prompt) + completion,
+            prompt_tokens_details={"cached_tokens": cached},
+        )
+
+    def _chat_logprobs(self, lps: list[Any]) -> oai.ChoiceLogprobs:
+        tok = self.tokenizer
+        return oai.ChoiceLogprobs(
+            content=[
+                oai.TokenLogprob(
+                    token=tok.id_to_token(token_id),
+                    logprob=lp.logprob,
+                    top_logprobs=[
+                        oai.TopLogprob(token=tok.id_to_token(t), logprob=v)
+                        for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                    ],
+                )
+                for token_id, lp in lps
+            ]
+        )
+
+    def _completion_logprobs(self, lps: list[Any]) -> oai.CompletionLogprobs:
+        tok = self.tokenizer
+        out = oai.CompletionLogprobs()
+        offset = 0
+        for token_id, lp in lps:
+            text = tok.id_to_token(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(
+                {
+                    tok.id_to_token(t): v
+                    for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                }
+            )
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    # --- streaming ------------------------------------------------------------------------
+
+    async def _stream(self, items: AsyncIterator[Any], chunks: AsyncIterator[str]) -> Response:
+        try:
+            first = await anext(chunks)
+        except ValueError as exc:
+            await items.aclose()  # type: ignore[attr-defined]
+            raise self.error(oai.INVALID_PARAMETER, str(exc)) from exc
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                # Cancelled (client gone) or done: close both generators so that the
+                # engine requests still open are aborted now, not at garbage collection.
+                with contextlib.suppress(RuntimeError):
+                    await chunks.aclose()  # type: ignore[attr-defined]
+                    await items.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @staticmethod
+    def _sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj.model_dump(exclude_none=True))}\n\n"
+
+    async def _chat_chunks(
+        self,
+        body: oai.ChatCompletionRequest,
+        rid: str,
+        prompt: list[int],
+        items: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
+        model = self.app.state.model_name
+        finals: list[RequestOutput] = []
+        started: set[int] = set()
+        async for tag, out in items:
+            delta = oai.ChatDelta(content=out.new_text)
+            if tag not in started:
+                started.add(tag)
+                delta.role = "assistant"
+            lp = None
+            if body.logprobs:
+                lp = self._chat_logprobs(
+                    list(zip(out.new_token_ids, out.new_logprobs, strict=False))
+                )
+            choice = oai.ChatChunkChoice(
+                index=tag, delta=delta, finish_reason=out.finish_reason, logprobs=lp
+            )  # type: ignore[arg-type]
+            yield self._sse(oai.ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+            if out.finished:
+                finals.append(out)
+        if body.include_usage_in_stream():
+            chunk = oai.ChatCompletionChunk(
+                id=rid, model=model, choices=[], usage=self._usage(prompt, finals)
+            )
+            yield f"data: {json.dumps(chunk.model_dump(exclude_none=True) | {'choices': []})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def _completion_chunks(
+        self,
+        body: oai.CompletionRequest,
+        rid: str,
+        prompt: list[int],
+        items: AsyncIterator[tuple[int, RequestOutput]],
+        echo: str,
+    ) -> AsyncIterator[str]:
+        model = self.app.state.model_name
+        finals: list[RequestOutput] = []
+        started: set[int] = set()
+        async for tag, out in items:
+            text = out.new_text
+            if tag not in started:
+                started.add(tag)
+                text = echo + text
+            lp = None
+            if body.logprobs is not None:
+                lp = self._completion_logprobs(
+                    list(zip(out.new_token_ids, out.new_logprobs, strict=False))
+                )
+            choice = oai.CompletionChoice(
+                index=tag, text=text, finish_reason=out.finish_reason, logprobs=lp
+            )  # type: ignore[arg-type]
+            yield self._sse(oai.CompletionResponse(id=rid, model=model, choices=[choice]))
+            if out.finished:
+                finals.append(out)
+        if body.include_usage_in_stream():
+            chunk = oai.CompletionResponse(
+                id=rid, model=model, choices=[], usage=self._usage(prompt, finals)
+            )
+            yield self._sse(chunk)
+        yield "data: [DONE]\n\n"
