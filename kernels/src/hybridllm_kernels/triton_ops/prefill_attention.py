@@ -28,8 +28,10 @@ from hybridllm_kernels.triton_ops._common import LOG2E, dot, dot_flags
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
-    lo = 0
-    hi = num_seqs
+    # Loop-carried bounds typed int32 up front (as vLLM's find_seq_idx does), so they keep
+    # one type through the loop.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
