@@ -21,10 +21,11 @@ if not torch.cuda.is_available():
 # Tolerances per dtype, for outputs of O(1) magnitude. float32 kernels differ from the
 # reference only in summation order and online-softmax rescaling; bfloat16 has an 8-bit
 # mantissa (one ulp at 1.0 is 2**-7 = 0.0078), and the kernels round at other points than
-# the reference (P is cast to bf16 before P @ V), so a few ulps are allowed.
+# the reference (P is cast to bf16 before P @ V), so a few ulps are allowed; float16
+# (11-bit mantissa, ulp at 1.0 = 0.001) likewise, on the GPU tests only.
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
     torch.float32: {"atol": 2e-5, "rtol": 2e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
 
