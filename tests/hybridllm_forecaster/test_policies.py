@@ -32,7 +32,7 @@ def test_predictive_uses_the_forecast_and_floor_catches_misses():
     low = policies.Predictive(POOL, lambda a, b: 4.0, 0.8)
     assert low.decide(obs(0, 3, 100.0)) == 5  # trusts the forecast (4 / 0.8)
     floored = policies.PredictiveWithFloor(POOL, lambda a, b: 4.0, 0.8)
-    assert floored.decide(obs(0, 3, 10.0)) == 7  # floor: 10 replicas' work, capped at 3 + 4
+    assert floored.decide(obs(0, 3, 10.0)) == 7  # the HPA floor: 12.5 wanted, capped at 3 + 4
 
 
 def test_forecast_max_fn_reads_the_right_origin():

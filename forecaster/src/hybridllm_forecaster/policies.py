@@ -12,8 +12,9 @@ Kubernetes HPA's own rules, so they differ only in the signal:
   AverageValue target per replica, then the same HPA rules.
 - `Predictive`: the upper-quantile forecast of work over the next lead time, divided by
   the target utilisation (`capacity.PoolConfig.replicas_for`).
-- `PredictiveWithFloor`: the larger of `Predictive` and an HPA at 100% utilisation,
-  which only acts when the forecast fell short of what is measured now.
+- `PredictiveWithFloor`: the larger of `Predictive` and the HPA at the same target:
+  never fewer replicas than the reactive policy would run, more where the forecast
+  sees a rise coming that the HPA would only notice once it has happened.
 - `Oracle`: the true future work over the lead time (what predictive would do with a
   perfect forecast).
 """
@@ -120,7 +121,7 @@ class PredictiveWithFloor(Policy):
         self, pool: PoolConfig, forecast_max: ForecastFn, target_utilisation: float | None = None
     ) -> None:
         self.predictive = Predictive(pool, forecast_max, target_utilisation)
-        self.floor = Hpa(pool, target_utilisation=1.0)
+        self.floor = Hpa(pool, target_utilisation or pool.target_utilisation)
 
     def decide(self, obs: Observation) -> int:
         return max(self.predictive.decide(obs), self.floor.decide(obs))

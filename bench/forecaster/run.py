@@ -1,0 +1,138 @@
+"""Forecaster benchmark: `hybridllm forecast eval` on the development traces, one summary.
+
+Run from the repository root:
+
+    uv run python bench/forecaster/run.py            # all cases (about 10-15 minutes on 2 cores)
+    uv run python bench/forecaster/run.py servegen   # only cases whose name contains "servegen"
+
+Each case is the exact CLI command printed in the summary; its report, results.json and
+plots land in bench/results/forecaster/<case>/, and bench/results/forecaster.md collects
+the verdicts, the wall time of each command, and the machine. The simulations are
+seeded and deterministic, so a repeated run gives the same numbers; only wall times vary
+(this machine is shared: compare them with the ServeGen case's time in the same run).
+The peer of the fluid simulator is the per-request simulator on the same trace
+(`azure-conv` vs `azure-conv-fluid`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from hybridllm_common import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = Path("../shared/traces")
+OUT = Path("bench/results/forecaster")
+
+CASES: dict[str, list[str]] = {
+    "servegen-m-large": ["--trace", str(TRACES / "servegen-2025/m-large")],
+    "servegen-m-large-cold600": [
+        "--trace", str(TRACES / "servegen-2025/m-large"), "--cold-start", "600",
+    ],
+    "azure-code": ["--trace", str(TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv")],
+    "azure-code-small-replicas": [
+        "--trace", str(TRACES / "azure-2023/AzureLLMInferenceTrace_code.csv"),
+        "--capacity-scale", "0.25",
+    ],
+    "azure-conv": ["--trace", str(TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv")],
+    "azure-conv-fluid": [
+        "--trace", str(TRACES / "azure-2023/AzureLLMInferenceTrace_conv.csv"),
+        "--simulator", "fluid",
+    ],
+    "mooncake-conversation": [
+        "--trace", str(TRACES / "mooncake-2025/conversation_trace.jsonl"), "--slo", "ttft=10,tbt=0.1",
+    ],
+    "swe-agent-sessions": ["--trace", str(TRACES / "swe-agent")],
+}  # fmt: skip
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem_kib = next(
+            int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        )
+        mem = f"{mem_kib / 2**20:.0f} GiB RAM"
+    except (OSError, StopIteration, ValueError) as exc:
+        print(f"could not read /proc for the machine description: {exc}", file=sys.stderr)
+        mem = "RAM unknown"
+    return f"{os.cpu_count()} cores, {cpu}, {mem}"
+
+
+def main(argv: list[str]) -> int:
+    os.chdir(ROOT)
+    only = argv[0] if argv else ""
+    rows = []
+    for name, args in CASES.items():
+        if only and only not in name:
+            continue
+        out = OUT / name
+        command = ["hybridllm", "forecast", "eval", *args, "--out", str(out)]
+        print(f"== {name}: {shlex.join(command)}", flush=True)
+        started = time.monotonic()
+        rc = cli.main(command[1:])
+        wall = time.monotonic() - started
+        if rc != 0:
+            print(f"{name} failed with exit code {rc}", file=sys.stderr)
+            return rc
+        data = json.loads((out / "results.json").read_text())
+        rows.append((name, shlex.join(["uv", "run", *command]), wall, data))
+    if not only:
+        write_summary(rows)
+    return 0
+
+
+def write_summary(rows: list[tuple[str, str, float, dict]]) -> None:
+    lines = [
+        "# Forecaster: predictive vs reactive scaling on the development traces\n",
+        f"Machine: {machine()}. Produced by `uv run python bench/forecaster/run.py` "
+        f"({time.strftime('%Y-%m-%d')}). Train on the first half of each trace's time, test on "
+        "the second; every number below is from the test half. Per-case reports and plots: "
+        "`bench/results/forecaster/<case>/report.md`.\n",
+        "| case | simulator | HPA (70%) SLO / replica-h | predictive SLO / cost vs HPA | "
+        "predictive+floor SLO / cost vs HPA | +floor, SLO points at HPA's cost | "
+        "oracle SLO / cost | forecast WAPE at scale-up horizon (chosen vs last value) | "
+        "wall time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, _cmd, wall, data in rows:
+        pol = {p["policy"]: p for p in data["policies"]}
+        v = data["verdict"]
+        hpa, pred, flo, orc = pol["hpa"], pol["predictive"], pol["predictive+floor"], pol["oracle"]
+        sim = data["sweeps_test"]["hpa"][0]["simulator"]
+        fc = v["forecast"]
+        lines.append(
+            f"| {name} | {sim} | {100 * hpa['slo_attainment']:.1f}% / {hpa['replica_hours']:,.1f} | "
+            f"{100 * pred['slo_attainment']:.1f}% / {pred['cost_vs_hpa']:.2f}x | "
+            f"{100 * flo['slo_attainment']:.1f}% / {flo['cost_vs_hpa']:.2f}x | "
+            f"{_pts(v['predictive+floor']['slo_points_at_equal_cost'])} | "
+            f"{100 * orc['slo_attainment']:.1f}% / {orc['cost_vs_hpa']:.2f}x | "
+            f"{fc['chosen_model']} {100 * fc['wape_chosen']:.1f}% vs {100 * fc['wape_last_value']:.1f}% "
+            f"({fc['horizon_min']:g} min) | {wall:.0f} s |"
+        )
+    lines.append("\nCommands:\n")
+    lines += [f"- `{name}`: `{cmd}`" for name, cmd, _, _ in rows]
+    Path("bench/results/forecaster.md").write_text("\n".join(lines) + "\n")
+    print("wrote bench/results/forecaster.md")
+
+
+def _pts(v: float | None) -> str:
+    if v is None or v != v:
+        return "outside the sweep"
+    return f"{v:+.1f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
