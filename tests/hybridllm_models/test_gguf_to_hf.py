@@ -76,9 +76,9 @@ def test_tokenizer_matches_llama_cpp(hf_dir: Path, llama_vocab, text: str) -> No
     )
     theirs = llama_vocab.tokenize(text.encode(), add_bos=False, special=True)
     assert ours.ids == theirs
+    assert ours.ids
     assert (
-        ours.ids
-        and Tokenizer.from_file(str(hf_dir / "tokenizer.json")).decode(
+        Tokenizer.from_file(str(hf_dir / "tokenizer.json")).decode(
             ours.ids, skip_special_tokens=False
         )
         == text
