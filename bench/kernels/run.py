@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"{case.kernel} {case.params} {name}: failed, not timed: {exc}", file=sys.stderr
                 )
+        peer = "sdpa" if "sdpa" in times else "torch_matmul_16bit"
         for name, ms in times.items():
             gbps = case.bytes_moved / (ms * 1e-3) / 1e9
             row = {
@@ -205,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
                 "gbps": round(gbps, 1),
                 "frac_peak": round(gbps / peak, 3) if peak else None,
                 "vs_triton": round(ms / times["triton"], 2) if "triton" in times else None,
+                "vs_peer": round(ms / times[peer], 2) if peer in times else None,
             }
             rows.append(row)
             print(
@@ -259,7 +261,9 @@ def write_results(
         f"- Versions: torch {info['torch']}" + (f", triton {info['triton']}" if on_gpu else ""),
         f"- Medians over {args.reps} repetitions"
         + (", L2 flushed before each (CUDA events)." if on_gpu else " (perf_counter)."),
-        "- `vs_triton` = peer time / Triton time (above 1: Triton is faster), same run.",
+        "- `vs_triton` = this time / Triton time (above 1: Triton is faster); `vs_peer` = this",
+        "  time / the peer's (SDPA on contiguous K/V for attention, a 16-bit matmul for W8A16);",
+        "  both from the same run. The machine may be shared: compare ratios, not times.",
         "",
     ]
     if on_gpu:
@@ -272,16 +276,17 @@ def write_results(
             "",
         ]
     lines += [
-        "| kernel | shape | impl | median ms | GB/s | of peak | vs triton |",
-        "|---|---|---|---|---|---|---|",
+        "| kernel | shape | impl | median ms | GB/s | of peak | vs triton | vs peer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         shape = ", ".join(f"{k}={v}" for k, v in r["params"].items())
         frac = f"{r['frac_peak']:.1%}" if r["frac_peak"] is not None else "-"
         vs = r["vs_triton"] if r["vs_triton"] is not None else "-"
+        vs_peer = r["vs_peer"] if r["vs_peer"] is not None else "-"
         lines.append(
             f"| {r['kernel']} | {shape} | {r['impl']} | {r['median_ms']} | {r['gbps']} "
-            f"| {frac} | {vs} |"
+            f"| {frac} | {vs} | {vs_peer} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, stem.with_suffix(".png"), on_gpu, str(info.get("gpu", "CPU")))

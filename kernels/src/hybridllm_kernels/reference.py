@@ -48,9 +48,10 @@ def _gather_blocks(
     num_table_blocks = block_needed.shape[1]
     table = block_tables[:, :num_table_blocks].long()
     table = torch.where(block_needed, table, torch.zeros_like(table))
-    blocks = cache[table]  # [num_seqs, num_table_blocks, block_size, num_kv_heads, head_dim]
-    tokens = blocks.flatten(1, 2).transpose(1, 2).float()
-    return torch.where(token_valid[:, None, :, None], tokens, 0.0)
+    blocks = cache[table].float()  # [num_seqs, num_table_blocks, block_size, Hkv, D], a copy
+    tokens = blocks.flatten(1, 2)  # [num_seqs, T, num_kv_heads, head_dim]
+    tokens.masked_fill_(~token_valid[:, :, None, None], 0.0)
+    return tokens.transpose(1, 2)
 
 
 def _visible_keys(

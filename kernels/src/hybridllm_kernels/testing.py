@@ -30,11 +30,14 @@ def make_paged_kv(
     """Blocks are handed out in a random order (tables are not contiguous), a few spare
     blocks belong to no sequence, and each table has ``extra_table_cols`` trailing -1s."""
     gen = torch.Generator().manual_seed(seed)
+    # The caches are drawn on the target device: at benchmark sizes (gigabytes) a CPU draw
+    # and copy would dominate the run.
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen)
     width = max(blocks_per_seq) + extra_table_cols
     block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
@@ -43,8 +46,8 @@ def make_paged_kv(
         block_tables[i, :n] = perm[used : used + n].to(torch.int32)
         used += n
     return PagedKV(
-        k_cache.to(device),
-        v_cache.to(device),
+        k_cache,
+        v_cache,
         block_tables.to(device),
         torch.tensor(context_lens, dtype=torch.int32, device=device),
     )
