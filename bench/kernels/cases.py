@@ -7,6 +7,7 @@ is judged by that figure against the GPU's peak.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ def decode_case(
     device: str,
     triton_ops,
     with_reference: bool,
+    tune: bool = False,
 ) -> Case:
     kv = make_paged_kv(
         [context] * batch, num_kv_heads, head_dim, block_size, dtype, device, extra_table_cols=0
@@ -65,6 +67,12 @@ def decode_case(
     if with_reference:
         impls["torch_ref"] = lambda: reference.paged_decode_attention(*args)
     triton_fn = (lambda: triton_ops.paged_decode_attention(*args)) if triton_ops else None
+    if triton_ops and tune:
+        for tile_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                impls[f"triton_t{tile_n}_w{num_warps}"] = functools.partial(
+                    triton_ops.paged_decode_attention, *args, tile_n=tile_n, num_warps=num_warps
+                )
     return Case(
         "paged_decode_attention",
         {

@@ -117,7 +117,9 @@ def machine() -> dict[str, object]:
     return info
 
 
-def build_cases(on_gpu: bool, quick: bool, triton_ops, dtype: torch.dtype) -> list[cases.Case]:
+def build_cases(
+    on_gpu: bool, quick: bool, triton_ops, dtype: torch.dtype, tune: bool = False
+) -> list[cases.Case]:
     device = "cuda" if on_gpu else "cpu"
     built: list[cases.Case] = []
     if on_gpu:
@@ -133,7 +135,7 @@ def build_cases(on_gpu: bool, quick: bool, triton_ops, dtype: torch.dtype) -> li
                 with_ref = 8 * kv_bytes < 0.4 * free  # the reference gathers fp32 copies
                 built.append(
                     cases.decode_case(
-                        batch, context, 32, 8, 128, 16, dtype, device, triton_ops, with_ref
+                        batch, context, 32, 8, 128, 16, dtype, device, triton_ops, with_ref, tune
                     )
                 )
         for batch, q_len, prefix in (
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         # One thread: on a small shared machine, intra-op threads only add scheduling noise.
         torch.set_num_threads(1)
     rows = []
-    for case in build_cases(on_gpu, args.quick, triton_ops, dtype):
+    for case in build_cases(on_gpu, args.quick, triton_ops, dtype, args.tune):
         times = {}
         for name, fn in case.impls.items():
             try:
@@ -333,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20, help="repetitions per measurement (median)")
     parser.add_argument(
         "--peak-gbps", type=float, default=None, help="override the GPU's peak bandwidth"
+    )
+    parser.add_argument(
+        "--tune", action="store_true", help="also time decode at every (tile_n, num_warps)"
     )
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     return run(parser.parse_args(argv))

@@ -222,9 +222,11 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,
     tile_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """``partition_size`` (a multiple of ``tile_n``) forces split-K; tests use it to cover
-    the split and single-pass paths at small shapes."""
+    the split and single-pass paths at small shapes. ``tile_n`` and ``num_warps`` are
+    exposed for the benchmark's tuning sweep (``bench/kernels/run.py --tune``)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
@@ -259,7 +261,7 @@ def paged_decode_attention(
         "TILE_N": tile_n,
         "USE_WINDOW": use_window,
         **dot_flags(q.dtype),
-        "num_warps": 4,
+        "num_warps": num_warps,
     }
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
