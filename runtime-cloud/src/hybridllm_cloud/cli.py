@@ -54,6 +54,10 @@ def _serve(args: argparse.Namespace) -> int:
     from hybridllm_cloud.server import app as app_mod
 
     settings = settings_from_args(args)
+    if settings.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     app = app_mod.create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0

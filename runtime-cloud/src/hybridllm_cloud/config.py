@@ -34,6 +34,9 @@ class ServeSettings(BaseSettings):
         default="float32", description="weights and KV cache dtype"
     )
     device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1)")
+    torch_threads: int | None = Field(
+        default=None, ge=1, description="torch intra-op threads (default: torch's choice)"
+    )
     block_size: int = Field(default=16, ge=1, description="tokens per KV block")
     num_kv_blocks: int | None = Field(
         default=None, ge=1, description="KV blocks (default: from kv_cache_memory_gib)"

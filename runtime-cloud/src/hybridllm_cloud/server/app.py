@@ -107,6 +107,11 @@ def create_app(
         app.state.metrics.rejected.labels(code=oai.INVALID_PARAMETER).inc()
         return error_response(oai.INVALID_PARAMETER, msg, param)
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(oai.INTERNAL_ERROR, f"internal error: {exc}")
+
     @app.get("/health")
     async def health() -> Response:
         if not app.state.ready:
