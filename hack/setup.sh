@@ -15,7 +15,12 @@ if ! command -v uv >/dev/null 2>&1 || [ "$(uv --version | cut -d' ' -f2)" != "$U
 fi
 export UV_CACHE_DIR="${UV_CACHE_DIR:-$HOME/.cache/uv}"
 echo "[setup] syncing the Python workspace (first run: torch and a llama.cpp build, ~15 min)"
-uv sync --all-packages --frozen
+# Offline first: it accepts the cached package index even when the registry's answers
+# carry no cache lifetime, so the llama.cpp wheel built last time is reused instead of
+# rebuilt. Online when something is not in the cache yet (a cold machine, a new lock).
+if ! uv sync --all-packages --frozen --offline --quiet 2>/dev/null; then
+  uv sync --all-packages --frozen
+fi
 
 if [ "${HYBRIDLLM_SKIP_TESTENV:-0}" != "1" ]; then
   echo "[setup] building the test control plane (first run: ~25 min on 2 cores; cached after)"

@@ -15,8 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_testenv() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hybridllm_testenv", ROOT / "hack" / "testenv" / "cluster.py")
-    assert spec is not None and spec.loader is not None
+    spec = importlib.util.spec_from_file_location(
+        "hybridllm_testenv", ROOT / "hack" / "testenv" / "cluster.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["hybridllm_testenv"] = module
     spec.loader.exec_module(module)

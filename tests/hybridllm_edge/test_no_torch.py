@@ -18,18 +18,32 @@ def _export(package: str) -> list[str]:
     uv = shutil.which("uv")
     assert uv, "uv is required (hack/setup.sh installs it)"
     out = subprocess.run(
-        [uv, "export", "--package", package, "--frozen", "--no-dev", "--no-hashes", "--no-emit-workspace"],
+        [
+            uv,
+            "export",
+            "--package",
+            package,
+            "--frozen",
+            "--no-dev",
+            "--no-hashes",
+            "--no-emit-workspace",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return [line.split("==")[0].strip() for line in out.splitlines() if line and not line.lstrip().startswith("#")]
+    return [
+        line.split("==")[0].strip()
+        for line in out.splitlines()
+        if line and not line.lstrip().startswith("#")
+    ]
 
 
 def test_edge_dependency_set_has_no_torch() -> None:
     names = _export("hybridllm-runtime-edge")
-    assert "llama-cpp-python" in names and "onnxruntime" in names
+    assert "llama-cpp-python" in names
+    assert "onnxruntime" in names
     assert not [n for n in names if n in FORBIDDEN or n.startswith("nvidia-")]
 
 
@@ -47,7 +61,16 @@ def test_edge_installs_and_imports_in_a_clean_environment(tmp_path: Path) -> Non
     env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv), "VIRTUAL_ENV": str(venv)}
     env.pop("PYTHONPATH", None)
     subprocess.run(
-        [uv, "sync", "--frozen", "--no-dev", "--package", "hybridllm-runtime-edge", "--python", sys.executable],
+        [
+            uv,
+            "sync",
+            "--frozen",
+            "--no-dev",
+            "--package",
+            "hybridllm-runtime-edge",
+            "--python",
+            sys.executable,
+        ],
         cwd=ROOT,
         env=env,
         check=True,
@@ -57,5 +80,7 @@ def test_edge_installs_and_imports_in_a_clean_environment(tmp_path: Path) -> Non
         "import importlib.util, sys; import hybridllm_edge, hybridllm_models, hybridllm_common, llama_cpp, onnxruntime; "
         "print([m for m in ('torch', 'triton', 'transformers') if importlib.util.find_spec(m) or m in sys.modules])"
     )
-    result = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -25,7 +25,9 @@ class Kube:
         self.cluster = cluster
         self.kubectl_bin = str(Path(cluster.state_dir) / "bin" / "kubectl")
 
-    def run(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, stdin: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
             [self.kubectl_bin, "--kubeconfig", str(self.cluster.kubeconfig), *args],
             input=stdin,
@@ -38,7 +40,9 @@ class Kube:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
         return result
 
-    def apply(self, manifest: dict[str, Any] | str, namespace: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def apply(
+        self, manifest: dict[str, Any] | str, namespace: str, *, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
         return self.run("apply", "-n", namespace, "-f", "-", stdin=text, check=check)
 
@@ -91,7 +95,14 @@ def operator(kube: Kube) -> Iterator[Any]:
     """The real operator (kopf handlers) running in this process against the test cluster."""
     from kopf.testing import KopfRunner
 
-    args = ["run", "--all-namespaces", "--standalone", "--verbose", "-m", "hybridllm_operator.handlers"]
+    args = [
+        "run",
+        "--all-namespaces",
+        "--standalone",
+        "--verbose",
+        "-m",
+        "hybridllm_operator.handlers",
+    ]
     with KopfRunner(args, timeout=60) as runner:
         yield runner
     assert runner.exit_code == 0, runner.output

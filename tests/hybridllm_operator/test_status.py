@@ -17,7 +17,11 @@ def deployment(component: str, replicas: int, ready: int, revision: str | None =
     labels = {builders.LABEL_COMPONENT: component}
     if revision:
         labels[builders.LABEL_REVISION] = revision
-    return {"metadata": {"labels": labels}, "spec": {"replicas": replicas}, "status": {"readyReplicas": ready}}
+    return {
+        "metadata": {"labels": labels},
+        "spec": {"replicas": replicas},
+        "status": {"readyReplicas": ready},
+    }
 
 
 def conditions(result: crd.LLMServiceStatus) -> dict[str, crd.Condition]:
@@ -25,14 +29,22 @@ def conditions(result: crd.LLMServiceStatus) -> dict[str, crd.Condition]:
 
 
 def test_all_ready() -> None:
-    deps = [deployment("edge", 1, 1), deployment("monolithic", 1, 1), deployment("gateway", 2, 2, None)]
+    deps = [
+        deployment("edge", 1, 1),
+        deployment("monolithic", 1, 1),
+        deployment("gateway", 2, 2, None),
+    ]
     result = status.build_status(service(), 3, deps, None)
     cond = conditions(result)
     assert cond["Ready"].status is crd.ConditionStatus.true
     assert cond["Progressing"].status is crd.ConditionStatus.false
     assert cond["Degraded"].status is crd.ConditionStatus.false
     assert result.observed_generation == 3
-    assert (result.edge_replicas, result.cloud_replicas, result.current_revision) == ("1/1", "1/1", "v2")
+    assert (result.edge_replicas, result.cloud_replicas, result.current_revision) == (
+        "1/1",
+        "1/1",
+        "v2",
+    )
 
 
 def test_missing_and_lagging_pools_are_named() -> None:
@@ -41,27 +53,36 @@ def test_missing_and_lagging_pools_are_named() -> None:
     ready = conditions(result)["Ready"]
     assert ready.status is crd.ConditionStatus.false
     assert ready.reason == "PoolsNotReady"
-    assert "monolithic missing" in ready.message and "edge 1/2" in ready.message
+    assert "monolithic missing" in ready.message
+    assert "edge 1/2" in ready.message
     assert result.cloud_replicas is None
 
 
 def test_transition_time_moves_only_on_change() -> None:
-    deps = [deployment("edge", 1, 1), deployment("monolithic", 1, 1), deployment("gateway", 2, 2, None)]
+    deps = [
+        deployment("edge", 1, 1),
+        deployment("monolithic", 1, 1),
+        deployment("gateway", 2, 2, None),
+    ]
     first = status.build_status(service(), 1, deps, None).model_dump(mode="json", by_alias=True)
     for cond in first["conditions"]:
         cond["lastTransitionTime"] = "2020-01-01T00:00:00Z"
     second = status.build_status(service(), 2, deps, first)
     assert {c.last_transition_time for c in second.conditions} == {"2020-01-01T00:00:00Z"}
-    lagging = [deployment("edge", 1, 0), deployment("monolithic", 1, 1), deployment("gateway", 2, 2, None)]
+    lagging = [
+        deployment("edge", 1, 0),
+        deployment("monolithic", 1, 1),
+        deployment("gateway", 2, 2, None),
+    ]
     third = conditions(status.build_status(service(), 2, lagging, first))
     assert third["Ready"].last_transition_time != "2020-01-01T00:00:00Z"
     assert third["Degraded"].last_transition_time == "2020-01-01T00:00:00Z"
 
 
 def test_invalid_status_keeps_pools_and_says_why() -> None:
-    previous = status.build_status(
-        service(), 1, [deployment("edge", 1, 1)], None
-    ).model_dump(mode="json", by_alias=True, exclude_none=True)
+    previous = status.build_status(service(), 1, [deployment("edge", 1, 1)], None).model_dump(
+        mode="json", by_alias=True, exclude_none=True
+    )
     result = status.invalid_status(2, previous, "spec.rollout.steps: weights must increase")
     cond = conditions(result)
     assert cond["Degraded"].status is crd.ConditionStatus.true

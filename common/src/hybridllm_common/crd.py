@@ -18,6 +18,7 @@ Field names are camelCase on the wire (``minReplicas``) and snake_case in Python
 
 from __future__ import annotations
 
+import itertools
 import re
 from enum import StrEnum
 from typing import Any, Literal
@@ -37,9 +38,9 @@ _QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 _MODEL_URI = r"^(pypi|file|hf|s3|gs|https?)://.+"
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
     """One CEL validation rule as the API server expects it in ``x-kubernetes-validations``."""
-    out = {"rule": rule, "message": message}
+    out: dict[str, Any] = {"rule": rule, "message": message}
     if field_path is not None:
         out["fieldPath"] = field_path
     return out
@@ -64,7 +65,11 @@ def _sub(model: type[_Model], description: str) -> Any:
     The API server checks a default against the CEL rules beside it without applying the
     nested defaults first, so ``default: {}`` would fail ``self.minReplicas <= ...``.
     """
-    return Field(default_factory=model, description=description, json_schema_extra={"default": model().to_wire()})
+    return Field(
+        default_factory=model,
+        description=description,
+        json_schema_extra={"default": model().to_wire()},
+    )
 
 
 # --------------------------------------------------------------------------- model
@@ -119,9 +124,15 @@ class ModelSpec(_Model):
 class Resources(_Model):
     """Compute for each replica of a pool. Requests and limits are set alike; GPUs go to limits."""
 
-    cpu: str = Field(default="1", pattern=_QUANTITY, description="CPU cores per replica, as a Kubernetes quantity.")
+    cpu: str = Field(
+        default="1",
+        pattern=_QUANTITY,
+        description="CPU cores per replica, as a Kubernetes quantity.",
+    )
     memory: str = Field(
-        default="2Gi", pattern=_QUANTITY, description="Memory per replica, as a Kubernetes quantity."
+        default="2Gi",
+        pattern=_QUANTITY,
+        description="Memory per replica, as a Kubernetes quantity.",
     )
     gpu: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu devices per replica.")
 
@@ -147,10 +158,17 @@ class PoolSpec(_Model):
     )
 
     replicas: int = Field(
-        default=1, ge=0, le=1000, description="Replicas when autoscaling is off; the starting point otherwise."
+        default=1,
+        ge=0,
+        le=1000,
+        description="Replicas when autoscaling is off; the starting point otherwise.",
     )
-    min_replicas: int = Field(default=0, ge=0, le=1000, description="Lower bound for the autoscaler.")
-    max_replicas: int = Field(default=4, ge=1, le=1000, description="Upper bound for the autoscaler.")
+    min_replicas: int = Field(
+        default=0, ge=0, le=1000, description="Lower bound for the autoscaler."
+    )
+    max_replicas: int = Field(
+        default=4, ge=1, le=1000, description="Upper bound for the autoscaler."
+    )
     resources: Resources = _sub(Resources, "Compute per replica.")
     node_selector: dict[str, str] | None = Field(
         default=None, description="Node labels the pool's pods must run on."
@@ -192,7 +210,12 @@ class EdgeQuantization(StrEnum):
 # Quantizations each edge runtime can load.
 EDGE_RUNTIME_QUANTIZATIONS: dict[EdgeRuntime, frozenset[EdgeQuantization]] = {
     EdgeRuntime.llamacpp: frozenset(
-        {EdgeQuantization.f16, EdgeQuantization.q8_0, EdgeQuantization.q4_k_m, EdgeQuantization.q4_1}
+        {
+            EdgeQuantization.f16,
+            EdgeQuantization.q8_0,
+            EdgeQuantization.q4_k_m,
+            EdgeQuantization.q4_1,
+        }
     ),
     EdgeRuntime.onnx: frozenset({EdgeQuantization.fp32, EdgeQuantization.int8}),
 }
@@ -201,8 +224,12 @@ EDGE_RUNTIME_QUANTIZATIONS: dict[EdgeRuntime, frozenset[EdgeQuantization]] = {
 class ResponseCacheSpec(_Model):
     """Answers repeated deterministic questions from a cache on the edge."""
 
-    enabled: bool = Field(default=True, description="Serve repeated temperature-0 requests from the cache.")
-    ttl_seconds: int = Field(default=600, ge=1, le=604_800, description="How long a cached answer stays valid.")
+    enabled: bool = Field(
+        default=True, description="Serve repeated temperature-0 requests from the cache."
+    )
+    ttl_seconds: int = Field(
+        default=600, ge=1, le=604_800, description="How long a cached answer stays valid."
+    )
     max_entries: int = Field(default=10_000, ge=1, le=10_000_000, description="Cache size bound.")
 
 
@@ -210,7 +237,9 @@ class DeviceSelector(_Model):
     """Edge devices outside the cluster that serve this model (they pull their config)."""
 
     fleet: str = Field(
-        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63, description="Name of the EdgeFleet."
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="Name of the EdgeFleet.",
     )
     match_labels: dict[str, str] | None = Field(
         default=None, description="Only the fleet's devices with these labels."
@@ -221,15 +250,23 @@ class EdgeTierSpec(_Model):
     """Small quantized models on CPU or small GPUs, in pods or on devices."""
 
     enabled: bool = Field(default=True, description="Run the edge tier.")
-    runtime: EdgeRuntime = Field(default=EdgeRuntime.llamacpp, description="Inference runtime of the edge tier.")
+    runtime: EdgeRuntime = Field(
+        default=EdgeRuntime.llamacpp, description="Inference runtime of the edge tier."
+    )
     quantization: EdgeQuantization = Field(
         default=EdgeQuantization.q4_k_m,
         description="Weight precision: f16, q8_0, q4_k_m, q4_1 (llamacpp); fp32, int8 (onnx).",
     )
-    parallel: int = Field(default=4, ge=1, le=256, description="Requests decoded together per replica.")
+    parallel: int = Field(
+        default=4, ge=1, le=256, description="Requests decoded together per replica."
+    )
     pool: PoolSpec = _sub(PoolSpec, "Edge pods in the cluster.")
-    devices: DeviceSelector | None = Field(default=None, description="Edge devices outside the cluster.")
-    response_cache: ResponseCacheSpec = _sub(ResponseCacheSpec, "Response cache for repeated questions.")
+    devices: DeviceSelector | None = Field(
+        default=None, description="Edge devices outside the cluster."
+    )
+    response_cache: ResponseCacheSpec = _sub(
+        ResponseCacheSpec, "Response cache for repeated questions."
+    )
 
 
 # --------------------------------------------------------------------------- cloud
@@ -258,7 +295,9 @@ class KVCacheSpec(_Model):
     gpu_memory_fraction: float = Field(
         default=0.9, ge=0.1, le=0.98, description="Share of GPU memory for weights plus KV cache."
     )
-    prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
+    prefix_caching: bool = Field(
+        default=True, description="Reuse KV blocks of shared prompt prefixes."
+    )
 
 
 class CloudTierSpec(_Model):
@@ -277,20 +316,31 @@ class CloudTierSpec(_Model):
     )
 
     enabled: bool = Field(default=True, description="Run the cloud tier.")
-    mode: CloudMode = Field(default=CloudMode.monolithic, description="monolithic or disaggregated (prefill/decode).")
+    mode: CloudMode = Field(
+        default=CloudMode.monolithic, description="monolithic or disaggregated (prefill/decode)."
+    )
     monolithic: PoolSpec = Field(
         default_factory=_gpu_pool,
         description="The pool used in monolithic mode.",
         json_schema_extra={"default": _gpu_pool().to_wire()},
     )
-    prefill: PoolSpec | None = Field(default=None, description="Prompt-processing pool (disaggregated mode).")
-    decode: PoolSpec | None = Field(default=None, description="Token-generation pool (disaggregated mode).")
-    dtype: CloudDtype = Field(default=CloudDtype.bfloat16, description="Activation and KV-cache precision.")
+    prefill: PoolSpec | None = Field(
+        default=None, description="Prompt-processing pool (disaggregated mode)."
+    )
+    decode: PoolSpec | None = Field(
+        default=None, description="Token-generation pool (disaggregated mode)."
+    )
+    dtype: CloudDtype = Field(
+        default=CloudDtype.bfloat16, description="Activation and KV-cache precision."
+    )
     quantization: CloudQuantization = Field(
-        default=CloudQuantization.none, description="Weight quantization: none or w8a16 (int8 weights)."
+        default=CloudQuantization.none,
+        description="Weight quantization: none or w8a16 (int8 weights).",
     )
     kv_cache: KVCacheSpec = _sub(KVCacheSpec, "Paged KV cache settings.")
-    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="Most requests batched per step.")
+    max_num_seqs: int = Field(
+        default=64, ge=1, le=4096, description="Most requests batched per step."
+    )
     local_prefill_threshold: int = Field(
         default=256,
         ge=0,
@@ -301,7 +351,9 @@ class CloudTierSpec(_Model):
     @model_validator(mode="after")
     def _disaggregated_pools(self) -> CloudTierSpec:
         if self.mode == CloudMode.disaggregated and (self.prefill is None or self.decode is None):
-            raise ValueError("disaggregated mode needs both spec.cloud.prefill and spec.cloud.decode")
+            raise ValueError(
+                "disaggregated mode needs both spec.cloud.prefill and spec.cloud.decode"
+            )
         return self
 
 
@@ -319,28 +371,45 @@ class RoutingPolicy(StrEnum):
 class EdgeLimits(_Model):
     """Requests beyond these bounds never go to the edge tier."""
 
-    max_prompt_tokens: int = Field(default=2048, ge=1, le=1_048_576, description="Longest prompt sent to the edge.")
-    max_output_tokens: int = Field(default=512, ge=1, le=1_048_576, description="Largest max_tokens sent to the edge.")
+    max_prompt_tokens: int = Field(
+        default=2048, ge=1, le=1_048_576, description="Longest prompt sent to the edge."
+    )
+    max_output_tokens: int = Field(
+        default=512, ge=1, le=1_048_576, description="Largest max_tokens sent to the edge."
+    )
     max_queue_depth: int = Field(
-        default=8, ge=0, le=100_000, description="Waiting requests per edge replica before spilling to cloud."
+        default=8,
+        ge=0,
+        le=100_000,
+        description="Waiting requests per edge replica before spilling to cloud.",
     )
 
 
 class SessionAffinity(_Model):
     """Keep a conversation on one replica, so its KV prefix stays warm."""
 
-    enabled: bool = Field(default=True, description="Route a session's requests to the same replica.")
+    enabled: bool = Field(
+        default=True, description="Route a session's requests to the same replica."
+    )
     header: str = Field(
-        default="x-session-id", pattern=r"^[A-Za-z0-9-]+$", max_length=64, description="Header naming the session."
+        default="x-session-id",
+        pattern=r"^[A-Za-z0-9-]+$",
+        max_length=64,
+        description="Header naming the session.",
     )
 
 
 class CascadeSpec(_Model):
     """Re-ask the cloud when an edge answer's confidence is low (non-streaming requests only)."""
 
-    enabled: bool = Field(default=False, description="Escalate low-confidence edge answers to the cloud.")
+    enabled: bool = Field(
+        default=False, description="Escalate low-confidence edge answers to the cloud."
+    )
     min_mean_logprob: float = Field(
-        default=-1.5, ge=-100, le=0, description="Edge answers with a lower mean token logprob are re-asked."
+        default=-1.5,
+        ge=-100,
+        le=0,
+        description="Edge answers with a lower mean token logprob are re-asked.",
     )
 
 
@@ -376,7 +445,10 @@ class AutoscalingSpec(_Model):
         default=0.7, ge=0.05, le=1.0, description="Target share of each replica's capacity in use."
     )
     scale_up_lead_seconds: int = Field(
-        default=180, ge=0, le=7200, description="Time a new replica needs to become ready (the forecast horizon)."
+        default=180,
+        ge=0,
+        le=7200,
+        description="Time a new replica needs to become ready (the forecast horizon).",
     )
     scale_down_delay_seconds: int = Field(
         default=300, ge=0, le=86_400, description="Stabilisation window before removing replicas."
@@ -393,19 +465,31 @@ class RolloutStep(_Model):
     """One stage of a canary rollout."""
 
     weight: int = Field(ge=1, le=100, description="Percent of traffic sent to the new revision.")
-    pause_seconds: int = Field(default=300, ge=0, le=86_400, description="How long to hold and analyse this stage.")
+    pause_seconds: int = Field(
+        default=300, ge=0, le=86_400, description="How long to hold and analyse this stage."
+    )
 
 
 class RolloutAnalysis(_Model):
     """Thresholds that fail a rollout stage."""
 
-    max_error_rate: float = Field(default=0.02, ge=0, le=1, description="Largest share of failed requests.")
-    max_ttft_p95_seconds: float = Field(default=2.0, gt=0, le=600, description="Largest p95 time to first token.")
-    min_requests: int = Field(default=50, ge=0, le=10_000_000, description="Requests needed before judging a stage.")
+    max_error_rate: float = Field(
+        default=0.02, ge=0, le=1, description="Largest share of failed requests."
+    )
+    max_ttft_p95_seconds: float = Field(
+        default=2.0, gt=0, le=600, description="Largest p95 time to first token."
+    )
+    min_requests: int = Field(
+        default=50, ge=0, le=10_000_000, description="Requests needed before judging a stage."
+    )
 
 
 def _default_steps() -> list[RolloutStep]:
-    return [RolloutStep(weight=10), RolloutStep(weight=50), RolloutStep(weight=100, pause_seconds=0)]
+    return [
+        RolloutStep(weight=10),
+        RolloutStep(weight=50),
+        RolloutStep(weight=100, pause_seconds=0),
+    ]
 
 
 class RolloutSpec(_Model):
@@ -423,7 +507,9 @@ class RolloutSpec(_Model):
         }
     )
 
-    strategy: RolloutStrategy = Field(default=RolloutStrategy.canary, description="canary, blueGreen or rolling.")
+    strategy: RolloutStrategy = Field(
+        default=RolloutStrategy.canary, description="canary, blueGreen or rolling."
+    )
     steps: list[RolloutStep] = Field(
         default_factory=_default_steps,
         max_length=10,
@@ -437,15 +523,21 @@ class RolloutSpec(_Model):
         },
     )
     analysis: RolloutAnalysis = _sub(RolloutAnalysis, "Thresholds that fail a stage.")
-    auto_rollback: bool = Field(default=True, description="Return to the previous revision when a stage fails.")
+    auto_rollback: bool = Field(
+        default=True, description="Return to the previous revision when a stage fails."
+    )
 
 
 class SLOSpec(_Model):
     """Service-level objectives the autoscaler and the rollout analysis aim for."""
 
-    ttft_p95_seconds: float = Field(default=1.0, gt=0, le=600, description="p95 time to first token.")
+    ttft_p95_seconds: float = Field(
+        default=1.0, gt=0, le=600, description="p95 time to first token."
+    )
     tbt_p95_seconds: float = Field(default=0.1, gt=0, le=60, description="p95 time between tokens.")
-    availability: float = Field(default=0.995, ge=0.5, le=1, description="Share of requests answered without error.")
+    availability: float = Field(
+        default=0.995, ge=0.5, le=1, description="Share of requests answered without error."
+    )
 
 
 class GatewaySpec(_Model):
@@ -459,8 +551,12 @@ class GatewaySpec(_Model):
         max_length=253,
         description="Existing Secret holding hashed API keys; none means no authentication.",
     )
-    requests_per_minute: int = Field(default=600, ge=1, le=10_000_000, description="Per-key request rate limit.")
-    tokens_per_minute: int = Field(default=200_000, ge=1, le=1_000_000_000, description="Per-key token rate limit.")
+    requests_per_minute: int = Field(
+        default=600, ge=1, le=10_000_000, description="Per-key request rate limit."
+    )
+    tokens_per_minute: int = Field(
+        default=200_000, ge=1, le=1_000_000_000, description="Per-key token rate limit."
+    )
     image: str | None = Field(default=None, max_length=512, description="Container image override.")
 
 
@@ -492,8 +588,12 @@ class LLMServiceSpec(_Model):
     )
 
     model: ModelSpec = Field(description="The model and where its weights come from.")
-    edge: EdgeTierSpec = _sub(EdgeTierSpec, "Edge tier: small quantized models on CPUs, small GPUs and devices.")
-    cloud: CloudTierSpec = _sub(CloudTierSpec, "Cloud tier: GPU pools, monolithic or disaggregated.")
+    edge: EdgeTierSpec = _sub(
+        EdgeTierSpec, "Edge tier: small quantized models on CPUs, small GPUs and devices."
+    )
+    cloud: CloudTierSpec = _sub(
+        CloudTierSpec, "Cloud tier: GPU pools, monolithic or disaggregated."
+    )
     gateway: GatewaySpec = _sub(GatewaySpec, "Gateway: the OpenAI-compatible front door.")
     routing: RoutingSpec = _sub(RoutingSpec, "How requests are split between edge and cloud.")
     autoscaling: AutoscalingSpec = _sub(AutoscalingSpec, "How replica counts follow demand.")
@@ -503,7 +603,9 @@ class LLMServiceSpec(_Model):
     @model_validator(mode="after")
     def _cross_field(self) -> LLMServiceSpec:
         if not (self.edge.enabled or self.cloud.enabled):
-            raise ValueError("at least one of spec.edge.enabled and spec.cloud.enabled must be true")
+            raise ValueError(
+                "at least one of spec.edge.enabled and spec.cloud.enabled must be true"
+            )
         if self.routing.policy == RoutingPolicy.edge_only and not self.edge.enabled:
             raise ValueError("routing.policy edge-only needs spec.edge.enabled")
         if self.routing.policy == RoutingPolicy.cloud_only and not self.cloud.enabled:
@@ -524,8 +626,12 @@ class Condition(_Model):
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason code.")
     message: str = Field(default="", description="Human-readable detail.")
-    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
-    observed_generation: int | None = Field(default=None, description="Generation the condition was computed for.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="Generation the condition was computed for."
+    )
 
 
 class PoolStatus(_Model):
@@ -541,20 +647,32 @@ class Endpoints(_Model):
 
     gateway: str | None = Field(default=None, description="OpenAI-compatible endpoint for clients.")
     edge: str | None = Field(default=None, description="Edge tier Service.")
-    cloud: str | None = Field(default=None, description="Cloud tier Service (decode or monolithic).")
+    cloud: str | None = Field(
+        default=None, description="Cloud tier Service (decode or monolithic)."
+    )
 
 
 class LLMServiceStatus(_Model):
     """What the operator observed."""
 
-    observed_generation: int | None = Field(default=None, description="Spec generation last reconciled.")
-    conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Ready, Progressing, Degraded.")
+    observed_generation: int | None = Field(
+        default=None, description="Spec generation last reconciled."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16, description="Ready, Progressing, Degraded."
+    )
     pools: dict[str, PoolStatus] = Field(
         default_factory=dict, description="Per pool (edge, monolithic, prefill, decode, gateway)."
     )
-    edge_replicas: str | None = Field(default=None, description="Edge ready/desired, for kubectl get.")
-    cloud_replicas: str | None = Field(default=None, description="Cloud ready/desired, for kubectl get.")
-    current_revision: str | None = Field(default=None, description="Model revision serving traffic.")
+    edge_replicas: str | None = Field(
+        default=None, description="Edge ready/desired, for kubectl get."
+    )
+    cloud_replicas: str | None = Field(
+        default=None, description="Cloud ready/desired, for kubectl get."
+    )
+    current_revision: str | None = Field(
+        default=None, description="Model revision serving traffic."
+    )
     endpoints: Endpoints | None = Field(default=None, description="In-cluster endpoints.")
 
 
@@ -581,24 +699,39 @@ class EdgeFleetSpec(_Model):
         max_length=63,
         description="Name of the LLMService (same namespace) whose edge model the devices serve.",
     )
-    selector: dict[str, str] | None = Field(default=None, description="Device labels that make a device a member.")
-    expected_devices: int = Field(default=0, ge=0, le=1_000_000, description="Devices expected to report (0: any).")
+    selector: dict[str, str] | None = Field(
+        default=None, description="Device labels that make a device a member."
+    )
+    expected_devices: int = Field(
+        default=0, ge=0, le=1_000_000, description="Devices expected to report (0: any)."
+    )
     max_unavailable: int = Field(
         default=1, ge=0, le=1_000_000, description="Devices that may be updating at the same time."
     )
     heartbeat_timeout_seconds: int = Field(
-        default=120, ge=10, le=86_400, description="A device with no heartbeat for this long counts as down."
+        default=120,
+        ge=10,
+        le=86_400,
+        description="A device with no heartbeat for this long counts as down.",
     )
-    config_poll_seconds: int = Field(default=30, ge=5, le=3600, description="How often devices pull their config.")
+    config_poll_seconds: int = Field(
+        default=30, ge=5, le=3600, description="How often devices pull their config."
+    )
 
 
 class EdgeFleetStatus(_Model):
     """Devices as the operator last saw them."""
 
-    observed_generation: int | None = Field(default=None, description="Spec generation last reconciled.")
-    conditions: list[Condition] = Field(default_factory=list, max_length=16, description="Ready, Progressing, Degraded.")
+    observed_generation: int | None = Field(
+        default=None, description="Spec generation last reconciled."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16, description="Ready, Progressing, Degraded."
+    )
     devices: int = Field(default=0, description="Devices that have reported.")
-    ready_devices: int = Field(default=0, description="Devices with a recent heartbeat serving the current revision.")
+    ready_devices: int = Field(
+        default=0, description="Devices with a recent heartbeat serving the current revision."
+    )
     updated_devices: int = Field(default=0, description="Devices on the current revision.")
     current_revision: str | None = Field(default=None, description="Revision the fleet should run.")
 
@@ -620,14 +753,24 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 def _cloud_pools(cloud: CloudTierSpec) -> dict[str, PoolSpec]:
-    if cloud.mode == CloudMode.disaggregated and cloud.prefill is not None and cloud.decode is not None:
+    if (
+        cloud.mode == CloudMode.disaggregated
+        and cloud.prefill is not None
+        and cloud.decode is not None
+    ):
         return {"prefill": cloud.prefill, "decode": cloud.decode}
     return {"monolithic": cloud.monolithic}
 
 
 _SOURCE_FORMS = {
-    "pypi": (re.compile(r"^pypi://[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+#[^/#]+$"), "pypi://package==version#file"),
-    "hf": (re.compile(r"^hf://[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._/-]+)?$"), "hf://org/name[@revision]"),
+    "pypi": (
+        re.compile(r"^pypi://[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+#[^/#]+$"),
+        "pypi://package==version#file",
+    ),
+    "hf": (
+        re.compile(r"^hf://[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._/-]+)?$"),
+        "hf://org/name[@revision]",
+    ),
     "file": (re.compile(r"^file:///.+"), "file:///absolute/path"),
 }
 
@@ -637,7 +780,9 @@ def _source_errors(source: str) -> list[FieldError]:
     form = _SOURCE_FORMS.get(scheme)
     if form is None or form[0].match(source):
         return []
-    return [FieldError(field="spec.model.source", message=f"{source!r} is not of the form {form[1]}")]
+    return [
+        FieldError(field="spec.model.source", message=f"{source!r} is not of the form {form[1]}")
+    ]
 
 
 def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
@@ -651,7 +796,10 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
     errors: list[FieldError] = []
     if not _DNS_LABEL.match(name):
         errors.append(
-            FieldError(field="metadata.name", message="must start with a letter to name its Services (DNS-1035)")
+            FieldError(
+                field="metadata.name",
+                message="must start with a letter to name its Services (DNS-1035)",
+            )
         )
     allowed = EDGE_RUNTIME_QUANTIZATIONS[spec.edge.runtime]
     if spec.edge.enabled and spec.edge.quantization not in allowed:
@@ -665,7 +813,7 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
             )
         )
     weights = [step.weight for step in spec.rollout.steps]
-    if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(weights)):
         errors.append(
             FieldError(
                 field="spec.rollout.steps",

@@ -90,7 +90,9 @@ def owner_reference(service: Service) -> dict[str, Any]:
     }
 
 
-def _metadata(service: Service, name: str, component: str, *, revisioned: bool = True) -> dict[str, Any]:
+def _metadata(
+    service: Service, name: str, component: str, *, revisioned: bool = True
+) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": service.namespace,
@@ -131,7 +133,14 @@ def _model_args(service: Service) -> list[str]:
 def _edge_pool(service: Service) -> Pool:
     edge = service.spec.edge
     args = ["serve", *_model_args(service), "--backend", edge.runtime.value]
-    args += ["--quantization", edge.quantization.value, "--parallel", str(edge.parallel), "--port", str(PORT)]
+    args += [
+        "--quantization",
+        edge.quantization.value,
+        "--parallel",
+        str(edge.parallel),
+        "--port",
+        str(PORT),
+    ]
     if edge.response_cache.enabled:
         args += [
             "--cache-ttl-seconds",
@@ -155,7 +164,12 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
     cloud = service.spec.cloud
     args = ["serve", *_model_args(service), "--role", role, "--port", str(PORT)]
     args += ["--dtype", cloud.dtype.value, "--quantization", cloud.quantization.value]
-    args += ["--block-size", str(cloud.kv_cache.block_size), "--max-num-seqs", str(cloud.max_num_seqs)]
+    args += [
+        "--block-size",
+        str(cloud.kv_cache.block_size),
+        "--max-num-seqs",
+        str(cloud.max_num_seqs),
+    ]
     args += ["--gpu-memory-fraction", str(cloud.kv_cache.gpu_memory_fraction)]
     if not cloud.kv_cache.prefix_caching:
         args += ["--no-prefix-caching"]
@@ -179,7 +193,6 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
 def _gateway_pool(service: Service) -> Pool:
     gateway = service.spec.gateway
     args = ["serve", "--config", f"{ROUTING_MOUNT}/{ROUTING_CONFIG_KEY}", "--port", str(PORT)]
-    env = {}
     if gateway.api_keys_secret:
         args += ["--api-keys-file", "/etc/hybridllm-keys/keys"]
     return Pool(
@@ -189,7 +202,6 @@ def _gateway_pool(service: Service) -> Pool:
         image=gateway.image or service.images.gateway,
         args=args,
         revisioned=False,
-        env=env,
     )
 
 
@@ -201,7 +213,8 @@ def pools(service: Service) -> list[Pool]:
         out.append(_edge_pool(service))
     if spec.cloud.enabled:
         if spec.cloud.mode == crd.CloudMode.disaggregated:
-            assert spec.cloud.prefill is not None and spec.cloud.decode is not None  # schema-checked
+            assert spec.cloud.prefill is not None
+            assert spec.cloud.decode is not None
             out.append(_cloud_pool(service, "prefill", spec.cloud.prefill))
             out.append(_cloud_pool(service, "decode", spec.cloud.decode))
         else:
@@ -238,29 +251,50 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
         "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
     }
     volumes: list[dict[str, Any]] = [{"name": "model-cache", "emptyDir": {}}]
     if pool.component == "gateway":
-        container["volumeMounts"].append({"name": "routing", "mountPath": ROUTING_MOUNT, "readOnly": True})
+        container["volumeMounts"].append(
+            {"name": "routing", "mountPath": ROUTING_MOUNT, "readOnly": True}
+        )
         volumes.append({"name": "routing", "configMap": {"name": routing_configmap_name(service)}})
         if service.spec.gateway.api_keys_secret:
-            container["volumeMounts"].append({"name": "api-keys", "mountPath": "/etc/hybridllm-keys", "readOnly": True})
-            volumes.append({"name": "api-keys", "secret": {"secretName": service.spec.gateway.api_keys_secret}})
-    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes, "enableServiceLinks": False}
+            container["volumeMounts"].append(
+                {"name": "api-keys", "mountPath": "/etc/hybridllm-keys", "readOnly": True}
+            )
+            volumes.append(
+                {"name": "api-keys", "secret": {"secretName": service.spec.gateway.api_keys_secret}}
+            )
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+    }
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)
     if pool.resources.gpu:
-        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        pod_spec["tolerations"] = [
+            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        ]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(service, child_name(service, pool.component), pool.component, revisioned=pool.revisioned),
+        "metadata": _metadata(
+            service, child_name(service, pool.component), pool.component, revisioned=pool.revisioned
+        ),
         "spec": {
             "replicas": pool.replicas,
             "selector": {"matchLabels": selector_labels(service, pool.component)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
             "template": {
                 "metadata": {"labels": labels(service, pool.component, revisioned=pool.revisioned)},
                 "spec": pod_spec,
@@ -274,7 +308,9 @@ def build_service(service: Service, pool: Pool) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(service, child_name(service, pool.component), pool.component, revisioned=False),
+        "metadata": _metadata(
+            service, child_name(service, pool.component), pool.component, revisioned=False
+        ),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(service, pool.component),
@@ -290,8 +326,13 @@ def build_pdb(service: Service, pool: Pool) -> dict[str, Any] | None:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(service, child_name(service, pool.component), pool.component, revisioned=False),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(service, pool.component)}},
+        "metadata": _metadata(
+            service, child_name(service, pool.component), pool.component, revisioned=False
+        ),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(service, pool.component)},
+        },
     }
 
 
@@ -300,10 +341,18 @@ def build_routing_config(service: Service) -> dict[str, Any]:
     spec = service.spec
     tiers: dict[str, Any] = {}
     if spec.edge.enabled:
-        tiers["edge"] = {"backends": [{"url": service_url(service, "edge"), "revision": service.revision, "weight": 100}]}
+        tiers["edge"] = {
+            "backends": [
+                {"url": service_url(service, "edge"), "revision": service.revision, "weight": 100}
+            ]
+        }
     if spec.cloud.enabled:
         entry = "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic"
-        tiers["cloud"] = {"backends": [{"url": service_url(service, entry), "revision": service.revision, "weight": 100}]}
+        tiers["cloud"] = {
+            "backends": [
+                {"url": service_url(service, entry), "revision": service.revision, "weight": 100}
+            ]
+        }
     return {
         "service": service.name,
         "namespace": service.namespace,
@@ -325,8 +374,12 @@ def build_routing_configmap(service: Service) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(service, routing_configmap_name(service), "gateway", revisioned=False),
-        "data": {ROUTING_CONFIG_KEY: json.dumps(build_routing_config(service), indent=2, sort_keys=True)},
+        "metadata": _metadata(
+            service, routing_configmap_name(service), "gateway", revisioned=False
+        ),
+        "data": {
+            ROUTING_CONFIG_KEY: json.dumps(build_routing_config(service), indent=2, sort_keys=True)
+        },
     }
 
 
@@ -346,7 +399,9 @@ def endpoints(service: Service) -> crd.Endpoints:
     spec = service.spec
     cloud = None
     if spec.cloud.enabled:
-        cloud = service_url(service, "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic")
+        cloud = service_url(
+            service, "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic"
+        )
     return crd.Endpoints(
         gateway=service_url(service, "gateway"),
         edge=service_url(service, "edge") if spec.edge.enabled else None,

@@ -34,7 +34,9 @@ def register_crds(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="crds_command", required=True, metavar="ACTION")
     generate = sub.add_parser("generate", help="write crds/*.yaml from the pydantic models")
     generate.add_argument("--output-dir", default="crds", help="directory to write (default: crds)")
-    generate.add_argument("--check", action="store_true", help="fail if the files differ instead of writing")
+    generate.add_argument(
+        "--check", action="store_true", help="fail if the files differ instead of writing"
+    )
     generate.set_defaults(func=_crds_generate)
 
 
@@ -61,7 +63,9 @@ def register_operator(subparsers: Any) -> None:
     run = sub.add_parser("run", help="reconcile LLMServices in the current kubeconfig's cluster")
     run.add_argument("--namespace", help="watch only this namespace (default: all)")
     run.add_argument(
-        "--liveness", default=None, help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+        "--liveness",
+        default=None,
+        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
     run.set_defaults(func=_run)
 

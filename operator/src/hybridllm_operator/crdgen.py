@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hybridllm_common import crd
 from pydantic import BaseModel
+
+from hybridllm_common import crd
 
 _KEEP = {
     "type",
@@ -57,7 +58,9 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     if "anyOf" in node:
         options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
         if len(options) != 1:
-            raise ValueError(f"cannot express anyOf with {len(options)} non-null options structurally")
+            raise ValueError(
+                f"cannot express anyOf with {len(options)} non-null options structurally"
+            )
         merged = dict(options[0])
         merged.update({k: v for k, v in node.items() if k != "default" or v is not None})
         node = _resolve(merged, defs)
@@ -155,8 +158,18 @@ _KINDS: list[dict[str, Any]] = [
             )
         ],
         "columns": [
-            {"name": "Mode", "type": "string", "jsonPath": ".spec.cloud.mode", "description": "Cloud tier mode."},
-            {"name": "Edge", "type": "string", "jsonPath": ".status.edgeReplicas", "description": "Edge ready/desired."},
+            {
+                "name": "Mode",
+                "type": "string",
+                "jsonPath": ".spec.cloud.mode",
+                "description": "Cloud tier mode.",
+            },
+            {
+                "name": "Edge",
+                "type": "string",
+                "jsonPath": ".status.edgeReplicas",
+                "description": "Edge ready/desired.",
+            },
             {
                 "name": "Cloud",
                 "type": "string",
@@ -181,8 +194,18 @@ _KINDS: list[dict[str, Any]] = [
         "status": crd.EdgeFleetStatus,
         "root_rules": [],
         "columns": [
-            {"name": "Service", "type": "string", "jsonPath": ".spec.service", "description": "LLMService served."},
-            {"name": "Devices", "type": "integer", "jsonPath": ".status.devices", "description": "Devices reporting."},
+            {
+                "name": "Service",
+                "type": "string",
+                "jsonPath": ".spec.service",
+                "description": "LLMService served.",
+            },
+            {
+                "name": "Devices",
+                "type": "integer",
+                "jsonPath": ".status.devices",
+                "description": "Devices reporting.",
+            },
             {
                 "name": "Ready-Devices",
                 "type": "integer",
@@ -232,7 +255,10 @@ def build_crd(kind: dict[str, Any]) -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": f"{kind['plural']}.{crd.GROUP}",
-            "labels": {"app.kubernetes.io/name": "hybridllm", "app.kubernetes.io/part-of": "hybridllm"},
+            "labels": {
+                "app.kubernetes.io/name": "hybridllm",
+                "app.kubernetes.io/part-of": "hybridllm",
+            },
         },
         "spec": {
             "group": crd.GROUP,

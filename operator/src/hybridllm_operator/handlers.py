@@ -10,17 +10,19 @@ schema is structural and would prune anything kopf wrote there.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import kopf
 import kubernetes
-from hybridllm_common import crd
 from kubernetes.client import exceptions as k8s_errors
 
+from hybridllm_common import crd
 from hybridllm_operator import builders, reconcile
 from hybridllm_operator.settings import OperatorSettings
 
 LLMSERVICES = (crd.GROUP, crd.VERSION, "llmservices")
+Logger = logging.Logger | logging.LoggerAdapter[Any]
 OWNED = {builders.LABEL_MANAGED_BY: builders.MANAGED_BY}
 
 _state: dict[str, Any] = {}
@@ -34,7 +36,7 @@ class _QuietChildEvents(logging.Filter):
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, logger: Logger, **_: Any) -> None:
     # Progress and the last-handled spec live in annotations: the structural status schema
     # would prune kopf's status fields and make it re-run handlers forever.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
@@ -51,23 +53,25 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     # A transient API error retries soon rather than after kopf's default minute.
     settings.watching.reconnect_backoff = 1.0
     try:
-        kubernetes.config.load_incluster_config()
+        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
+        kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
     logging.getLogger("kopf.objects").addFilter(_QuietChildEvents())
     _state["cluster"] = reconcile.Cluster.connect()
     _state["images"] = operator_settings.images()
     logger.info("hybridllm operator configured: images %s", _state["images"])
 
 
-def _reconcile(body: kopf.Body, logger: logging.Logger) -> None:
+def _reconcile(body: kopf.Body, logger: Logger) -> None:
     try:
         result = reconcile.reconcile(_state["cluster"], dict(body), _state["images"])
     except reconcile.InvalidSpec as exc:
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     except k8s_errors.ApiException as exc:
         if exc.status in (409, 429, 500, 503, 504):
-            raise kopf.TemporaryError(f"API server answered {exc.status}: {exc.reason}", delay=5) from exc
+            raise kopf.TemporaryError(
+                f"API server answered {exc.status}: {exc.reason}", delay=5
+            ) from exc
         raise
     logger.debug("reconciled: edge %s, cloud %s", result.edge_replicas, result.cloud_replicas)
 
@@ -75,24 +79,27 @@ def _reconcile(body: kopf.Body, logger: logging.Logger) -> None:
 @kopf.on.resume(*LLMSERVICES)
 @kopf.on.create(*LLMSERVICES)
 @kopf.on.update(*LLMSERVICES, field="spec")
-def llmservice_changed(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+def llmservice_changed(body: kopf.Body, logger: Logger, **_: Any) -> None:
     _reconcile(body, logger)
 
 
-def _owner_changed(event: kopf.RawEvent, logger: logging.Logger) -> None:
-    obj = event["object"]
-    meta = obj.get("metadata", {})
-    owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == "LLMService"]
+def _owner_changed(meta: Mapping[str, Any], logger: Logger) -> None:
+    refs = cast(list[dict[str, Any]], meta.get("ownerReferences") or [])
+    owners = [o for o in refs if o.get("kind") == "LLMService"]
     if not owners:
         return
     cluster: reconcile.Cluster = _state["cluster"]
     try:
-        parent = cluster.llmservices().get(name=owners[0]["name"], namespace=meta["namespace"]).to_dict()
+        parent = (
+            cluster.llmservices().get(name=owners[0]["name"], namespace=meta["namespace"]).to_dict()
+        )
     except k8s_errors.ApiException as exc:
         if exc.status == 404:
             return  # the owner is being deleted; garbage collection removes the child
         raise
-    if parent["metadata"].get("deletionTimestamp") or parent["metadata"]["uid"] != owners[0].get("uid"):
+    if parent["metadata"].get("deletionTimestamp") or parent["metadata"]["uid"] != owners[0].get(
+        "uid"
+    ):
         return
     try:
         reconcile.reconcile(cluster, parent, _state["images"])
@@ -104,6 +111,6 @@ def _owner_changed(event: kopf.RawEvent, logger: logging.Logger) -> None:
 @kopf.on.event("", "v1", "services", labels=OWNED)
 @kopf.on.event("", "v1", "configmaps", labels=OWNED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED)
-def child_changed(event: kopf.RawEvent, logger: logging.Logger, **_: Any) -> None:
-    if event.get("type") in ("ADDED", "MODIFIED", "DELETED", None):
-        _owner_changed(event, logger)
+def child_changed(meta: kopf.Meta, logger: Logger, **_: Any) -> None:
+    # Any event (added, modified, deleted, or the initial listing) may mean drift.
+    _owner_changed(meta, logger)

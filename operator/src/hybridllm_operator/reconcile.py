@@ -19,11 +19,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hybridllm_common import crd
 from kubernetes import client, dynamic
 from kubernetes.client import exceptions as k8s_errors
 from pydantic import ValidationError
 
+from hybridllm_common import crd
 from hybridllm_operator import builders, status
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Cluster:
     @classmethod
     def connect(cls, api: client.ApiClient | None = None) -> Cluster:
         api = api or client.ApiClient()
-        return cls(api=api, dyn=dynamic.DynamicClient(api))
+        return cls(api=api, dyn=dynamic.DynamicClient(api))  # type: ignore[no-untyped-call]
 
     def resource(self, api_version: str, kind: str) -> Any:
         return self.dyn.resources.get(api_version=api_version, kind=kind)
@@ -95,7 +95,9 @@ def apply_children(cluster: Cluster, service: builders.Service) -> list[dict[str
     return desired
 
 
-def prune_children(cluster: Cluster, service: builders.Service, desired: list[dict[str, Any]]) -> list[str]:
+def prune_children(
+    cluster: Cluster, service: builders.Service, desired: list[dict[str, Any]]
+) -> list[str]:
     """Delete owned children that the spec no longer asks for; returns 'Kind/name' of each."""
     keep = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
     deleted = []
@@ -105,10 +107,14 @@ def prune_children(cluster: Cluster, service: builders.Service, desired: list[di
         )
         for item in existing.items:
             owners = item.metadata.get("ownerReferences") or []
-            if (kind, item.metadata.name) in keep or not any(o.get("uid") == service.uid for o in owners):
+            if (kind, item.metadata.name) in keep or not any(
+                o.get("uid") == service.uid for o in owners
+            ):
                 continue
             try:
-                cluster.resource(api_version, kind).delete(name=item.metadata.name, namespace=service.namespace)
+                cluster.resource(api_version, kind).delete(
+                    name=item.metadata.name, namespace=service.namespace
+                )
             except k8s_errors.ApiException as exc:
                 if exc.status != 404:
                     raise
@@ -124,7 +130,11 @@ def list_deployments(cluster: Cluster, namespace: str, name: str) -> list[dict[s
 
 
 def patch_status(
-    cluster: Cluster, namespace: str, name: str, new_status: crd.LLMServiceStatus, previous: dict[str, Any]
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    new_status: crd.LLMServiceStatus,
+    previous: dict[str, Any],
 ) -> None:
     body = {"status": new_status.model_dump(mode="json", by_alias=True, exclude_none=True)}
     # A merge patch keeps map keys it does not mention: null out pools that no longer exist.
@@ -136,12 +146,18 @@ def patch_status(
     )
 
 
-def _service_from(body: dict[str, Any], spec: crd.LLMServiceSpec, images: builders.Images) -> builders.Service:
+def _service_from(
+    body: dict[str, Any], spec: crd.LLMServiceSpec, images: builders.Images
+) -> builders.Service:
     meta = body["metadata"]
-    return builders.Service(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec, images=images)
+    return builders.Service(
+        name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec, images=images
+    )
 
 
-def reconcile(cluster: Cluster, body: dict[str, Any], images: builders.Images) -> crd.LLMServiceStatus:
+def reconcile(
+    cluster: Cluster, body: dict[str, Any], images: builders.Images
+) -> crd.LLMServiceStatus:
     """Converge one LLMService (given as its API object) and return the status written."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
@@ -149,13 +165,21 @@ def reconcile(cluster: Cluster, body: dict[str, Any], images: builders.Images) -
     try:
         spec = parse_spec(name, body.get("spec") or {})
     except InvalidSpec as exc:
-        patch_status(cluster, namespace, name, status.invalid_status(generation, previous, str(exc)), previous)
+        patch_status(
+            cluster,
+            namespace,
+            name,
+            status.invalid_status(generation, previous, str(exc)),
+            previous,
+        )
         raise
     service = _service_from(body, spec, images)
     desired = apply_children(cluster, service)
     deleted = prune_children(cluster, service, desired)
     if deleted:
         log.info("removed %s no longer in the spec of %s/%s", ", ".join(deleted), namespace, name)
-    new_status = status.build_status(service, generation, list_deployments(cluster, namespace, name), previous)
+    new_status = status.build_status(
+        service, generation, list_deployments(cluster, namespace, name), previous
+    )
     patch_status(cluster, namespace, name, new_status, previous)
     return new_status

@@ -15,9 +15,17 @@ class OperatorSettings(BaseSettings):
         default=None, description="Watch only this namespace; all namespaces when unset."
     )
     edge_image: str = Field(default=builders.Images.edge, description="Default edge runtime image.")
-    cloud_image: str = Field(default=builders.Images.cloud, description="Default cloud runtime image.")
-    gateway_image: str = Field(default=builders.Images.gateway, description="Default gateway image.")
-    max_workers: int = Field(default=8, ge=1, description="Threads running reconciliations at once.")
+    cloud_image: str = Field(
+        default=builders.Images.cloud, description="Default cloud runtime image."
+    )
+    gateway_image: str = Field(
+        default=builders.Images.gateway, description="Default gateway image."
+    )
+    max_workers: int = Field(
+        default=8, ge=1, description="Threads running reconciliations at once."
+    )
 
     def images(self) -> builders.Images:
-        return builders.Images(edge=self.edge_image, cloud=self.cloud_image, gateway=self.gateway_image)
+        return builders.Images(
+            edge=self.edge_image, cloud=self.cloud_image, gateway=self.gateway_image
+        )

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hybridllm_common import crd
-
 from hybridllm_operator import builders
 
 CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
@@ -48,7 +47,12 @@ def _summary(pools: Mapping[str, crd.PoolStatus], components: Iterable[str]) -> 
 
 
 def _condition(
-    previous: Mapping[str, crd.Condition], type_: str, status: bool, reason: str, message: str, generation: int | None
+    previous: Mapping[str, crd.Condition],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
 ) -> crd.Condition:
     value = crd.ConditionStatus.true if status else crd.ConditionStatus.false
     old = previous.get(type_)
@@ -64,7 +68,11 @@ def _condition(
 
 
 def _old_conditions(previous: Mapping[str, Any] | None) -> dict[str, crd.Condition]:
-    return {c["type"]: crd.Condition.model_validate(c) for c in (previous or {}).get("conditions", []) if "type" in c}
+    return {
+        c["type"]: crd.Condition.model_validate(c)
+        for c in (previous or {}).get("conditions", [])
+        if "type" in c
+    }
 
 
 def build_status(
@@ -89,7 +97,14 @@ def build_status(
     ready_message = "all pools have their desired replicas ready" if ready else waiting
     progressing = bool(missing or lagging or stale)
     conditions = [
-        _condition(old, "Ready", ready, "AllPoolsReady" if ready else "PoolsNotReady", ready_message, generation),
+        _condition(
+            old,
+            "Ready",
+            ready,
+            "AllPoolsReady" if ready else "PoolsNotReady",
+            ready_message,
+            generation,
+        ),
         _condition(
             old,
             "Progressing",
@@ -101,7 +116,11 @@ def build_status(
         _condition(old, "Degraded", False, "AsExpected", "", generation),
     ]
     revisions = {p.revision for c, p in pools.items() if c != "gateway" and p.revision}
-    current = service.revision if revisions == {service.revision} else (previous or {}).get("currentRevision")
+    current = (
+        service.revision
+        if revisions == {service.revision}
+        else (previous or {}).get("currentRevision")
+    )
     return crd.LLMServiceStatus(
         observed_generation=generation,
         conditions=conditions,
@@ -113,7 +132,9 @@ def build_status(
     )
 
 
-def invalid_status(generation: int | None, previous: Mapping[str, Any] | None, message: str) -> crd.LLMServiceStatus:
+def invalid_status(
+    generation: int | None, previous: Mapping[str, Any] | None, message: str
+) -> crd.LLMServiceStatus:
     """Status for a spec that can never work: Degraded with the reason, the rest kept as it was."""
     old = _old_conditions(previous)
     kept = crd.LLMServiceStatus.model_validate(
@@ -122,7 +143,9 @@ def invalid_status(generation: int | None, previous: Mapping[str, Any] | None, m
     kept.observed_generation = generation
     kept.conditions = [
         _condition(old, "Ready", False, "InvalidSpec", message, generation),
-        _condition(old, "Progressing", False, "InvalidSpec", "fix the spec to continue", generation),
+        _condition(
+            old, "Progressing", False, "InvalidSpec", "fix the spec to continue", generation
+        ),
         _condition(old, "Degraded", True, "InvalidSpec", message, generation),
     ]
     return kept
