@@ -2,8 +2,9 @@
 
 Run from the repository root:
 
-    uv run python bench/forecaster/run.py            # all cases (about 10-15 minutes on 2 cores)
+    uv run python bench/forecaster/run.py            # all cases (10-15 minutes on 2 cores)
     uv run python bench/forecaster/run.py servegen   # only cases whose name contains "servegen"
+    uv run python bench/forecaster/run.py --summary  # rebuild the summary from the results
 
 Each case is the exact CLI command printed in the summary; its report, results.json and
 plots land in bench/results/forecaster/<case>/, and bench/results/forecaster.md collects
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -46,7 +48,8 @@ CASES: dict[str, list[str]] = {
         "--simulator", "fluid",
     ],
     "mooncake-conversation": [
-        "--trace", str(TRACES / "mooncake-2025/conversation_trace.jsonl"), "--slo", "ttft=10,tbt=0.1",
+        "--trace", str(TRACES / "mooncake-2025/conversation_trace.jsonl"),
+        "--slo", "ttft=10,tbt=0.1",
     ],
     "swe-agent-sessions": ["--trace", str(TRACES / "swe-agent")],
 }  # fmt: skip
@@ -73,6 +76,24 @@ def machine() -> str:
 
 def main(argv: list[str]) -> int:
     os.chdir(ROOT)
+    if argv == ["--summary"]:
+        rows = []
+        for name, args in CASES.items():
+            if (OUT / name / "results.json").exists():
+                cmd = [
+                    "uv",
+                    "run",
+                    "hybridllm",
+                    "forecast",
+                    "eval",
+                    *args,
+                    "--out",
+                    str(OUT / name),
+                ]
+                data = json.loads((OUT / name / "results.json").read_text())
+                rows.append((name, shlex.join(cmd), data))
+        write_summary(rows)
+        return 0
     only = argv[0] if argv else ""
     rows = []
     for name, args in CASES.items():
@@ -81,20 +102,18 @@ def main(argv: list[str]) -> int:
         out = OUT / name
         command = ["hybridllm", "forecast", "eval", *args, "--out", str(out)]
         print(f"== {name}: {shlex.join(command)}", flush=True)
-        started = time.monotonic()
         rc = cli.main(command[1:])
-        wall = time.monotonic() - started
         if rc != 0:
             print(f"{name} failed with exit code {rc}", file=sys.stderr)
             return rc
         data = json.loads((out / "results.json").read_text())
-        rows.append((name, shlex.join(["uv", "run", *command]), wall, data))
+        rows.append((name, shlex.join(["uv", "run", *command]), data))
     if not only:
         write_summary(rows)
     return 0
 
 
-def write_summary(rows: list[tuple[str, str, float, dict]]) -> None:
+def write_summary(rows: list[tuple[str, str, dict]]) -> None:
     lines = [
         "# Forecaster: predictive vs reactive scaling on the development traces\n",
         f"Machine: {machine()}. Produced by `uv run python bench/forecaster/run.py` "
@@ -103,27 +122,34 @@ def write_summary(rows: list[tuple[str, str, float, dict]]) -> None:
         "`bench/results/forecaster/<case>/report.md`.\n",
         "| case | simulator | HPA (70%) SLO / replica-h | predictive SLO / cost vs HPA | "
         "predictive+floor SLO / cost vs HPA | +floor, SLO points at HPA's cost | "
-        "oracle SLO / cost | forecast WAPE at scale-up horizon (chosen vs last value) | "
-        "wall time |",
+        "oracle SLO / cost | WAPE at the scale-up horizon: gbm / last value (model used) | "
+        "eval time |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, _cmd, wall, data in rows:
+    for name, _cmd, data in rows:
         pol = {p["policy"]: p for p in data["policies"]}
         v = data["verdict"]
         hpa, pred, flo, orc = pol["hpa"], pol["predictive"], pol["predictive+floor"], pol["oracle"]
         sim = data["sweeps_test"]["hpa"][0]["simulator"]
         fc = v["forecast"]
+        gbm = next(
+            f["wape"] for f in data["forecasts"]
+            if f["model"].rstrip(" *") == "gbm" and f["scale_up_horizon"]
+        )  # fmt: skip
+        wall = re.search(r"ran (\d+) s", data["header"])
         lines.append(
-            f"| {name} | {sim} | {100 * hpa['slo_attainment']:.1f}% / {hpa['replica_hours']:,.1f} | "
+            f"| {name} | {sim} | "
+            f"{100 * hpa['slo_attainment']:.1f}% / {hpa['replica_hours']:,.1f} | "
             f"{100 * pred['slo_attainment']:.1f}% / {pred['cost_vs_hpa']:.2f}x | "
             f"{100 * flo['slo_attainment']:.1f}% / {flo['cost_vs_hpa']:.2f}x | "
             f"{_pts(v['predictive+floor']['slo_points_at_equal_cost'])} | "
             f"{100 * orc['slo_attainment']:.1f}% / {orc['cost_vs_hpa']:.2f}x | "
-            f"{fc['chosen_model']} {100 * fc['wape_chosen']:.1f}% vs {100 * fc['wape_last_value']:.1f}% "
-            f"({fc['horizon_min']:g} min) | {wall:.0f} s |"
+            f"{100 * gbm:.1f}% / {100 * fc['wape_last_value']:.1f}% at "
+            f"{fc['horizon_min']:g} min ({fc['chosen_model']}) | "
+            f"{wall.group(1) + ' s' if wall else 'n/a'} |"
         )
     lines.append("\nCommands:\n")
-    lines += [f"- `{name}`: `{cmd}`" for name, cmd, _, _ in rows]
+    lines += [f"- `{name}`: `{cmd}`" for name, cmd, _ in rows]
     Path("bench/results/forecaster.md").write_text("\n".join(lines) + "\n")
     print("wrote bench/results/forecaster.md")
 

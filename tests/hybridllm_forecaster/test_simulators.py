@@ -117,3 +117,19 @@ def test_overload_shows_as_missed_slo_not_lost_requests(traces):
     res = des.simulate_des(stream, pinned, policies.Hpa(pinned, 0.7))
     assert res.num_completed == stream.num_requests
     assert res.slo_attainment < 0.5
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_disaggregated_pools_serve_only_their_half(traces, role):
+    stream = traces.ramp_stream(duration_s=900.0, low=0.5, high=3.0)
+    pool = POOL.with_(role=role, name=role)
+    sim = des.PoolSimulator(stream, pool, policies.Hpa(pool, 0.6))
+    res = sim.run(initial_replicas=3)
+    assert res.num_completed == stream.num_requests
+    if role == "prefill":  # done when the first token exists; nothing decodes
+        np.testing.assert_allclose(sim.done, stream.arrival_s + sim.ttft)
+        assert res.tbt_attainment == 1.0
+    else:  # prompts arrive prefilled: the first token waits only for a batch slot
+        assert float(np.median(sim.ttft)) == 0.0
+        multi = stream.output_tokens > 1
+        assert np.all(sim.tbt[multi] > 0)

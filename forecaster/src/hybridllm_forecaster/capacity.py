@@ -1,12 +1,13 @@
 """What one replica sustains, and the SLO it is held to.
 
-One replica is modelled the way a continuous-batching engine without chunked prefill
-behaves (vLLM's default scheduler, our engine's first version): a prompt is prefilled
-alone at ``prefill_tok_s`` and pauses decoding while it runs; between prefills, all
-running sequences decode together, one token each per step, and a step with ``b``
-sequences takes ``tbt_base_s + tbt_per_seq_s * b``. So a request's mean time between
-tokens is ``step(b) / (1 - prefill share of the replica's time)``, and ``max_batch`` is
-the largest batch whose step still meets the TBT SLO (capped by KV memory).
+One replica is modelled the way a continuous-batching engine with chunked prefill
+behaves (vLLM v1, our engine): every step decodes one token of each of the ``b``
+running sequences, taking ``tbt_base_s + tbt_per_seq_s * b``, and may also carry a
+chunk of up to ``prefill_chunk_tokens`` of one waiting prompt, which adds
+``chunk / prefill_tok_s``. Averaged over steps, a replica that spends a share
+``rho_p`` of its time on prefill has a mean step (the time between tokens) of
+``step(b) / (1 - rho_p)``; ``max_batch`` is the largest batch whose step still meets
+the TBT SLO with a prefill reserve (capped by KV memory).
 
 Load is counted in *replica-seconds of work per second*: ``input_tok_s / prefill_tok_s +
 output_tok_s / decode_tok_s`` where ``decode_tok_s = max_batch / step(max_batch)`` is
@@ -44,6 +45,7 @@ class CapacityModel:
     tbt_base_s: float = 0.025
     tbt_per_seq_s: float = 0.0004
     kv_max_batch: int = 128  # sequences that fit in KV memory
+    prefill_chunk_tokens: int = 512
 
     def step_s(self, batch: float) -> float:
         return self.tbt_base_s + self.tbt_per_seq_s * batch

@@ -1,13 +1,15 @@
 """Discrete-event simulator of one pool, request by request.
 
-Each replica follows the model in `capacity.py`: a FIFO queue, one prefill at a time
-(which pauses decoding), and a decode batch of at most ``max_batch`` sequences where
-every sequence advances one token per step of ``step(b)`` seconds. Decoding is
-simulated exactly without one event per token: each replica keeps a *token clock*
-``V`` that advances by one per decode step, so a sequence admitted at ``V0`` with ``n``
-tokens to go finishes when ``V`` reaches ``V0 + n``; a heap per replica holds these
-finishing clocks, and events happen only at arrivals, prefill ends, sequence ends,
-replica readiness and control ticks (a few per request).
+Each replica follows the model in `capacity.py`: a FIFO queue, one prompt at a time
+prefilled in chunks, and a decode batch of at most ``max_batch`` sequences where every
+sequence advances one token per step; a step takes ``step(b)``, plus
+``chunk / prefill_tok_s`` while a prompt is being prefilled. Decoding is simulated
+exactly without one event per token: each replica keeps a *token clock* ``V`` that
+advances by one per step, so a sequence admitted at ``V0`` with ``n`` tokens to go
+finishes when ``V`` reaches ``V0 + n``; a heap per replica holds these finishing
+clocks, and events happen only at arrivals, prefill ends, sequence ends, replica
+readiness and control ticks (a few per request). A prefill's duration is fixed when it
+starts, from the batch size then (``tokens / prefill_tok_s + chunks * step(b)``).
 
 Requests go to the ready replica with the fewest outstanding requests. A replica
 asked for starts paying at once and serves after the cold start; a scale-down cancels
@@ -101,16 +103,19 @@ class PoolSimulator:
             self._push(now + self.pool.cold_start_s, _READY, r.rid)
 
     def _step_s(self, r: _Replica) -> float:
-        return self.pool.capacity.step_s(len(r.decoding))
+        """Seconds per token of the running batch; call before the replica's state changes."""
+        cap = self.pool.capacity
+        chunk = cap.prefill_chunk_tokens / cap.prefill_tok_s if r.prefilling >= 0 else 0.0
+        return cap.step_s(len(r.decoding)) + chunk
 
     def _advance(self, r: _Replica, now: float) -> None:
-        if r.prefilling < 0 and r.decoding:
+        if r.decoding:
             r.v += (now - r.last_t) / self._step_s(r)
         r.last_t = now
 
     def _schedule_decode(self, r: _Replica, now: float) -> None:
         r.version += 1
-        if r.prefilling < 0 and r.decoding:
+        if r.decoding:
             t = now + max(0.0, r.decoding[0][0] - r.v) * self._step_s(r)
             self._push(t, _DECODE_DONE, r.rid, r.version)
 
@@ -121,7 +126,12 @@ class PoolSimulator:
             if self.do_prefill:
                 self._advance(r, now)
                 r.prefilling = i
-                dur = self.s.input_tokens[i] / self.pool.capacity.prefill_tok_s
+                cap = self.pool.capacity
+                tokens = int(self.s.input_tokens[i])
+                chunks = -(-tokens // cap.prefill_chunk_tokens)
+                dur = tokens / cap.prefill_tok_s
+                if r.decoding:
+                    dur += chunks * cap.step_s(len(r.decoding))
                 self._push(now + dur, _PREFILL_DONE, r.rid)
             else:
                 self._first_token(r, i, now)
@@ -219,8 +229,8 @@ class PoolSimulator:
                 while self.pending:
                     self._route(self.pending.popleft(), now)
             elif kind == _PREFILL_DONE and r is not None:
+                self._advance(r, now)  # at the slower, chunk-carrying step until now
                 i, r.prefilling = r.prefilling, -1
-                r.last_t = now  # decoding was paused during the prefill
                 self._first_token(r, i, now)
                 self._try_start(r, now)
                 self._maybe_retire(r, now)

@@ -26,7 +26,7 @@ COLOURS = {
     "keda-queue": "tab:orange",
     "predictive": "tab:blue",
     "predictive+floor": "tab:green",
-    "oracle": "tab:gray",
+    "oracle": "tab:purple",
 }
 
 
@@ -81,14 +81,19 @@ def _timeline(res: EvalResult, path: Path, title: str, zoom: bool) -> Path:
     ax.set_title(f"{title}: forecast {h * bin_s / 60:g} min ahead (the scale-up lead time)")
     ax.legend(loc="upper left", fontsize=8)
     ax = axes[1]
-    ax.step(x, test_work, where="post", color="black", lw=1, alpha=0.6, label="demand")
+    ax.step(x, test_work, where="post", color="black", lw=1, ls=":", label="demand")
+    top = 1.25 * max(
+        float(np.max(res.test_result(f).provisioned)) for f in COLOURS if f != "keda-queue"
+    )
     for fam in ("hpa", "keda-queue", "predictive", "predictive+floor", "oracle"):
         r = res.test_result(fam)
+        clipped = " (clipped)" if float(np.max(r.provisioned)) > top else ""
         label = (f"{fam}: {r.replica_hours:,.0f} replica-h, "
-                 f"{100 * r.slo_attainment:.1f}% SLO")  # fmt: skip
+                 f"{100 * r.slo_attainment:.1f}% SLO{clipped}")  # fmt: skip
         ax.step(
             r.times_s * scale, r.provisioned, where="post", color=COLOURS[fam], lw=1, label=label
         )
+    ax.set_ylim(0, top)
     ax.set_ylabel("replicas paid for")
     ax.legend(loc="upper left", fontsize=8)
     ax = axes[2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def print_tables(res: EvalResult, header: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(140, shutil.get_terminal_size().columns))
     console.print(header)
     for title, rows in (
         ("Forecasts on the test period (* drives the predictive policies)", forecast_rows(res)),
