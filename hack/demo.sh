@@ -8,7 +8,7 @@ state=.testenv
 example="${1:-examples/edge-cloud-small.yaml}"
 
 kubeconfig="$(uv run --no-sync python hack/testenv/cluster.py up --state-dir "$state")"
-export KUBECONFIG="$PWD/$kubeconfig"
+export KUBECONFIG="$kubeconfig"
 kubectl="$state/bin/kubectl"
 "$kubectl" apply --server-side -f crds/ >/dev/null
 "$kubectl" wait --for=condition=Established crd/llmservices.hybridllm.io --timeout=60s >/dev/null
