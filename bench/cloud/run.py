@@ -79,13 +79,23 @@ def p95(xs: list[float]) -> float:
     return sorted(xs)[max(0, round(0.95 * len(xs)) - 1)]
 
 
-def median_of(fn, repeats: int) -> dict:
-    runs = [fn() for _ in range(repeats)]
+def summarise(runs: list[dict]) -> dict:
     best = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
-    return {"tok_s": statistics.median(r["tok_s"] for r in runs),
-            "p95_ttft_s": statistics.median(p95(r["ttft"]) for r in runs),
-            "median_ttft_s": statistics.median(statistics.median(r["ttft"]) for r in runs),
-            "wall_s": best["wall_s"]}  # fmt: skip
+    return {
+        "tok_s": statistics.median(r["tok_s"] for r in runs),
+        "p95_ttft_s": statistics.median(p95(r["ttft"]) for r in runs),
+        "median_ttft_s": statistics.median(statistics.median(r["ttft"]) for r in runs),
+        "wall_s": best["wall_s"],
+    }
+
+
+def paired(fns: list, repeats: int) -> list[dict]:
+    """Runs the contenders alternately (a, b, a, b, ...) so load drift hits both alike."""
+    runs: list[list[dict]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            runs[i].append(fn())
+    return [summarise(r) for r in runs]
 
 
 def azure_lengths(n: int, scale: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -97,7 +107,7 @@ def azure_lengths(n: int, scale: int, seed: int = 0) -> list[tuple[int, int]]:
 
 
 def make_engine(path: Path, caching: bool = True, **kw) -> llm_engine.LLMEngine:
-    cfg = llm_engine.EngineConfig(num_kv_blocks=kw.pop("num_kv_blocks", 4096), max_model_len=2048,
+    cfg = llm_engine.EngineConfig(num_kv_blocks=kw.pop("num_kv_blocks", 1024), max_model_len=2048,
                                   max_num_batched_tokens=kw.pop("budget", 512),
                                   enable_prefix_caching=caching, **kw)  # fmt: skip
     return llm_engine.LLMEngine.from_path(path, cfg)
@@ -111,8 +121,13 @@ def sweep(path: Path, hf: torch.nn.Module, args: argparse.Namespace) -> list[dic
             [(97 * i + 31 * j) % 40000 + 100 for j in range(args.prompt_len)] for i in range(c)
         ]
         outs = [args.output_len] * c
-        ours = median_of(lambda p=prompts, o=outs: run_ours(engine, p, o), args.repeats)
-        peer = median_of(lambda p=prompts, o=outs: run_hf(hf, p, o), args.repeats)
+        ours, peer = paired(
+            [
+                lambda p=prompts, o=outs: run_ours(engine, p, o),
+                lambda p=prompts, o=outs: run_hf(hf, p, o),
+            ],
+            args.repeats,
+        )
         row = {"variant": "fixed", "concurrency": c, "ours": ours, "hf_static": peer,
                "ratio_vs_hf": ours["tok_s"] / peer["tok_s"]}  # fmt: skip
         if c == 1:
@@ -128,8 +143,10 @@ def sweep(path: Path, hf: torch.nn.Module, args: argparse.Namespace) -> list[dic
         [(53 * i + 7 * j) % 40000 + 100 for j in range(pl)] for i, (pl, _) in enumerate(lengths)
     ]
     outs = [ol for _, ol in lengths]
-    ours = median_of(lambda: run_ours(engine, prompts, outs), args.repeats)
-    peer = median_of(lambda: run_hf(hf, prompts, outs), args.repeats)
+    ours, peer = paired(
+        [lambda: run_ours(engine, prompts, outs), lambda: run_hf(hf, prompts, outs)],
+        args.repeats,
+    )
     row = {"variant": f"azure-conv mixed (lengths / {args.azure_scale})", "concurrency": c,
            "ours": ours, "hf_static": peer, "ratio_vs_hf": ours["tok_s"] / peer["tok_s"],
            "lengths": lengths}  # fmt: skip
@@ -156,12 +173,13 @@ def prefix_sharing(path: Path, args: argparse.Namespace) -> dict:
                for i in range(args.prefix_requests)]  # fmt: skip
     outs = [args.prefix_output_len] * len(prompts)
     result = {"system_prompt_tokens": len(system), "requests": len(prompts)}
-    for caching in (True, False):
-
-        def once(caching: bool = caching) -> dict:
-            return run_ours(make_engine(path, caching=caching), prompts, outs)
-
-        result["on" if caching else "off"] = median_of(once, args.repeats)
+    result["on"], result["off"] = paired(
+        [
+            lambda: run_ours(make_engine(path, caching=True), prompts, outs),
+            lambda: run_ours(make_engine(path, caching=False), prompts, outs),
+        ],
+        args.repeats,
+    )
     result["ttft_speedup"] = result["off"]["median_ttft_s"] / result["on"]["median_ttft_s"]
     result["throughput_ratio"] = result["on"]["tok_s"] / result["off"]["tok_s"]
     print(json.dumps(result), flush=True)

@@ -8,7 +8,9 @@ written to the cache before any attention reads it, which is what lets requests 
 same step share prefix blocks.
 
 Weights are fused at load time (q|k|v into ``qkv``, gate|up into ``gate_up``) so a layer
-runs four matmuls.
+runs four matmuls, and stored transposed (``[in, out]``, contiguous): ``x @ w`` on that
+layout is about 2x faster than ``F.linear`` on ``[out, in]`` for decode-sized batches on
+CPU (MKL, measured in bench/cloud) and no slower on GPU.
 """
 
 from __future__ import annotations
@@ -35,12 +37,31 @@ class AttentionMetadata:
 
 @dataclass
 class LayerWeights:
+    """Linear weights transposed: ``[in_features, out_features]``."""
+
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    qkv: torch.Tensor  # [hidden, (num_heads + 2 * num_kv_heads) * head_dim]
+    o: torch.Tensor  # [num_heads * head_dim, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    down: torch.Tensor  # [intermediate, hidden]
+
+    @classmethod
+    def from_hf(
+        cls,
+        input_norm: torch.Tensor,
+        qkv: torch.Tensor,
+        o: torch.Tensor,
+        post_norm: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+    ) -> LayerWeights:
+        """From Hugging Face ``[out, in]`` linear weights."""
+
+        def t(w: torch.Tensor) -> torch.Tensor:
+            return w.t().contiguous()
+
+        return cls(input_norm, t(qkv), t(o), post_norm, t(gate_up), t(down))
 
 
 class LlamaModel:
@@ -57,7 +78,7 @@ class LlamaModel:
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm
-        self.lm_head = lm_head  # [vocab, hidden]
+        self.lm_head_t = lm_head.t().contiguous()  # [hidden, vocab]
         self.cos_sin_cache = model_config.cos_sin_cache(config, max_position).to(embed.device)
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_attention_heads * config.head_dim
@@ -91,7 +112,7 @@ class LlamaModel:
                 x, residual = ops.fused_add_rms_norm(
                     x, residual, layer.input_norm, cfg.rms_norm_eps
                 )
-            qkv = F.linear(x, layer.qkv)
+            qkv = x @ layer.qkv
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
@@ -112,16 +133,16 @@ class LlamaModel:
                     meta.context_lens,
                     self.scale,
                 )
-            x = F.linear(attn.reshape(num_tokens, self.q_size), layer.o)
+            x = attn.reshape(num_tokens, self.q_size) @ layer.o
             x, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            x = ops.silu_and_mul(x @ layer.gate_up) @ layer.down
         assert residual is not None
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, cfg.rms_norm_eps)
         return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        return F.linear(hidden, self.lm_head).float()
+        return (hidden @ self.lm_head_t).float()
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -151,7 +172,7 @@ def load_llama(
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         layers.append(
-            LayerWeights(
+            LayerWeights.from_hf(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                 o=take(p + "self_attn.o_proj.weight"),
@@ -192,7 +213,7 @@ def random_llama(
     qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     ones = torch.ones(h, device=device, dtype=dtype)
     layers = [
-        LayerWeights(
+        LayerWeights.from_hf(
             ones,
             w(qkv_out, h),
             w(h, cfg.num_attention_heads * cfg.head_dim),
