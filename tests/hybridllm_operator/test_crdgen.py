@@ -63,3 +63,13 @@ def test_cel_rules_and_defaults_are_emitted() -> None:
     assert "metadata.name" in root["x-kubernetes-validations"][0]["rule"]
     columns = [c["name"] for c in doc["spec"]["versions"][0]["additionalPrinterColumns"]]
     assert columns[:5] == ["Mode", "Edge", "Cloud", "Revision", "Ready"]
+
+
+def test_cli_check_fails_on_drift_and_generate_fixes_it(tmp_path: Path) -> None:
+    from hybridllm_common import cli
+
+    assert cli.main(["crds", "generate", "--output-dir", str(tmp_path), "--check"]) == 1
+    assert cli.main(["crds", "generate", "--output-dir", str(tmp_path)]) == 0
+    assert cli.main(["crds", "generate", "--output-dir", str(tmp_path), "--check"]) == 0
+    (tmp_path / "hybridllm.io_edgefleets.yaml").write_text("# edited by hand\n")
+    assert cli.main(["crds", "generate", "--output-dir", str(tmp_path), "--check"]) == 1
