@@ -37,6 +37,11 @@ PREEMPTIONS_TOTAL = "hybridllm_preemptions_total"
 BATCH_SIZE = "hybridllm_engine_step_batch_size"
 TOKENS_PER_STEP = "hybridllm_engine_step_tokens"
 
+# Response cache (edge runtime).
+RESPONSE_CACHE_HITS_TOTAL = "hybridllm_response_cache_hits_total"
+RESPONSE_CACHE_MISSES_TOTAL = "hybridllm_response_cache_misses_total"
+RESPONSE_CACHE_ENTRIES = "hybridllm_response_cache_entries"
+
 # Gateway.
 GATEWAY_REQUESTS_TOTAL = "hybridllm_gateway_requests_total"  # labels: tier, code
 GATEWAY_ROUTE_DECISIONS_TOTAL = "hybridllm_gateway_route_decisions_total"  # label: tier

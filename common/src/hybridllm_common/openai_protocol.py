@@ -179,6 +179,9 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    # hybridllm extension: mean log-probability of the completion tokens under the model's
+    # own distribution, a confidence signal for edge-to-cloud escalation (None: not computed).
+    mean_logprob: float | None = None
 
 
 FinishReason = Literal["stop", "length", "abort", "content_filter", "tool_calls"]

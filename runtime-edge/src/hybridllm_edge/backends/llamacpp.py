@@ -1,0 +1,151 @@
+"""llama.cpp backend: N parallel slots decoded in one ``llama_batch``, as llama.cpp's server does.
+
+One llama context holds the KV of ``parallel`` sequences (``n_seq_max``); each slot is a
+sequence id. A step packs every slot's tokens into one batch, each token tagged with its
+slot's sequence id and position, and asks for logits only where the engine will sample.
+llama.cpp's attention mask keeps the sequences apart, so one ``llama_decode`` advances all
+of them: the weights are read once per step for every running request, which is where the
+throughput over a one-request-at-a-time server comes from. ``release`` removes a slot's
+cells from the KV (``llama_memory_seq_rm``) so a cancelled request frees its memory at once.
+
+The context is used only from the engine thread. The KV is split per sequence
+(``kv_unified`` off), so every slot gets exactly ``max_model_len`` positions and one long
+request cannot starve the others.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals, _logger
+
+from hybridllm_edge import config
+from hybridllm_edge.backends.base import BackendInfo, SlotWork
+
+log = logging.getLogger(__name__)
+
+
+class LlamaCppBackend:
+    def __init__(self, path: Path, revision: str, settings: config.EdgeSettings) -> None:
+        # llama.cpp logs every graph build at debug level; keep its warnings and errors only.
+        _logger.set_verbose(log.isEnabledFor(logging.DEBUG))
+        threads = settings.threads or max(1, (os.cpu_count() or 2) // 2)
+        model_params = llama_cpp.llama_model_default_params()
+        self._model = _internals.LlamaModel(
+            path_model=str(path), params=model_params, verbose=False
+        )
+        train_len = self._model.n_ctx_train()
+        max_len = min(settings.max_model_len, train_len)
+        if max_len < settings.max_model_len:
+            log.warning(
+                "max_model_len %d exceeds the model's training context %d; using %d",
+                settings.max_model_len,
+                train_len,
+                max_len,
+            )
+        self.num_batch = settings.max_num_batched_tokens
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = max_len * settings.parallel
+        params.n_batch = self.num_batch
+        params.n_ubatch = self.num_batch
+        params.n_seq_max = settings.parallel
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.kv_unified = False
+        params.no_perf = True
+        self._ctx = _internals.LlamaContext(model=self._model, params=params, verbose=False)
+        self._mem = llama_cpp.llama_get_memory(self._ctx.ctx)
+        self._batch = llama_cpp.llama_batch_init(self.num_batch, 0, 1)
+        vocab = self._model.vocab
+        self._vocab = vocab
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        per_seq = llama_cpp.llama_n_ctx_seq(self._ctx.ctx)
+        eos = {
+            t
+            for t in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab))
+            if t >= 0
+        }
+        eos |= {t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+        meta = self._model.metadata()
+        self._pieces = [self._piece(t) for t in range(n_vocab)]
+        self.info = BackendInfo(
+            name="llamacpp",
+            model_path=str(path),
+            revision=revision,
+            vocab_size=n_vocab,
+            max_model_len=min(max_len, per_seq),
+            num_slots=settings.parallel,
+            eos_token_ids=frozenset(eos),
+            bos_token=self._text(llama_cpp.llama_vocab_bos(vocab)),
+            eos_token=self._text(llama_cpp.llama_vocab_eos(vocab)),
+            chat_template=meta.get("tokenizer.chat_template"),
+            extra={"threads": str(threads), "add_bos": str(self._model.add_bos_token())},
+        )
+        self._lengths = [0] * settings.parallel
+
+    def _piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, 64, 0, True)
+        return bytes(buf.raw[: max(n, 0)])
+
+    def _text(self, token: int) -> str:
+        return self._piece(token).decode("utf-8", "replace") if token >= 0 else ""
+
+    def encode(self, text: str, add_special: bool) -> list[int]:
+        add_bos = add_special and self._model.add_bos_token()
+        return self._model.tokenize(text.encode("utf-8"), add_bos, True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._pieces[token_id]
+
+    def forward(self, work: list[SlotWork]) -> np.ndarray:
+        batch = self._batch
+        n = 0
+        wanted: list[int] = []
+        for item in work:
+            last = len(item.token_ids) - 1
+            for i, token in enumerate(item.token_ids):
+                batch.token[n] = token
+                batch.pos[n] = item.pos + i
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = item.slot
+                want = item.want_logits and i == last
+                batch.logits[n] = want
+                if want:
+                    wanted.append(n)
+                n += 1
+        if n > self.num_batch:
+            raise ValueError(f"step of {n} tokens exceeds n_batch {self.num_batch}")
+        batch.n_tokens = n
+        rc = llama_cpp.llama_decode(self._ctx.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with {rc} on a batch of {n} tokens")
+        for item in work:
+            self._lengths[item.slot] = item.pos + len(item.token_ids)
+        vocab = self.info.vocab_size
+        out = np.empty((len(wanted), vocab), dtype=np.float32)
+        for row, idx in enumerate(wanted):
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, idx)
+            out[row] = np.ctypeslib.as_array(ptr, shape=(vocab,))
+        return out
+
+    def release(self, slot: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._lengths[slot] = 0
+
+    def slot_length(self, slot: int) -> int:
+        """Cells the KV holds for the slot, read from llama.cpp itself (not our bookkeeping)."""
+        pos_max = llama_cpp.llama_memory_seq_pos_max(self._mem, slot)
+        return 0 if pos_max < 0 else int(pos_max) + 1
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None  # type: ignore[assignment]
+        self._ctx.close()
+        self._model.close()

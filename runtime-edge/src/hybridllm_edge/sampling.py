@@ -1,0 +1,74 @@
+"""Token choice from one row of logits, in numpy, with the log-probability of the choice.
+
+Greedy (temperature 0) is ``argmax``: the same token whatever else shares the batch, which
+is what makes concurrent answers equal to sequential ones. Otherwise temperature, top-k and
+top-p filter the distribution and a per-request ``numpy`` generator (seeded when the request
+gives a seed) draws from it. The reported log-probability is always from the unmodified
+distribution (what the model believes), so the mean over a completion is a comparable
+confidence signal whatever the sampling settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to report; None: none
+
+
+@dataclass
+class Choice:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> Choice:
+    """logits: [vocab] float32."""
+    logp = log_softmax(logits.astype(np.float32, copy=False))
+    if params.temperature == 0.0 or rng is None:
+        token = int(np.argmax(logits))
+    else:
+        token = _draw(logits, params, rng)
+    top_ids: list[int] = []
+    top_lps: list[float] = []
+    if params.logprobs:
+        k = params.logprobs
+        idx = np.argpartition(-logp, k)[:k]
+        idx = idx[np.argsort(-logp[idx])]
+        top_ids, top_lps = [int(i) for i in idx], [float(logp[i]) for i in idx]
+    return Choice(token, float(logp[token]), top_ids, top_lps)
+
+
+def _draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    scaled = logits.astype(np.float64) / params.temperature
+    candidates = np.arange(scaled.shape[0])
+    if 0 < params.top_k < scaled.shape[0]:
+        candidates = np.argpartition(-scaled, params.top_k)[: params.top_k]
+    values = scaled[candidates]
+    order = np.argsort(-values)
+    candidates, values = candidates[order], values[order]
+    probs = np.exp(values - values[0])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
+    return int(candidates[rng.choice(len(candidates), p=probs)])

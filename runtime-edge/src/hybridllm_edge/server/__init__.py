@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server of the edge runtime."""

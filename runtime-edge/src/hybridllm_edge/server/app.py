@@ -1,0 +1,135 @@
+"""FastAPI app factory of the edge runtime, shaped like the cloud runtime's.
+
+``create_app(settings)`` loads the backend in the lifespan handler (``/health`` answers 503
+until it is loaded); tests may pass a ready ``Engine``. Errors leave as
+``{"error": {"message", "type", "param", "code"}}`` with the stable codes of
+``hybridllm_common.openai_protocol``; request validation failures are 400s naming the
+parameter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hybridllm_common import openai_protocol as oai
+from hybridllm_edge import backends, cache, config, engine, prompting
+from hybridllm_edge.server import metrics as server_metrics
+from hybridllm_edge.server import serving
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.headers = code, message, param, headers
+
+
+def error_response(
+    code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    status, body = oai.make_error(code, message, param)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def served_name(settings: config.EdgeSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    local = Path(settings.model)
+    if local.exists():
+        return local.stem if local.is_file() else local.name
+    return settings.model.rsplit("#", 1)[-1].split(".", 1)[0] or settings.model
+
+
+def create_app(settings: config.EdgeSettings, ready_engine: engine.Engine | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        eng = ready_engine
+        if eng is None:
+            backend = await asyncio.to_thread(backends.load, settings)
+            eng = engine.Engine(backend, settings.max_num_batched_tokens)
+        eng.on_step = app.state.metrics.on_step
+        info = eng.info
+        app.state.template = prompting.ChatTemplate(
+            info.chat_template, info.bos_token, info.eos_token
+        )
+        app.state.engine = eng
+        eng.start()
+        app.state.ready = True
+        log.info("serving %s with %s (%d slots)", app.state.model_name, info.name, info.num_slots)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            eng.shutdown()
+
+    app = FastAPI(title="hybridllm edge runtime", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.ready = False
+    app.state.metrics = server_metrics.ServerMetrics()
+    app.state.model_name = served_name(settings)
+    app.state.cache = (
+        cache.ResponseCache(settings.cache_ttl_seconds, settings.cache_max_entries)
+        if settings.cache
+        else None
+    )
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        app.state.metrics.rejected.labels(code=exc.code).inc()
+        return error_response(exc.code, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = oai.validation_error_param(tuple(first.get("loc", ())))
+        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        app.state.metrics.rejected.labels(code=oai.INVALID_PARAMETER).inc()
+        return error_response(oai.INVALID_PARAMETER, msg, param)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(oai.INTERNAL_ERROR, f"internal error: {exc}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not app.state.ready:
+            return error_response(oai.MODEL_NOT_READY, "model is loading")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if app.state.cache is not None:
+            app.state.metrics.cache_entries.set(len(app.state.cache))
+        return Response(generate_latest(app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> oai.ModelList:
+        max_len = app.state.engine.info.max_model_len if app.state.ready else None
+        return oai.ModelList(data=[oai.ModelCard(id=app.state.model_name, max_model_len=max_len)])
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
+        return await serving.Serving(app, APIError).chat(body, request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: oai.CompletionRequest, request: Request) -> Response:
+        return await serving.Serving(app, APIError).completion(body, request)
+
+    return app
