@@ -110,10 +110,11 @@ def test_completions_and_n(client: openai.OpenAI) -> None:
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
     assert resp.usage is not None
     assert resp.usage.completion_tokens == 15
-    stream = client.completions.create(
-        model="tiny", prompt="The quick brown", max_tokens=4, stream=True, temperature=0
-    )
-    assert "".join(c.choices[0].text for c in stream if c.choices) is not None
+    kw = dict(model="tiny", prompt="The quick brown", max_tokens=4, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.completions.create(**kw)  # type: ignore[call-overload]
+    stream = client.completions.create(**kw, stream=True)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
