@@ -216,9 +216,17 @@ def _fetch_hf(source: uri.SourceUri, staging: Path, progress: Progress) -> str:
             f"{source.uri}: hf:// sources need huggingface_hub (install hybridllm-models[convert])"
         ) from exc
     patterns = [*HF_FILES, "*.safetensors", "*.gguf"]
+    # Read at call time: huggingface_hub reads these once, when it is first imported.
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None
     try:
         folder = huggingface_hub.snapshot_download(
-            source.repo_id, revision=source.hf_revision, allow_patterns=patterns
+            source.repo_id,
+            revision=source.hf_revision,
+            allow_patterns=patterns,
+            cache_dir=cache_dir,
+            local_files_only=offline,
+            etag_timeout=10,
         )
     except (
         hf_errors.HfHubHTTPError,
@@ -226,12 +234,11 @@ def _fetch_hf(source: uri.SourceUri, staging: Path, progress: Progress) -> str:
         OSError,
         ValueError,
     ) as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         why = "HF_HUB_OFFLINE is set" if offline else "no hub reachable?"
         raise errors.SourceNotFoundError(
             f"{source.uri}: cannot get {source.repo_id}@{source.hf_revision} from the Hugging Face "
             f"hub ({why}) and it is not in the local hub cache "
-            f"({huggingface_hub.constants.HF_HUB_CACHE}). Put the snapshot there, "
+            f"({cache_dir or huggingface_hub.constants.HF_HUB_CACHE}). Put the snapshot there, "
             f"or use file:///path/to/folder. Cause: {type(exc).__name__}: {exc}"
         ) from exc
     folder_path = Path(folder)
