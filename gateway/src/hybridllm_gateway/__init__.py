@@ -1,1 +1,1 @@
-"""hybridllm gateway: OpenAI-compatible front door routing between edge and cloud."""
+"""hybridllm gateway: the OpenAI-compatible front door (edge/cloud routing)."""

@@ -1,0 +1,311 @@
+"""The gateway's aiohttp application: ``create_app(settings)``, state set up on startup.
+
+Why aiohttp and not FastAPI/uvicorn + httpx (the runtimes' stack): the gateway's hot
+path is "read a body, decide, relay bytes", and the seeds show a FastAPI gateway falling
+behind its engine at 64-256 concurrent streams. aiohttp gives the server and the
+pooled upstream client on one event loop with C HTTP parsers, no ASGI layer between, and
+uvloop under it; the OpenAI models of ``hybridllm_common`` still validate every request,
+so errors have the runtimes' shape (``{"error": {...}}``, stable codes). The measured
+result is in ``bench/results/gateway.md``.
+
+Request flow: size bound -> API key -> JSON + OpenAI validation -> ``max_tokens`` bound ->
+model name (``name:edge`` suffix) -> content filter -> rate limit -> tier (router) ->
+replica and forwarding (proxy) -> metrics and token accounting. The body is re-encoded
+only when the gateway changed it (suffix stripped, redaction, cascade); otherwise the
+client's bytes go upstream as they came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from hybridllm_common import openai_protocol as oai
+from hybridllm_gateway import balancer as balancer_mod
+from hybridllm_gateway import cascade as cascade_mod
+from hybridllm_gateway import classifier as classifier_mod
+from hybridllm_gateway import config as config_mod
+from hybridllm_gateway import metrics as metrics_mod
+from hybridllm_gateway import openapi, proxy, router, safety
+from hybridllm_gateway.errors import APIError, error_response
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class State:
+    settings: config_mod.GatewaySettings
+    routing: config_mod.RoutingConfig
+    balancer: balancer_mod.Balancer
+    classifier: classifier_mod.Classifier
+    keys: safety.ApiKeys
+    limiter: safety.RateLimiter
+    filter: safety.ContentFilter
+    metrics: metrics_mod.GatewayMetrics
+    forwarder: proxy.Forwarder | None = None
+    watchers: list[config_mod.FileWatcher] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def set_routing(self, routing: config_mod.RoutingConfig) -> None:
+        self.balancer.update(routing)
+        self.limiter.update(routing.rate_limits)
+        self.routing = routing
+
+
+STATE = web.AppKey("state", State)
+
+
+def new_state(settings: config_mod.GatewaySettings) -> State:
+    routing = config_mod.load_routing(settings.config)
+    state = State(
+        settings=settings,
+        routing=routing,
+        balancer=balancer_mod.Balancer(settings),
+        classifier=classifier_mod.Classifier.load(settings.classifier),
+        keys=safety.ApiKeys.load(settings.api_keys_file),
+        limiter=safety.RateLimiter(routing.rate_limits),
+        filter=safety.ContentFilter.load(settings.filter_config),
+        metrics=metrics_mod.GatewayMetrics(),
+    )
+    state.set_routing(routing)
+    return state
+
+
+def _reload_routing(state: State, path: Any) -> None:
+    state.set_routing(config_mod.load_routing(path))
+    state.metrics.reloads.inc()
+
+
+def _watchers(state: State) -> list[config_mod.FileWatcher]:
+    s = state.settings
+    out = [
+        config_mod.FileWatcher(s.config, lambda p: _reload_routing(state, p), s.reload_interval_s)
+    ]
+    if s.api_keys_file is not None:
+        out.append(
+            config_mod.FileWatcher(
+                s.api_keys_file,
+                lambda p: setattr(state, "keys", safety.ApiKeys.load(p)),
+                s.reload_interval_s,
+            )
+        )
+    if s.filter_config is not None:
+        out.append(
+            config_mod.FileWatcher(
+                s.filter_config,
+                lambda p: setattr(state, "filter", safety.ContentFilter.load(p)),
+                s.reload_interval_s,
+            )
+        )
+    return out
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        request.app[STATE].metrics.rejected.labels(code=exc.code).inc()
+        return error_response(exc.code, exc.message, exc.param, exc.headers)
+    except web.HTTPException as exc:
+        code = oai.MODEL_NOT_FOUND if exc.status == 404 else oai.INVALID_REQUEST
+        _, body = oai.make_error(code, f"{request.method} {request.path}: {exc.reason}")
+        return web.json_response(body.model_dump(), status=exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        log.exception("request %s %s failed", request.method, request.path)
+        return error_response(oai.INTERNAL_ERROR, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _validate(model_cls: type[BaseModel], body: Any) -> None:
+    if not isinstance(body, dict):
+        raise APIError(oai.INVALID_REQUEST, "the request body must be a JSON object")
+    try:
+        model_cls.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = oai.validation_error_param(tuple(first.get("loc", ())))
+        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        raise APIError(oai.INVALID_PARAMETER, msg, param) from None
+
+
+def _affinity_key(state: State, request: web.Request, body: dict[str, Any]) -> str:
+    aff = state.routing.session_affinity
+    if aff.enabled:
+        session = request.headers.get(aff.header) or body.get("user")
+        if isinstance(session, str) and session:
+            return "s:" + session
+    return "p:" + classifier_mod.prompt_text(body)[: state.settings.prefix_chars]
+
+
+async def _handle(
+    request: web.Request, path: str, model_cls: type[BaseModel]
+) -> web.StreamResponse:
+    t_start = time.perf_counter()
+    state = request.app[STATE]
+    s = state.settings
+    if (request.content_length or 0) > s.max_body_bytes:
+        raise APIError(oai.INVALID_REQUEST, f"request body is over {s.max_body_bytes} bytes")
+    raw = await request.read()
+    if len(raw) > s.max_body_bytes:
+        raise APIError(oai.INVALID_REQUEST, f"request body is over {s.max_body_bytes} bytes")
+    key_name = state.keys.authenticate(
+        request.headers.get("authorization"), request.headers.get("x-api-key")
+    )
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(oai.INVALID_REQUEST, f"the request body is not JSON: {exc}") from None
+    _validate(model_cls, body)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(max_tokens, int) and max_tokens > s.max_tokens_limit:
+        raise APIError(
+            oai.INVALID_PARAMETER,
+            f"max_tokens {max_tokens} is over this gateway's limit of {s.max_tokens_limit}",
+            "max_tokens",
+        )
+    routing = state.routing
+    model, suffix = router.split_model(str(body.get("model", "")))
+    explicit = request.headers.get(router.TIER_HEADER) or suffix
+    pools = state.balancer.tiers
+    if explicit is not None and explicit not in pools:
+        raise APIError(
+            oai.INVALID_PARAMETER,
+            f"tier {explicit!r} is not served here; tiers: {', '.join(sorted(pools))}",
+            "model",
+        )
+    if routing.model and model and model != routing.model:
+        raise APIError(
+            oai.MODEL_NOT_FOUND, f"model {model!r} not found; this gateway serves {routing.model!r}"
+        )
+    changed = suffix is not None
+    if changed:
+        body["model"] = model
+    if state.filter.apply(body):
+        changed = True
+    features = classifier_mod.extract(body)
+    state.limiter.admit(key_name, features.prompt_tokens)
+    route = router.choose(routing, pools, state.classifier, features, explicit)
+    request["route_reason"] = route.reason
+    state.metrics.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
+    key = _affinity_key(state, request, body)
+    stream = bool(body.get("stream"))
+    assert state.forwarder is not None
+    if not stream and routing.cascade.enabled and route.tiers[0] == "edge":
+        outcome = await cascade_mod.run(state.forwarder, state.metrics, request, path, body,
+                                        route, key, t_start, routing.cascade.min_mean_logprob)  # fmt: skip
+        response: web.StreamResponse | None = None
+    else:
+        payload = json.dumps(body).encode() if changed else raw
+        response, outcome = await state.forwarder.forward(
+            request, path, payload, route.tiers, key, stream, t_start
+        )
+    if response is None:
+        response = web.Response(
+            body=outcome.body,
+            status=outcome.status,
+            content_type="application/json",
+            headers={
+                "x-hybridllm-tier": outcome.tier,
+                "x-hybridllm-route": request["route_reason"],
+            },
+        )
+        tokens = proxy.usage_tokens(outcome.body)
+    else:
+        tokens = outcome.num_chunks
+    m = state.metrics
+    m.requests.labels(tier=outcome.tier, code=str(outcome.status)).inc()
+    m.added.observe(outcome.added_s)
+    m.ttft.labels(tier=outcome.tier).observe(outcome.ttft_s)
+    m.e2e.labels(tier=outcome.tier).observe(time.perf_counter() - t_start)
+    state.limiter.charge(key_name, tokens)
+    return response
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "/v1/chat/completions", oai.ChatCompletionRequest)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, "/v1/completions", oai.CompletionRequest)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = state.routing.model or "default"
+    cards = [oai.ModelCard(id=name)] + [
+        oai.ModelCard(id=f"{name}:{t}") for t in sorted(state.balancer.tiers)
+    ]
+    return web.json_response(oai.ModelList(data=cards).model_dump())
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    healthy = {t: len(p.healthy()) for t, p in state.balancer.tiers.items()}
+    if not any(healthy.values()):
+        return error_response(oai.MODEL_NOT_READY, f"no healthy backend replica: {healthy}")
+    return web.json_response({"status": "ok", "healthy_replicas": healthy})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=data, headers={"content-type": CONTENT_TYPE_LATEST})
+
+
+async def openapi_spec(request: web.Request) -> web.Response:
+    return web.json_response(openapi.spec())
+
+
+async def _startup(app: web.Application) -> None:
+    state = app[STATE]
+    s = state.settings
+    connector = aiohttp.TCPConnector(
+        limit=s.upstream_connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=10
+    )
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    state.forwarder = proxy.Forwarder(
+        session=session,
+        balancer=state.balancer,
+        metrics=state.metrics,
+        connect_timeout_s=s.connect_timeout_s,
+        first_byte_timeout_s=s.first_byte_timeout_s,
+        request_timeout_s=s.request_timeout_s,
+        max_attempts=s.max_attempts,
+    )
+    state.watchers = _watchers(state)
+    state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]
+
+
+async def _cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    for task in state.tasks:
+        task.cancel()
+    await asyncio.gather(*state.tasks, return_exceptions=True)
+    if state.forwarder is not None:
+        await state.forwarder.session.close()
+
+
+def create_app(settings: config_mod.GatewaySettings) -> web.Application:
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=settings.max_body_bytes * 2
+    )
+    app[STATE] = new_state(settings)
+    app.on_startup.append(_startup)
+    app.on_cleanup.append(_cleanup)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_spec)
+    return app

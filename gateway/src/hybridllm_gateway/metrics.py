@@ -1,0 +1,72 @@
+"""The gateway's Prometheus metrics, one registry per process (no module-level state).
+
+Names come from ``hybridllm_common.metrics`` where it has them; the gateway-only ones
+(added latency, upstream errors, ejections, reloads) are defined here with the same
+prefix and units. Added latency is the time a request spends in the gateway itself:
+from the moment its body is read to the moment the upstream request is sent, plus the
+time between the first upstream byte and its write to the client. Its buckets start at
+50 microseconds, where the runtimes' latency buckets would show nothing.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hybridllm_common import metrics as names
+
+ADDED_LATENCY_SECONDS = "hybridllm_gateway_added_latency_seconds"
+UPSTREAM_ERRORS_TOTAL = "hybridllm_gateway_upstream_errors_total"
+EJECTIONS_TOTAL = "hybridllm_gateway_ejections_total"
+RELOADS_TOTAL = "hybridllm_gateway_config_reloads_total"
+OUTSTANDING = "hybridllm_gateway_outstanding_requests"
+CASCADES_TOTAL = "hybridllm_gateway_cascades_total"
+
+ADDED_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            names.GATEWAY_REQUESTS_TOTAL, "Requests answered, by tier and status code.",
+            ["tier", "code"], registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            names.GATEWAY_ROUTE_DECISIONS_TOTAL, "Routing decisions, by tier and reason.",
+            ["tier", "reason"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first byte of the answer, by tier.",
+            ["tier"], buckets=names.LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            names.E2E_REQUEST_LATENCY_SECONDS, "End-to-end request latency, by tier.",
+            ["tier"], buckets=names.LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.upstream_latency = Histogram(
+            names.GATEWAY_UPSTREAM_LATENCY_SECONDS, "Time until the upstream answered headers.",
+            ["tier"], buckets=names.LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.added = Histogram(
+            ADDED_LATENCY_SECONDS, "Latency the gateway itself adds to a request.",
+            buckets=ADDED_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            UPSTREAM_ERRORS_TOTAL, "Failed upstream attempts, by tier and kind.",
+            ["tier", "kind"], registry=r,
+        )  # fmt: skip
+        self.ejections = Counter(
+            EJECTIONS_TOTAL, "Replicas ejected by the circuit breaker.", ["tier"], registry=r
+        )
+        self.reloads = Counter(RELOADS_TOTAL, "Routing table reloads.", registry=r)
+        self.outstanding = Gauge(
+            OUTSTANDING, "Requests in flight to each tier.", ["tier"], registry=r
+        )
+        self.cascades = Counter(CASCADES_TOTAL, "Edge answers re-asked of the cloud.", registry=r)
+        self.rejected = Counter(
+            names.REQUESTS_REJECTED_TOTAL, "Requests refused by the gateway, by code.",
+            ["code"], registry=r,
+        )  # fmt: skip

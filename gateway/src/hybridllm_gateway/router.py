@@ -1,0 +1,85 @@
+"""Tier choice: which tiers to try for a request, in order, and why.
+
+In order of precedence:
+
+1. An explicit choice wins: the ``x-hybridllm-tier: edge|cloud`` header, or a model name
+   suffix (``smollm2:edge``). No spill: the client asked for that tier.
+2. ``cloud-only`` / ``edge-only`` policies, or a table with one tier, leave no choice.
+3. Requests with tools go to the cloud (reason ``tools``): the edge runtime's small models
+   and llama.cpp chat templates do not do function calling reliably.
+   Requests beyond ``edgeLimits`` (estimated prompt tokens, ``max_tokens``) go to the cloud.
+4. ``cloud-first`` tries the cloud, then the edge; ``edge-first`` the edge, then the cloud;
+   ``auto`` asks the classifier (model, or rules when no model loads).
+5. An edge first choice spills to the cloud when every healthy edge replica has more than
+   ``maxQueueDepth`` requests outstanding (``spill_overload``) or no edge replica is
+   healthy (``spill_down``); the second tier in the list is also where a request goes
+   when every replica of the first failed before the first byte.
+
+The result is a :class:`Route`: the tiers to try and the reason label used in metrics and
+in the ``x-hybridllm-route`` response header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridllm_gateway import balancer as balancer_mod
+from hybridllm_gateway import classifier as classifier_mod
+from hybridllm_gateway import config as config_mod
+
+TIER_HEADER = "x-hybridllm-tier"
+TIERS = ("edge", "cloud")
+
+
+@dataclass(frozen=True)
+class Route:
+    tiers: tuple[str, ...]
+    reason: str
+
+
+def split_model(model: str) -> tuple[str, str | None]:
+    """``name:edge`` -> (``name``, ``edge``); other names unchanged."""
+    base, sep, suffix = model.rpartition(":")
+    if sep and suffix in TIERS:
+        return base, suffix
+    return model, None
+
+
+def choose(
+    routing: config_mod.RoutingConfig,
+    pools: dict[str, balancer_mod.TierPool],
+    classifier: classifier_mod.Classifier,
+    features: classifier_mod.Features,
+    explicit: str | None,
+) -> Route:
+    present = tuple(t for t in TIERS if t in pools and pools[t].replicas)
+    if explicit is not None:
+        return Route((explicit,), "explicit")
+    policy = routing.policy
+    if policy == config_mod.Policy.cloud_only:
+        return Route(("cloud",), "policy")
+    if policy == config_mod.Policy.edge_only:
+        return Route(("edge",), "policy")
+    if len(present) == 1:
+        return Route(present, "single_tier")
+    limits = routing.edge_limits
+    if features.prompt_tokens > limits.max_prompt_tokens or (
+        features.max_tokens is not None and features.max_tokens > limits.max_output_tokens
+    ):
+        return Route(("cloud",), "edge_limits")
+    if features.has_tools:
+        return Route(("cloud", "edge"), "tools")
+    if policy == config_mod.Policy.cloud_first:
+        return Route(("cloud", "edge"), "policy")
+    if policy == config_mod.Policy.edge_first:
+        first, reason = "edge", "policy"
+    else:
+        first, reason = classifier.decide(features)
+    if first == "cloud":
+        return Route(("cloud", "edge"), reason)
+    edge = pools["edge"]
+    if not edge.healthy():
+        return Route(("cloud",), "spill_down")
+    if edge.overloaded(limits.max_queue_depth):
+        return Route(("cloud",), "spill_overload")
+    return Route(("edge", "cloud"), reason)

@@ -1,0 +1,222 @@
+"""API keys, per-key rate limits, request bounds and the sensitive-content filter.
+
+Keys are stored hashed: the keys file (the Secret ``--api-keys-file`` names) holds one
+``NAME:SHA256HEX`` per line (``#`` comments allowed; ``hybridllm-gateway hash-key`` prints
+a line). A presented key is hashed and looked up, so the gateway never holds a plain key.
+No keys file means no authentication (the operator passes none without a Secret).
+
+Rate limits are token buckets per key, refilled continuously: one for requests (capacity
+and refill ``requestsPerMinute``) and one for tokens (``tokensPerMinute``). A request is
+admitted when both buckets are positive; the request bucket is charged 1 and the token
+bucket the estimated prompt tokens at admission, and the completion tokens when the answer
+is done (the usage field, or one token per streamed chunk). The token bucket may go
+negative, and the next request is refused with 429 and ``Retry-After`` = the seconds until
+it is positive again. Buckets live in each gateway process: with N gateway replicas a key
+gets up to N times the limit, the usual trade for a gateway with no shared store.
+
+The content filter scans the prompt for built-in PII patterns (email, credit card numbers
+that pass the Luhn check, US SSNs, phone numbers, IBANs), extra named regexes and a deny
+list of words; in ``block`` mode a hit is a 400 ``content_filtered`` naming what was found
+(never echoing it), in ``redact`` mode each hit is replaced by ``[REDACTED:<kind>]`` before
+the request goes upstream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridllm_common import openai_protocol as oai
+from hybridllm_gateway import config as config_mod
+from hybridllm_gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiKeys:
+    def __init__(self, hashes: dict[str, str] | None) -> None:
+        self.hashes = hashes  # sha256 hex -> key name; None: authentication off
+
+    @classmethod
+    def load(cls, path: Path | None) -> ApiKeys:
+        if path is None:
+            return cls(None)
+        hashes: dict[str, str] = {}
+        for num, raw in enumerate(path.read_text().splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, sep, digest = line.rpartition(":")
+            digest = digest.strip().lower()
+            if not sep or not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError(f"{path}:{num}: expected NAME:SHA256HEX")
+            hashes[digest] = name.strip() or digest[:8]
+        return cls(hashes)
+
+    def authenticate(self, authorization: str | None, x_api_key: str | None) -> str:
+        """The key's name; raises 401 for a missing or unknown key."""
+        if self.hashes is None:
+            return "anonymous"
+        key = x_api_key
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() == "bearer":
+                key = value.strip()
+        if not key:
+            raise APIError(oai.UNAUTHORIZED, "missing API key: send 'Authorization: Bearer KEY'")
+        name = self.hashes.get(hash_key(key))
+        if name is None:
+            raise APIError(oai.UNAUTHORIZED, "invalid API key")
+        return name
+
+
+@dataclass
+class TokenBucket:
+    per_minute: float
+    level: float = field(default=-1.0)
+    stamp: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.level < 0:
+            self.level = self.per_minute
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.per_minute, self.level + (now - self.stamp) * self.per_minute / 60.0)
+        self.stamp = now
+
+    def wait_s(self, need: float) -> float:
+        """Seconds until the bucket holds ``need`` (0 if it does now)."""
+        if self.level >= need:
+            return 0.0
+        return (need - self.level) * 60.0 / self.per_minute
+
+
+class RateLimiter:
+    def __init__(self, limits: config_mod.RateLimits) -> None:
+        self.limits = limits
+        self.buckets: dict[str, tuple[TokenBucket, TokenBucket]] = {}
+
+    def update(self, limits: config_mod.RateLimits) -> None:
+        self.limits = limits
+        for req, tok in self.buckets.values():
+            req.per_minute = limits.requests_per_minute
+            tok.per_minute = limits.tokens_per_minute
+
+    def admit(self, key: str, prompt_tokens: int) -> None:
+        buckets = self.buckets.get(key)
+        if buckets is None:
+            buckets = (
+                TokenBucket(self.limits.requests_per_minute),
+                TokenBucket(self.limits.tokens_per_minute),
+            )
+            self.buckets[key] = buckets
+        req, tok = buckets
+        now = time.monotonic()
+        req.refill(now)
+        tok.refill(now)
+        wait = max(req.wait_s(1.0), tok.wait_s(min(1.0, tok.per_minute)))
+        if wait > 0:
+            what = "requests" if req.level < 1.0 else "tokens"
+            raise APIError(
+                oai.RATE_LIMIT_EXCEEDED,
+                f"rate limit exceeded for key {key!r} ({what} per minute); retry after {math.ceil(wait)} s",
+                headers={"Retry-After": str(math.ceil(wait))},
+            )
+        req.level -= 1.0
+        tok.level -= prompt_tokens
+
+    def charge(self, key: str, tokens: int) -> None:
+        buckets = self.buckets.get(key)
+        if buckets is not None and tokens > 0:
+            buckets[1].level -= tokens
+
+
+def luhn_ok(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = int(ch)
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+PII_PATTERNS: dict[str, str] = {
+    "email": r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+",
+    "credit_card": r"\b\d(?:[ -]?\d){12,18}\b",
+    "us_ssn": r"\b\d{3}-\d{2}-\d{4}\b",
+    "phone": r"(?<![\w-])\+?\d{1,3}[ .-]\(?\d{2,4}\)?[ .-]\d{3,4}[ .-]?\d{3,4}\b",
+    "iban": r"\b[A-Z]{2}\d{2}[A-Z0-9]{11,30}\b",
+}
+
+
+class ContentFilter:
+    def __init__(self, cfg: config_mod.FilterConfig) -> None:
+        self.mode = cfg.mode
+        unknown = set(cfg.pii) - set(PII_PATTERNS)
+        if unknown:
+            raise ValueError(
+                f"unknown PII patterns {sorted(unknown)}; known: {sorted(PII_PATTERNS)}"
+            )
+        named = {k: PII_PATTERNS[k] for k in cfg.pii} | dict(cfg.patterns)
+        if cfg.deny:
+            named["deny_list"] = r"\b(?:" + "|".join(re.escape(w) for w in cfg.deny) + r")\b"
+        self.patterns = {
+            k: re.compile(v, re.IGNORECASE if k == "deny_list" else 0) for k, v in named.items()
+        }
+
+    @classmethod
+    def load(cls, path: Path | None) -> ContentFilter:
+        if path is None:
+            return cls(config_mod.FilterConfig())
+        return cls(config_mod.FilterConfig.model_validate_json(path.read_text()))
+
+    def _sub(self, text: str, found: set[str]) -> str:
+        for kind, pattern in self.patterns.items():
+
+            def repl(m: re.Match[str], kind: str = kind) -> str:
+                if kind == "credit_card" and not luhn_ok(re.sub(r"\D", "", m.group())):
+                    return m.group()
+                found.add(kind)
+                return f"[REDACTED:{kind}]"
+
+            text = pattern.sub(repl, text)
+        return text
+
+    def apply(self, body: dict[str, Any]) -> list[str]:
+        """Blocks (raises 400) or redacts the body in place; returns the kinds found."""
+        if self.mode == "off":
+            return []
+        found: set[str] = set()
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, str):
+                    m["content"] = self._sub(content, found)
+                elif isinstance(content, list):
+                    for part in content:
+                        if isinstance(part, dict) and isinstance(part.get("text"), str):
+                            part["text"] = self._sub(part["text"], found)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            body["prompt"] = self._sub(prompt, found)
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            body["prompt"] = [self._sub(p, found) for p in prompt]
+        if found and self.mode == "block":
+            raise APIError(
+                oai.CONTENT_FILTERED,
+                f"request blocked by the content filter: it contains {', '.join(sorted(found))}",
+                param="messages" if isinstance(messages, list) else "prompt",
+            )
+        return sorted(found)

@@ -1,0 +1,216 @@
+"""A small real OpenAI-compatible HTTP server that streams tokens at a fixed rate.
+
+It is the backend of the gateway's tests and benchmark where no runtime is needed: the
+same routes and error shape as the runtimes, requests validated by the shared OpenAI
+models, ``max_tokens`` tokens (default 16) sent ``1/rate`` seconds apart after
+``ttft_s``. Every answer names the server in ``system_fingerprint`` (so tests can see
+which replica answered), and ``/stats`` counts requests, completed and cancelled streams
+(a client that disconnects shows up as cancelled). ``--mean-logprob`` sets the logprob of
+every token when logprobs are asked for (the cascade's confidence signal), and
+``--fail-status`` makes every completion answer that HTTP status; ``--echo`` answers
+with the prompt it received (to see what the gateway sent upstream).
+
+``python -m hybridllm_gateway.tokenserver --port 9001 --id a --rate 100``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from hybridllm_common import openai_protocol as oai
+
+log = logging.getLogger(__name__)
+STATS = web.AppKey("stats", dict)
+OPTS = web.AppKey("opts", argparse.Namespace)
+
+
+def _error(code: str, message: str, param: str | None = None) -> web.Response:
+    status, body = oai.make_error(code, message, param)
+    return web.json_response(body.model_dump(), status=status)
+
+
+def _parse(
+    raw: bytes, model_cls: type[BaseModel]
+) -> tuple[dict[str, Any] | None, web.Response | None]:
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            return None, _error(oai.INVALID_REQUEST, "the body must be a JSON object")
+        model_cls.model_validate(body)
+    except ValueError as exc:
+        if isinstance(exc, ValidationError):
+            first = exc.errors()[0]
+            param = oai.validation_error_param(tuple(first.get("loc", ())))
+            return None, _error(oai.INVALID_PARAMETER, f"{param}: {first.get('msg')}", param)
+        return None, _error(oai.INVALID_REQUEST, f"not JSON: {exc}")
+    return body, None
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    opts, stats = request.app[OPTS], request.app[STATS]
+    stats["requests"] += 1
+    body, err = _parse(
+        await request.read(), oai.ChatCompletionRequest if chat else oai.CompletionRequest
+    )
+    if err is not None:
+        return err
+    assert body is not None
+    if opts.fail_status:
+        return _error(
+            oai.SERVER_OVERLOADED if opts.fail_status == 503 else oai.INTERNAL_ERROR,
+            "injected failure",
+        )
+    n = body.get("max_completion_tokens") or body.get("max_tokens") or opts.default_tokens
+    n = min(int(n), opts.max_tokens)
+    model = body.get("model") or opts.model
+    want_lp = bool(body.get("logprobs")) or body.get("logprobs") == 0
+    rid = oai.new_id("chatcmpl" if chat else "cmpl")
+    created = int(time.time())
+    interval = 1.0 / opts.rate
+    prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
+    if not body.get("stream"):
+        await asyncio.sleep(opts.ttft_s + interval * (n - 1))
+        text = opts.token * n
+        if opts.echo:
+            text = json.dumps(body.get("messages") or body.get("prompt"))
+        lp_chat = {
+            "content": [{"token": opts.token, "logprob": opts.mean_logprob, "top_logprobs": []}] * n
+        }
+        lp_cmpl = {"tokens": [opts.token] * n, "token_logprobs": [opts.mean_logprob] * n}
+        choice: dict[str, Any] = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "length"}
+        )
+        if want_lp:
+            choice["logprobs"] = lp_chat if chat else lp_cmpl
+        stats["completed"] += 1
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "system_fingerprint": opts.id,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n},
+        })  # fmt: skip
+    if chat:
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": opts.id,
+        }
+        delta = {"content": opts.token}
+        tok = json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        last = json.dumps(
+            {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+        )
+    else:
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": opts.id,
+        }
+        tok = json.dumps(
+            {**head, "choices": [{"index": 0, "text": opts.token, "finish_reason": None}]}
+        )
+        last = json.dumps(
+            {**head, "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+        )
+    tok_b, last_b = f"data: {tok}\n\n".encode(), f"data: {last}\n\ndata: [DONE]\n\n".encode()
+    resp = web.StreamResponse(
+        headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
+    )
+    stats["in_flight"] += 1
+    try:
+        await resp.prepare(request)
+        await asyncio.sleep(opts.ttft_s)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(n):
+            if i:
+                await asyncio.sleep(max(0.0, t0 + i * interval - loop.time()))
+            await resp.write(tok_b)
+        await resp.write(last_b)
+        stats["completed"] += 1
+    except (asyncio.CancelledError, ConnectionResetError, RuntimeError):
+        stats["cancelled"] += 1
+        raise
+    finally:
+        stats["in_flight"] -= 1
+    return resp
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, False)
+
+
+def create_app(opts: argparse.Namespace) -> web.Application:
+    app = web.Application()
+    app[OPTS] = opts
+    app[STATS] = {"requests": 0, "completed": 0, "cancelled": 0, "in_flight": 0}
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response({**request.app[STATS], "id": opts.id})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(oai.ModelList(data=[oai.ModelCard(id=opts.model)]).model_dump())
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    return app
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridllm-gateway tokenserver", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--id", default="tokenserver")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--rate", type=float, default=100.0, help="tokens per second per stream")
+    p.add_argument("--ttft-s", type=float, default=0.0)
+    p.add_argument("--default-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--token", default=" tok")
+    p.add_argument("--mean-logprob", type=float, default=-0.1)
+    p.add_argument("--fail-status", type=int, default=0)
+    p.add_argument("--echo", action="store_true", help="answer with the prompt (non-streaming)")
+    return p
+
+
+def run(opts: argparse.Namespace) -> int:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        log.info("uvloop not installed; using the default event loop")
+    web.run_app(create_app(opts), host=opts.host, port=opts.port, print=None, access_log=None,
+                handler_cancellation=True, backlog=4096)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(parser().parse_args()))
