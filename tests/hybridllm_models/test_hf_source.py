@@ -136,3 +136,14 @@ def test_unreachable_hub_fails_clearly(
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
     with pytest.raises(errors.SourceNotFoundError, match="no hub reachable"):
         Store().pull("hf://testorg/absent@main")
+
+
+def test_conversions_are_cached_by_source_and_target(store_root: Path, hub_cache: Path) -> None:
+    uri = f"hf://testorg/tiny-llama@{COMMIT}"
+    first = convert.ensure_artifact(uri, "gguf-f16")
+    again = convert.ensure_artifact(uri, "gguf-f16")
+    assert again.manifest.created_at == first.manifest.created_at
+    assert first.manifest.derived_from_sha256 == Store().pull(uri).content_sha256
+    rebuilt = convert.ensure_artifact(uri, "gguf-f16", force=True)
+    assert rebuilt.manifest.created_at != first.manifest.created_at
+    assert [f.sha256 for f in rebuilt.manifest.files] == [f.sha256 for f in first.manifest.files]
