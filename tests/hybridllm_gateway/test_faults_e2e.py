@@ -1,0 +1,74 @@
+"""Retries past a killed replica, ejection, and routing reloads under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+
+def test_killed_replica_is_retried_and_ejected(procs, table, ask) -> None:
+    a, b = procs.tokenservers(["cloud-a", "cloud-b"])
+    gw = procs.gateway(table(cloud=[a.url, b.url]))
+    a.kill()
+    answers = [ask(gw.url, "hi", headers={"x-session-id": f"s{i}"}) for i in range(20)]
+    assert [r.status_code for r in answers] == [200] * 20
+    assert {r.json()["system_fingerprint"] for r in answers} == {"cloud-b"}
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'hybridllm_gateway_ejections_total{tier="cloud"} 1.0' in metrics
+    # ejected after 3 connection failures: the rest went straight to cloud-b
+    assert 'hybridllm_gateway_upstream_errors_total{kind="connect",tier="cloud"} 3.0' in metrics
+    b.kill()
+    r = ask(gw.url, "hi")
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_unavailable"
+
+
+def test_5xx_before_first_byte_is_retried_on_another_replica(procs, table, ask) -> None:
+    bad = procs.tokenserver("cloud-bad", "--fail-status", "503")
+    good = procs.tokenserver("cloud-good")
+    gw = procs.gateway(table(cloud=[bad.url, good.url]))
+    answers = [ask(gw.url, "hi", stream=i % 2 == 0) for i in range(10)]
+    assert all(r.status_code == 200 for r in answers)
+
+
+def test_reload_under_load_drops_no_request(procs, table, tmp_path) -> None:
+    old, new = procs.tokenservers(["old", "new"], "--rate", "200")
+    gw = procs.gateway(table(edge=[old.url]))
+    config = tmp_path / "routing.json"
+    payload = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    stop = threading.Event()
+
+    def client() -> list[int]:
+        codes = []
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                codes.append(c.post(gw.url + "/v1/chat/completions", json=payload).status_code)
+        return codes
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(client) for _ in range(8)]
+        # the kubelet's way: write a new file, swap it in with a rename
+        for i in range(6):
+            target = new if i % 2 == 0 else old
+            staged = tmp_path / f"routing.{i}.json"
+            staged.write_text(json.dumps(table(edge=[target.url])))
+            os.replace(staged, config)
+            deadline = 300
+            while deadline and httpx.get(gw.url + "/metrics").text.count(
+                f"hybridllm_gateway_config_reloads_total {i + 1}.0"
+            ) == 0:
+                deadline -= 1
+            assert deadline, f"reload {i + 1} not seen"
+        stop.set()
+        codes = [c for f in futures for c in f.result()]
+    assert len(codes) > 50
+    assert set(codes) == {200}
+    assert old.stats()["completed"] > 0
+    assert new.stats()["completed"] > 0
+    with httpx.Client() as c:
+        r = c.post(gw.url + "/v1/chat/completions", json=payload)
+    assert r.json()["system_fingerprint"] == "old"  # the last table named `old`

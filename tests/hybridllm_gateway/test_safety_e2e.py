@@ -1,0 +1,68 @@
+"""Auth, rate limits and the content filter, through a gateway process."""
+
+from __future__ import annotations
+
+import json
+
+from hybridllm_gateway import safety
+
+
+def test_api_keys(procs, table, ask, tmp_path) -> None:
+    edge = procs.tokenserver("edge-a")
+    keys = tmp_path / "keys"
+    keys.write_text(f"# team keys\nalice:{safety.hash_key('sk-alice')}\n")
+    gw = procs.gateway(table(edge=[edge.url]), "--api-keys-file", str(keys))
+    r = ask(gw.url, "hi")
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "unauthorized"
+    r = ask(gw.url, "hi", headers={"authorization": "Bearer sk-wrong"})
+    assert r.status_code == 401
+    assert r.json()["error"]["message"] == "invalid API key"
+    assert ask(gw.url, "hi", headers={"authorization": "Bearer sk-alice"}).status_code == 200
+    assert ask(gw.url, "hi", headers={"x-api-key": "sk-alice"}).status_code == 200
+
+
+def test_request_and_token_rate_limits(procs, table, ask) -> None:
+    edge = procs.tokenserver("edge-a")
+    limits = {"requestsPerMinute": 3, "tokensPerMinute": 1_000_000}
+    gw = procs.gateway(table(edge=[edge.url], rateLimits=limits), name="a.json")
+    codes = [ask(gw.url, "hi").status_code for _ in range(4)]
+    assert codes == [200, 200, 200, 429]
+    r = ask(gw.url, "hi")
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(r.headers["retry-after"]) <= 20  # one request refills in 60/3 s
+
+    tokens = {"requestsPerMinute": 1000, "tokensPerMinute": 100}
+    gw2 = procs.gateway(table(edge=[edge.url], rateLimits=tokens), name="b.json")
+    assert ask(gw2.url, "hi", max_tokens=150).status_code == 200  # 150 completion tokens charged
+    r = ask(gw2.url, "hi")
+    assert r.status_code == 429
+    assert "tokens per minute" in r.json()["error"]["message"]
+
+
+def test_content_filter_blocks_and_redacts(procs, table, ask, tmp_path) -> None:
+    echo = procs.tokenserver("edge-echo", "--echo")
+    block = tmp_path / "block.json"
+    block.write_text(json.dumps({"mode": "block", "deny": ["project falcon"]}))
+    gw = procs.gateway(table(edge=[echo.url]), "--filter-config", str(block), name="a.json")
+    r = ask(gw.url, "mail me at jane.doe@example.com")
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "content_filtered"
+    assert "email" in err["message"]
+    assert "jane" not in err["message"]
+    assert ask(gw.url, "status of Project Falcon?").status_code == 400
+    assert ask(gw.url, "order 4111 1111 1111 1112 shipped").status_code == 200  # fails Luhn
+    assert echo.stats()["requests"] == 1
+
+    redact = tmp_path / "redact.json"
+    redact.write_text(json.dumps({"mode": "redact"}))
+    gw2 = procs.gateway(table(edge=[echo.url]), "--filter-config", str(redact), name="b.json")
+    r = ask(gw2.url, "card 4111 1111 1111 1111, ssn 123-45-6789, mail a@b.io")
+    assert r.status_code == 200
+    upstream_saw = r.json()["choices"][0]["message"]["content"]
+    assert "4111" not in upstream_saw
+    assert "[REDACTED:credit_card]" in upstream_saw
+    assert "[REDACTED:us_ssn]" in upstream_saw
+    assert "[REDACTED:email]" in upstream_saw
