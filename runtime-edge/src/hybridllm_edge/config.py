@@ -53,7 +53,9 @@ class EdgeSettings(BaseSettings):
         default=512, ge=16, description="tokens per engine step (prefill is chunked to fit)"
     )
     threads: int | None = Field(
-        default=None, ge=1, description="CPU threads for the backend (default: half the cores, as llama.cpp)"
+        default=None,
+        ge=1,
+        description="CPU threads for the backend (default: half the cores, as llama.cpp)",
     )
     max_waiting_requests: int = Field(
         default=64, ge=1, description="queue bound; beyond it requests get 503 + Retry-After"
