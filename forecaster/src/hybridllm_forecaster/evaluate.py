@@ -49,7 +49,7 @@ class EvalConfig:
     train_frac: float = 0.5
     model: str = "auto"
     upper_q: float = 0.9
-    des_max_requests: int = 300_000
+    des_max_requests: int = 60_000
     simulator: str = "auto"  # auto | des | fluid
 
 

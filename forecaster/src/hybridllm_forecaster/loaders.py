@@ -192,7 +192,7 @@ def _find_col(names: list[str], candidates: tuple[str, ...]) -> int | None:
 
 def _load_requests_csv(path: Path) -> RequestStream:
     try:
-        df = pd.read_csv(path, dtype=str, skipinitialspace=True, on_bad_lines="error")
+        df = pd.read_csv(path, skipinitialspace=True, on_bad_lines="error", low_memory=False)
     except pd.errors.ParserError as exc:
         match = re.search(r"line (\d+)", str(exc))
         raise TraceFormatError(path, int(match.group(1)) if match else None, str(exc)) from exc

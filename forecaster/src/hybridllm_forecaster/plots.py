@@ -125,9 +125,16 @@ def _frontier(res: EvalResult, path: Path, title: str) -> Path:
         chosen = res.test_result(fam)
         ax.plot(chosen.replica_hours, 100 * chosen.slo_attainment, "o", ms=11, mfc="none",
                 color=COLOURS[fam])  # fmt: skip
+    # zoom on the HPA's range: a runaway setting (a queue policy flapping) would squash it
+    hpa_hours = [r.replica_hours for _, r in res.test_runs["hpa"]]
+    hpa_att = [100 * r.slo_attainment for _, r in res.test_runs["hpa"]]
+    all_hours = [r.replica_hours for runs in res.test_runs.values() for _, r in runs]
+    ax.set_xlim(0.9 * min(all_hours), 1.3 * max(hpa_hours))
+    ax.set_ylim(max(0.0, min(hpa_att) - 10.0), 100.5)
     ax.set_xlabel("replica-hours on the test period (cost)")
     ax.set_ylabel("requests within TTFT and TBT SLO (%)")
-    ax.set_title(f"{title}: cost vs SLO (labels: target utilisation; circled: tuned on train)")
+    ax.set_title(f"{title}: cost vs SLO\n(labels: target utilisation; circled: tuned on the "
+                 "training period; up and left is better)")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
