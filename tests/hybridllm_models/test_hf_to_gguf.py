@@ -92,3 +92,24 @@ def test_variant_answers_chat_prompts(gguf_paths: dict[str, Path], target: str) 
         assert any(word in answer.lower() for word in accepted), (
             f"{target}: {question!r} -> {answer!r}"
         )
+
+
+def test_edge_gets_a_built_gguf_without_torch(
+    real_store: store.Store, gguf_paths: dict[str, Path]
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'transformers', 'onnx', 'safetensors'):\n"
+        "    sys.modules[name] = None  # importing any of them now raises ImportError\n"
+        "import hybridllm_models\n"
+        "print(hybridllm_models.ensure(target='gguf-q4_k_m'))\n"
+    )
+    env = {**os.environ, store.CACHE_ENV: str(real_store.root)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+    )
+    assert Path(out.stdout.strip()) == gguf_paths["gguf-q4_k_m"]
