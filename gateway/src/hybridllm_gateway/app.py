@@ -162,6 +162,8 @@ async def _handle(
     key_name = state.keys.authenticate(
         request.headers.get("authorization"), request.headers.get("x-api-key")
     )
+    if state.keys.hashes is None:  # no keys: limits apply per client address
+        key_name = f"ip:{request.remote}"
     try:
         body = json.loads(raw)
     except ValueError as exc:

@@ -3,7 +3,8 @@
 Keys are stored hashed: the keys file (the Secret ``--api-keys-file`` names) holds one
 ``NAME:SHA256HEX`` per line (``#`` comments allowed; ``hybridllm-gateway hash-key`` prints
 a line). A presented key is hashed and looked up, so the gateway never holds a plain key.
-No keys file means no authentication (the operator passes none without a Secret).
+No keys file means no authentication (the operator passes none without a Secret); the
+rate limits then apply per client address.
 
 Rate limits are token buckets per key, refilled continuously: one for requests (capacity
 and refill ``requestsPerMinute``) and one for tokens (``tokensPerMinute``). A request is
