@@ -35,6 +35,6 @@ def test_pull_list_verify(
 
 def test_errors_are_one_line(store_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["model", "pull", "ftp://example.org/model.gguf"]) == 1
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err
     assert err.startswith("error: unknown source scheme 'ftp'")
     assert "Traceback" not in err

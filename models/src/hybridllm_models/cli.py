@@ -20,40 +20,51 @@ log = logging.getLogger(__name__)
 
 
 class RichProgress:
-    def __init__(self, bars: Any) -> None:
-        self._bars = bars
+    """Rich bars on stderr, started on the first task (a cached artifact draws nothing)."""
+
+    def __init__(self) -> None:
+        self._bars: Any = None
 
     def task(self, description: str, total: int | None) -> Advance:
-        task_id = self._bars.add_task(description, total=total)
+        if self._bars is None:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+            from rich.progress import Progress as Bars
+
+            self._bars = Bars(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._bars.start()
+        bars = self._bars
+        task_id = bars.add_task(description, total=total)
 
         def advance(n: int) -> None:
-            self._bars.advance(task_id, n)
+            bars.advance(task_id, n)
 
         return advance
+
+    def stop(self) -> None:
+        if self._bars is not None:
+            self._bars.stop()
 
 
 @contextmanager
 def rich_progress() -> Iterator[Progress]:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-    from rich.progress import (
-        Progress as Bars,
-    )
-
-    with Bars(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bars:
-        yield RichProgress(bars)
+    progress = RichProgress()
+    try:
+        yield progress
+    finally:
+        progress.stop()
 
 
 def summary(artifact: store.Artifact) -> str:
