@@ -41,6 +41,10 @@ def write_all(res: EvalResult, out_dir: Path, title: str) -> list[Path]:
     return paths
 
 
+def _hours(h: float) -> str:
+    return f"{h:,.0f}" if h >= 100 else f"{h:.3g}"
+
+
 def _hours_axis(seconds: np.ndarray) -> tuple[np.ndarray, str]:
     if seconds.size and seconds[-1] > 2 * 86_400:
         return seconds / 86_400, "days into test period"
@@ -78,7 +82,7 @@ def _timeline(res: EvalResult, path: Path, title: str, zoom: bool) -> Path:
     ax.step(x, upper, where="post", color="tab:blue", lw=1, ls="--",
             label=f"forecast P{round(fc.upper_q * 100)}")  # fmt: skip
     ax.set_ylabel("demand\n(replicas at 100% busy)")
-    ax.set_title(f"{title}: forecast {h * bin_s / 60:g} min ahead (the scale-up lead time)")
+    ax.set_title(f"{title}: forecast {h * bin_s / 60:.3g} min ahead (the scale-up lead time)")
     ax.legend(loc="upper left", fontsize=8)
     ax = axes[1]
     ax.step(x, test_work, where="post", color="black", lw=1, ls=":", label="demand")
@@ -88,7 +92,7 @@ def _timeline(res: EvalResult, path: Path, title: str, zoom: bool) -> Path:
     for fam in ("hpa", "keda-queue", "predictive", "predictive+floor", "oracle"):
         r = res.test_result(fam)
         clipped = " (clipped)" if float(np.max(r.provisioned)) > top else ""
-        label = (f"{fam}: {r.replica_hours:,.0f} replica-h, "
+        label = (f"{fam}: {_hours(r.replica_hours)} replica-h, "
                  f"{100 * r.slo_attainment:.1f}% SLO{clipped}")  # fmt: skip
         ax.step(
             r.times_s * scale, r.provisioned, where="post", color=COLOURS[fam], lw=1, label=label
