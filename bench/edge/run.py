@@ -1,0 +1,282 @@
+"""Edge runtime benchmark: our server vs llama-cpp-python in-process and vs its own server.
+
+One command (from the repository root)::
+
+    uv run --no-sync python bench/edge/run.py --out bench/results/edge
+
+Peers, measured in the same run on the same GGUF (the shipped SmolLM2-135M Q4_1), with the
+same number of CPU threads:
+
+1. single stream: decode tokens/s of ``llama_cpp.Llama`` in-process vs ``hybridllm-edge
+   serve`` over HTTP (streamed; time between the first and the last token);
+2. 1, 4, 8 concurrent clients: aggregate output tokens/s and p95 request latency of our
+   server (``--parallel 8``, batched slots) vs ``python -m llama_cpp.server``;
+3. response cache: end-to-end latency of a repeated greedy question over loopback with the
+   ``openai`` client.
+
+``llama_cpp.server`` needs the ``server`` extra's packages that the workspace does not lock
+(sse-starlette, starlette-context); ``--peer-deps`` points at a folder holding them
+(``uv pip install --no-deps --target /tmp/llama_server_deps sse-starlette
+"starlette-context<0.4"``), put on the peer's PYTHONPATH only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [
+    "Write a long story about a dragon who learns to cook:\n",
+    "Explain in detail how a bicycle works:\n",
+    "Write a letter to a friend about your summer holidays:\n",
+    "Describe the history of the Roman empire:\n",
+    "List ten tips for learning a new language, with explanations:\n",
+    "Write a poem about the ocean at night:\n",
+    "Describe a day in the life of a farmer:\n",
+    "Explain why the sky is blue to a child:\n",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem = next(
+            line for line in Path("/proc/meminfo").read_text().splitlines() if "MemTotal" in line
+        )
+        ram_gib = int(mem.split()[1]) / (1 << 20)
+    except OSError:
+        ram_gib = 0.0
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "ram_gib": round(ram_gib, 1),
+        "load": os.getloadavg(),
+    }
+
+
+def start(cmd: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    log_path = Path(f"/tmp/bench-edge-{port}.log")  # a pipe would fill up and block the server
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:4]} exited: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{cmd[:4]} did not come up: {log_path.read_text()[-2000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def stream_completion(base: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    """One streamed /v1/completions request: latency, token count, decode tokens/s."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    headers = {"x-hybridllm-cache": "bypass"}
+    times: list[float] = []
+    t0 = time.perf_counter()
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json=body, headers=headers, timeout=600
+    ) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunk = json.loads(line[5:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    end = time.perf_counter()
+    n = len(times)
+    decode = (n - 1) / (times[-1] - times[0]) if n > 1 else 0.0
+    return {
+        "latency": end - t0,
+        "tokens": n,
+        "decode_tps": decode,
+        "ttft": times[0] - t0 if n else 0.0,
+    }
+
+
+def completion(base: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    """One non-streamed /v1/completions request (the peer's SSE needs an older sse-starlette)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.perf_counter()
+    r = httpx.post(
+        f"{base}/v1/completions", json=body, headers={"x-hybridllm-cache": "bypass"}, timeout=600
+    )
+    r.raise_for_status()
+    return {"latency": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"]}
+
+
+def in_process_single(gguf: str, threads: int, max_tokens: int, repeats: int) -> list[float]:
+    from llama_cpp import Llama
+
+    llm = Llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    rates = []
+    for i in range(repeats):
+        times = []
+        for chunk in llm.create_completion(
+            PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, temperature=0, stream=True
+        ):
+            if chunk["choices"][0]["text"]:
+                times.append(time.perf_counter())
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    del llm
+    return rates
+
+
+def load_test(base: str, clients: int, per_client: int, max_tokens: int) -> dict[str, float]:
+    def client(c: int) -> list[dict[str, float]]:
+        return [
+            completion(base, PROMPTS[(c + i) % len(PROMPTS)], max_tokens)
+            for i in range(per_client)
+        ]
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client, range(clients)) for r in rs]
+    wall = time.perf_counter() - t0
+    lat = sorted(r["latency"] for r in results)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "output_tokens": sum(r["tokens"] for r in results),
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "p95_latency_s": lat[min(len(lat) - 1, round(0.95 * (len(lat) - 1)))],
+        "median_latency_s": statistics.median(lat),
+    }
+
+
+def cache_latency(base: str, repeats: int) -> dict[str, float]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    ask = {"model": "", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+           "max_tokens": 16, "temperature": 0}  # fmt: skip
+    t0 = time.perf_counter()
+    client.chat.completions.create(**ask)
+    miss = time.perf_counter() - t0
+    lat = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        raw = client.chat.completions.with_raw_response.create(**ask)
+        raw.parse()
+        lat.append(time.perf_counter() - t0)
+        assert raw.headers["x-hybridllm-cache"] == "hit"
+    lat.sort()
+    return {"miss_s": miss, "hit_median_ms": 1000 * statistics.median(lat),
+            "hit_p95_ms": 1000 * lat[int(0.95 * (len(lat) - 1))], "repeats": repeats}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/edge")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--per-client", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--peer-deps", default="/tmp/llama_server_deps")
+    args = parser.parse_args()
+
+    import hybridllm_models
+
+    gguf = str(hybridllm_models.ensure(target="gguf"))
+    report: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "gguf": gguf,
+                              "threads": args.threads, "max_tokens": args.max_tokens}  # fmt: skip
+
+    ours_port, peer_port = free_port(), free_port()
+    ours_cmd = [sys.executable, "-m", "hybridllm_edge.cli", "serve", "--model", gguf, "--parallel", "8",
+                "--threads", str(args.threads), "--max-model-len", "1024", "--port", str(ours_port),
+                "--host", "127.0.0.1"]  # fmt: skip
+    peer_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "2048",
+                "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+                "--port", str(peer_port), "--host", "127.0.0.1"]  # fmt: skip
+    peer_env = {**os.environ, "PYTHONPATH": args.peer_deps}
+    report["ours_command"], report["peer_command"] = " ".join(ours_cmd), " ".join(peer_cmd)
+
+    print("single stream: in-process llama-cpp-python", flush=True)
+    raw = in_process_single(gguf, args.threads, args.max_tokens, args.repeats)
+    ours = start(ours_cmd, ours_port)
+    try:
+        base = f"http://127.0.0.1:{ours_port}"
+        stream_completion(base, PROMPTS[0], 4)  # warm up
+        print("single stream: ours", flush=True)
+        served = [
+            stream_completion(base, PROMPTS[i % 8], args.max_tokens)["decode_tps"]
+            for i in range(args.repeats)
+        ]
+        print("load: ours", flush=True)
+        ours_load = {
+            c: load_test(base, c, args.per_client, args.max_tokens) for c in args.concurrency
+        }
+        print("cache", flush=True)
+        report["cache"] = cache_latency(base, 50)
+    finally:
+        stop(ours)
+    peer = start(peer_cmd, peer_port, peer_env)
+    try:
+        base = f"http://127.0.0.1:{peer_port}"
+        completion(base, PROMPTS[0], 4)
+        print("load: llama_cpp.server", flush=True)
+        peer_load = {
+            c: load_test(base, c, args.per_client, args.max_tokens) for c in args.concurrency
+        }
+    finally:
+        stop(peer)
+
+    report["single_stream"] = {
+        "in_process_decode_tps": raw, "ours_decode_tps": served,
+        "ratio_median": statistics.median(served) / statistics.median(raw),
+    }  # fmt: skip
+    report["concurrency"] = [
+        {"clients": c, "ours": ours_load[c], "llama_cpp_server": peer_load[c],
+         "throughput_ratio": ours_load[c]["tokens_per_s"] / peer_load[c]["tokens_per_s"],
+         "p95_ratio": ours_load[c]["p95_latency_s"] / peer_load[c]["p95_latency_s"]}
+        for c in args.concurrency
+    ]  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
+    from plot import plot, write_markdown  # bench/edge/plot.py, beside this file
+
+    plot(report, Path(f"{args.out}.png"))
+    write_markdown(report, Path(f"{args.out}.md"))
+    print(Path(f"{args.out}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
