@@ -106,6 +106,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"First (computed) answer {1000 * c['miss_s']:.0f} ms; cached answer median "
         f"{c['hit_median_ms']:.2f} ms, p95 {c['hit_p95_ms']:.2f} ms over {c['repeats']} repeats (goal < 5 ms).",
         "",
+        f"With a plain keep-alive httpx client: median {c.get('httpx_hit_median_ms', float('nan')):.2f} ms, "
+        f"p95 {c.get('httpx_hit_p95_ms', float('nan')):.2f} ms.",
+        "",
         f"![plot]({path.with_suffix('.png').name})",
         "",
     ]

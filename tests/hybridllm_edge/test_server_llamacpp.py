@@ -116,6 +116,7 @@ def test_cancelled_stream_frees_its_slot(llamacpp_server) -> None:
     body = {
         "messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
         "max_tokens": 400,
+        "ignore_eos": True,  # still generating when the client goes away
         "temperature": 0,
         "stream": True,
     }

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,26 +25,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridllm_common import openai_protocol as oai
 from hybridllm_edge import cache, engine, sampling
+from hybridllm_edge.server import responses
+from hybridllm_edge.server.responses import Body, ChoiceState
 
 CACHE_HEADER = "x-hybridllm-cache"
 CONFIDENCE_HEADER = "x-hybridllm-mean-logprob"
-Body = oai.ChatCompletionRequest | oai.CompletionRequest
 
 
-@dataclass
-class _Choice:
-    pieces: list[str] = field(default_factory=list)
-    logprobs: list[tuple[int, sampling.Choice]] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_tokens: int = 0
-    logprob_sum: float = 0.0
-
-
-class Serving:
+class Serving(responses.ResponseShapes):
     def __init__(self, app: FastAPI, error: Callable[..., Exception]) -> None:
         self.app = app
         self.error = error
-        self.engine: engine.Engine = app.state.engine
+        self.engine: engine.Engine = getattr(app.state, "engine", None)  # type: ignore[assignment]
         self.metrics = app.state.metrics
         self.cache: cache.ResponseCache | None = app.state.cache
         self.chat_kind = True
@@ -216,7 +206,7 @@ class Serving:
     ) -> Response:
         ids, queue = self._start(prompt, params, body.n)
         items = self._items(ids, queue)
-        choices = [_Choice() for _ in ids]
+        choices = [ChoiceState() for _ in ids]
         status = "miss" if key is not None else "bypass"
         headers = {CACHE_HEADER: status}
         if key is not None:
@@ -301,7 +291,7 @@ class Serving:
         return hit
 
     @staticmethod
-    def _answer(prompt: list[int], c: _Choice) -> cache.CachedAnswer:
+    def _answer(prompt: list[int], c: ChoiceState) -> cache.CachedAnswer:
         return cache.CachedAnswer(
             pieces=tuple(c.pieces),
             finish_reason=c.finish_reason or "stop",
@@ -318,7 +308,7 @@ class Serving:
             total_tokens=hit.prompt_tokens + hit.completion_tokens,
             mean_logprob=hit.mean_logprob,
         )
-        c = _Choice(pieces=list(hit.pieces), finish_reason=hit.finish_reason)
+        c = ChoiceState(pieces=list(hit.pieces), finish_reason=hit.finish_reason)
         kind = "chatcmpl" if isinstance(body, oai.ChatCompletionRequest) else "cmpl"
         rid = oai.new_id(kind)
         if body.stream:
@@ -343,135 +333,6 @@ class Serving:
             yield self._usage_chunk(body, rid, usage)
         yield "data: [DONE]\n\n"
 
-    # --- response shapes ------------------------------------------------------------------
-
-    def _detok(self, ids: list[int]) -> str:
-        raw = b"".join(self.engine.backend.token_bytes(t) for t in ids)
-        return raw.decode("utf-8", "replace")
-
-    def _usage(self, prompt: list[int], choices: list[_Choice]) -> oai.Usage:
-        completion = sum(c.num_tokens for c in choices)
-        total_lp = sum(c.logprob_sum for c in choices)
-        return oai.Usage(
-            prompt_tokens=len(prompt),
-            completion_tokens=completion,
-            total_tokens=len(prompt) + completion,
-            mean_logprob=total_lp / completion if completion else None,
-        )
-
-    def _token_str(self, token_id: int) -> str:
-        return self.engine.backend.token_bytes(token_id).decode("utf-8", "replace")
-
-    def _chat_logprobs(self, lps: list[tuple[int, sampling.Choice]]) -> oai.ChoiceLogprobs:
-        return oai.ChoiceLogprobs(
-            content=[
-                oai.TokenLogprob(
-                    token=self._token_str(t),
-                    logprob=lp.logprob,
-                    top_logprobs=[
-                        oai.TopLogprob(token=self._token_str(a), logprob=v)
-                        for a, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                    ],
-                )
-                for t, lp in lps
-            ]
-        )
-
-    def _completion_logprobs(
-        self, lps: list[tuple[int, sampling.Choice]]
-    ) -> oai.CompletionLogprobs:
-        out = oai.CompletionLogprobs()
-        offset = 0
-        for t, lp in lps:
-            text = self._token_str(t)
-            out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(
-                {
-                    self._token_str(a): v
-                    for a, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                }
-            )
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
-
-    def _full_response(
-        self, body: Body, rid: str, choices: list[_Choice], usage: oai.Usage, echo: str
-    ) -> oai.ChatCompletionResponse | oai.CompletionResponse:
-        model = self.app.state.model_name
-        if isinstance(body, oai.ChatCompletionRequest):
-            return oai.ChatCompletionResponse(
-                id=rid,
-                model=model,
-                usage=usage,
-                choices=[
-                    oai.ChatChoice(
-                        index=i,
-                        message=oai.ChatResponseMessage(content="".join(c.pieces)),
-                        finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                        logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None,
-                    )
-                    for i, c in enumerate(choices)
-                ],
-            )
-        return oai.CompletionResponse(
-            id=rid,
-            model=model,
-            usage=usage,
-            choices=[
-                oai.CompletionChoice(
-                    index=i,
-                    text=echo + "".join(c.pieces),
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                    logprobs=self._completion_logprobs(c.logprobs)
-                    if body.logprobs is not None
-                    else None,
-                )
-                for i, c in enumerate(choices)
-            ],
-        )
-
-    def _chunk(
-        self,
-        body: Body,
-        rid: str,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        first: bool,
-        lps: list[tuple[int, sampling.Choice]] | None,
-    ) -> str:
-        model = self.app.state.model_name
-        obj: oai.ChatCompletionChunk | oai.CompletionResponse
-        if isinstance(body, oai.ChatCompletionRequest):
-            delta = oai.ChatDelta(content=text, role="assistant" if first else None)
-            lp = self._chat_logprobs(lps) if lps is not None and body.logprobs else None
-            choice = oai.ChatChunkChoice(
-                index=index, delta=delta, finish_reason=finish_reason, logprobs=lp
-            )  # type: ignore[arg-type]
-            obj = oai.ChatCompletionChunk(id=rid, model=model, choices=[choice])
-        else:
-            lp2 = (
-                self._completion_logprobs(lps)
-                if lps is not None and body.logprobs is not None
-                else None
-            )
-            cc = oai.CompletionChoice(
-                index=index, text=text, finish_reason=finish_reason, logprobs=lp2
-            )  # type: ignore[arg-type]
-            obj = oai.CompletionResponse(id=rid, model=model, choices=[cc])
-        return f"data: {json.dumps(obj.model_dump(exclude_none=True))}\n\n"
-
-    def _usage_chunk(self, body: Body, rid: str, usage: oai.Usage) -> str:
-        model = self.app.state.model_name
-        obj: oai.ChatCompletionChunk | oai.CompletionResponse
-        if isinstance(body, oai.ChatCompletionRequest):
-            obj = oai.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage)
-        else:
-            obj = oai.CompletionResponse(id=rid, model=model, choices=[], usage=usage)
-        return f"data: {json.dumps(obj.model_dump(exclude_none=True) | {'choices': []})}\n\n"
-
     async def _stream_chunks(
         self,
         body: Body,
@@ -479,14 +340,19 @@ class Serving:
         prompt: list[int],
         items: AsyncIterator[tuple[int, engine.Output]],
         record: Callable[[int, engine.Output], None],
-        choices: list[_Choice],
+        choices: list[ChoiceState],
         echo: str,
     ) -> AsyncIterator[str]:
         started: set[int] = set()
         async for tag, out in items:
             record(tag, out)
-            if not out.new_text and not out.finished and tag in started:
-                continue
+            wants_logprobs = (
+                body.logprobs is True
+                if isinstance(body, oai.ChatCompletionRequest)
+                else body.logprobs is not None
+            )
+            if not out.new_text and not out.finished and tag in started and not wants_logprobs:
+                continue  # a token that completes no character yet (part of a UTF-8 sequence)
             text = out.new_text
             first = tag not in started
             if first:
