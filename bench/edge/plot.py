@@ -81,7 +81,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"Model: SmolLM2-135M-Instruct Q4_1 (`{Path(report['gguf']).name}`), {report['threads']} "
         f"CPU thread(s) for both, greedy, max_tokens {report['max_tokens']}.",
         "",
-        "## Single stream (decode tokens/s, median of repeats)",
+        "## Single stream (decode tokens/s, median of alternating repeats)",
         "",
         "| llama-cpp-python in-process | hybridllm-edge over HTTP | ratio (goal >= 0.95) |",
         "|---|---|---|",
@@ -89,6 +89,10 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"| {s['ratio_median']:.2f} |",
         "",
         "## Concurrent clients vs `python -m llama_cpp.server`",
+        "",
+        f"Medians over {report.get('rounds', 1)} rounds; each round measures ours then the peer at each "
+        "level (both servers up, idle one costs no CPU). Each client sends "
+        "its requests one after another, non-streamed.",
         "",
         "| clients | ours tok/s | peer tok/s | throughput ratio (goal >= 2 at 8) | ours p95 s | peer p95 s | p95 ratio |",
         "|---|---|---|---|---|---|---|",

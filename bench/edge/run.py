@@ -139,21 +139,17 @@ def completion(base: str, prompt: str, max_tokens: int) -> dict[str, float]:
     return {"latency": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"]}
 
 
-def in_process_single(gguf: str, threads: int, max_tokens: int, repeats: int) -> list[float]:
-    from llama_cpp import Llama
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
-    llm = Llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
-    rates = []
-    for i in range(repeats):
-        times = []
-        for chunk in llm.create_completion(
-            PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, temperature=0, stream=True
-        ):
-            if chunk["choices"][0]["text"]:
-                times.append(time.perf_counter())
-        rates.append((len(times) - 1) / (times[-1] - times[0]))
-    del llm
-    return rates
+
+def in_process_decode(llm: Any, prompt: str, max_tokens: int) -> float:
+    """Decode tokens/s of llama-cpp-python in-process, streamed, first to last token."""
+    times = []
+    for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0, stream=True):
+        if chunk["choices"][0]["text"]:
+            times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0])
 
 
 def load_test(base: str, clients: int, per_client: int, max_tokens: int) -> dict[str, float]:
@@ -220,6 +216,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--per-client", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating ours/peer rounds")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--peer-deps", default="/tmp/llama_server_deps")
     args = parser.parse_args()
@@ -240,45 +237,52 @@ def main() -> int:
     peer_env = {**os.environ, "PYTHONPATH": args.peer_deps}
     report["ours_command"], report["peer_command"] = " ".join(ours_cmd), " ".join(peer_cmd)
 
-    print("single stream: in-process llama-cpp-python", flush=True)
-    raw = in_process_single(gguf, args.threads, args.max_tokens, args.repeats)
+    # Both servers stay up (an idle server costs no CPU) and every measurement alternates
+    # ours / peer, so a burst of load on this shared machine hits both alike.
+    from llama_cpp import Llama
+
+    llm = Llama(
+        gguf, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False
+    )
     ours = start(ours_cmd, ours_port)
+    peer = start(peer_cmd, peer_port, peer_env)
+    ours_base, peer_base = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{peer_port}"
     try:
-        base = f"http://127.0.0.1:{ours_port}"
-        stream_completion(base, PROMPTS[0], 4)  # warm up
-        print("single stream: ours", flush=True)
-        served = [
-            stream_completion(base, PROMPTS[i % 8], args.max_tokens)["decode_tps"]
-            for i in range(args.repeats)
-        ]
-        print("load: ours", flush=True)
-        ours_load = {
-            c: load_test(base, c, args.per_client, args.max_tokens) for c in args.concurrency
-        }
+        stream_completion(ours_base, PROMPTS[0], 4)  # warm up
+        completion(peer_base, PROMPTS[0], 4)
+        raw, served = [], []
+        for i in range(args.repeats):
+            print(f"single stream {i}", flush=True)
+            raw.append(in_process_decode(llm, PROMPTS[i % 8], args.max_tokens))
+            served.append(
+                stream_completion(ours_base, PROMPTS[i % 8], args.max_tokens)["decode_tps"]
+            )
+        del llm
+        rounds: dict[int, list[tuple[dict[str, float], dict[str, float]]]] = {}
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                print(f"round {r}: {c} clients", flush=True)
+                o = load_test(ours_base, c, args.per_client, args.max_tokens)
+                p = load_test(peer_base, c, args.per_client, args.max_tokens)
+                rounds.setdefault(c, []).append((o, p))
         print("cache", flush=True)
-        report["cache"] = cache_latency(base, 50)
+        report["cache"] = cache_latency(ours_base, 50)
     finally:
         stop(ours)
-    peer = start(peer_cmd, peer_port, peer_env)
-    try:
-        base = f"http://127.0.0.1:{peer_port}"
-        completion(base, PROMPTS[0], 4)
-        print("load: llama_cpp.server", flush=True)
-        peer_load = {
-            c: load_test(base, c, args.per_client, args.max_tokens) for c in args.concurrency
-        }
-    finally:
         stop(peer)
 
     report["single_stream"] = {
         "in_process_decode_tps": raw, "ours_decode_tps": served,
-        "ratio_median": statistics.median(served) / statistics.median(raw),
+        "ratio_median": statistics.median(o / r for o, r in zip(served, raw, strict=True)),
     }  # fmt: skip
+    report["rounds"] = args.rounds
     report["concurrency"] = [
-        {"clients": c, "ours": ours_load[c], "llama_cpp_server": peer_load[c],
-         "throughput_ratio": ours_load[c]["tokens_per_s"] / peer_load[c]["tokens_per_s"],
-         "p95_ratio": ours_load[c]["p95_latency_s"] / peer_load[c]["p95_latency_s"]}
-        for c in args.concurrency
+        {"clients": c, "ours": _median_run([o for o, _ in runs]),
+         "llama_cpp_server": _median_run([p for _, p in runs]),
+         "throughput_ratio": statistics.median(o["tokens_per_s"] / p["tokens_per_s"] for o, p in runs),
+         "p95_ratio": statistics.median(o["p95_latency_s"] / p["p95_latency_s"] for o, p in runs),
+         "runs": [{"ours": o, "llama_cpp_server": p} for o, p in runs]}
+        for c, runs in rounds.items()
     ]  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
