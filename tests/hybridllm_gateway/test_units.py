@@ -180,3 +180,11 @@ def test_mean_logprob_sources() -> None:
     legacy = {"choices": [{"logprobs": {"token_logprobs": [None, -2.0, -4.0]}}]}
     assert cascade.mean_logprob({}, legacy) == -3.0
     assert cascade.mean_logprob({}, {"choices": [{"message": {}}]}) is None
+
+
+def test_panic_mode_when_every_replica_is_ejected() -> None:
+    p = pool(2)
+    for r in p.replicas:
+        r.ejected_until = float("inf")
+    assert p.healthy() == []  # the router sees the tier as down
+    assert p.pick(None) in p.replicas  # but a request still gets a replica to try

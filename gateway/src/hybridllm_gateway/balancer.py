@@ -18,7 +18,10 @@ ties broken at random in proportion to weight; weights split traffic between rev
 Ejection is passive: ``eject_after_failures`` consecutive failures (connection errors,
 timeouts, 5xx before the first byte) eject a replica for ``eject_base_s``, doubling on each
 ejection in a row up to ``eject_max_s``. When the time is up the replica takes traffic
-again; one more failure ejects it again for longer, one success clears the record.
+again; one more failure ejects it again for longer, one success clears the record. A tier
+whose replicas are all ejected is picked from in full (panic mode): with one replica, an
+ejection would otherwise turn a burst of connect timeouts into seconds of certain 502s.
+The router still sees such a tier as down and spills away from it where it can.
 
 Replica state (outstanding count, failures) is kept by URL across routing reloads, so a
 request in flight during a reload still decrements the right counter.
@@ -88,6 +91,11 @@ class TierPool:
         now = time.monotonic() if now is None else now
         return [r for r in self.replicas if r.healthy(now)]
 
+    def candidates(self, now: float) -> list[Replica]:
+        """The healthy replicas or, when every one is ejected, all of them (panic mode, as
+        Envoy does below its panic threshold): failing every request is never better."""
+        return self.healthy(now) or [r for r in self.replicas if r.weight > 0]
+
     def overloaded(self, max_outstanding: int) -> bool:
         """True when every healthy replica already has more than ``max_outstanding``."""
         healthy = self.healthy()
@@ -97,7 +105,7 @@ class TierPool:
         self, key: str | None, exclude: set[str] | frozenset[str] = frozenset()
     ) -> Replica | None:
         now = time.monotonic()
-        candidates = [r for r in self.healthy(now) if r.url not in exclude]
+        candidates = [r for r in self.candidates(now) if r.url not in exclude]
         if not candidates:
             return None
         if len(candidates) == 1:

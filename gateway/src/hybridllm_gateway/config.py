@@ -143,7 +143,9 @@ class GatewaySettings(BaseModel):
     filter_config: Path | None = None
     classifier: Path | None = None
     reload_interval_s: float = Field(default=1.0, gt=0)
-    connect_timeout_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="Above the 1 s + 3 s SYN retries."
+    )
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_attempts: int = Field(default=3, ge=1, le=10)
