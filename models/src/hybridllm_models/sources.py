@@ -18,7 +18,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import shutil
 import urllib.error
 import urllib.request
 import zipfile
@@ -256,7 +255,3 @@ def summarize(staging: Path, primary: str) -> tuple[str, str, int]:
         return "gguf", quant, num_params
     num_params, dtype = fileinfo.safetensors_summary(sorted(staging.glob("*.safetensors")))
     return "safetensors", dtype, num_params
-
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=False)
