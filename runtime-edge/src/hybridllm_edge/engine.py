@@ -100,7 +100,8 @@ class Engine:
         self._waiting: collections.deque[EngineRequest] = collections.deque()
         self._running: list[EngineRequest] = []
         self._free_slots = list(range(self.info.num_slots))
-        self._num_waiting = 0  # readable from other threads
+        self._num_waiting = 0  # in the inbox, not yet seen by the engine; under _count_lock
+        self._count_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._idle = threading.Condition()
@@ -119,7 +120,8 @@ class Engine:
         self.backend.close()
 
     def add(self, request: EngineRequest) -> None:
-        self._num_waiting += 1
+        with self._count_lock:
+            self._num_waiting += 1
         self._inbox.put(("add", request))
 
     def abort(self, request_id: str) -> None:
@@ -127,7 +129,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self._num_waiting + len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -162,7 +164,8 @@ class Engine:
             if kind == "add":
                 assert isinstance(item, EngineRequest)
                 self._waiting.append(item)
-                self._num_waiting -= 1
+                with self._count_lock:
+                    self._num_waiting -= 1
             elif kind == "abort":
                 self._abort(str(item))
             try:

@@ -17,7 +17,8 @@ def resolve_model(settings: config.EdgeSettings) -> tuple[Path, str]:
     """Path to load and its revision: a local file/folder as is, anything else via the store."""
     local = Path(settings.model)
     if local.exists():
-        return local, f"local-{local.name}"
+        stat = local.stat()  # a changed file is another revision (and another cache key)
+        return local, f"local/{local.resolve()}/{stat.st_size}/{stat.st_mtime_ns}"
     import hybridllm_models
 
     artifact = hybridllm_models.ensure_artifact(settings.model, target=settings.store_target())
