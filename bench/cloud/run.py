@@ -156,13 +156,10 @@ def sweep(path: Path, hf: torch.nn.Module, args: argparse.Namespace) -> list[dic
 
 
 def swe_system_prompt() -> str:
+    """The shared head of an agent session: system prompt + the task/instructions message."""
     traj = json.loads((TRACES / "swe-agent" / "function_calling_simple.traj").read_text())
-    history = traj.get("history") or traj.get("trajectory", [{}])[0].get("messages", [])
-    for msg in history:
-        if msg.get("role") == "system":
-            content = msg["content"]
-            return content if isinstance(content, str) else str(content)
-    return json.dumps(traj)[:8000]
+    history = traj["history"]
+    return "\n".join(str(m.get("content", "")) for m in history[:2])
 
 
 def prefix_sharing(path: Path, args: argparse.Namespace) -> dict:
@@ -192,8 +189,10 @@ def mooncake(path: Path, args: argparse.Namespace) -> dict:
     reqs = [json.loads(ln) for ln in lines[: args.mooncake_requests]]
     bs, tok_per_block = 16, args.mooncake_tokens_per_block
     prompts, seen, best_hit, total = [], set(), 0, 0
+    max_blocks = args.mooncake_max_tokens // tok_per_block
     for r in reqs:
         ids: list[int] = []
+        r["hash_ids"] = r["hash_ids"][:max_blocks]
         for h in r["hash_ids"]:
             ids += [(h * 131 + k * 17) % 40000 + 100 for k in range(tok_per_block)]
         prompts.append(ids)
@@ -359,6 +358,12 @@ def main() -> int:
     ap.add_argument("--mooncake-requests", type=int, default=24)
     ap.add_argument("--mooncake-tokens-per-block", type=int, default=16)
     ap.add_argument("--mooncake-concurrency", type=int, default=8)
+    ap.add_argument("--mooncake-max-tokens", type=int, default=1536, help="prompt cap")
+    ap.add_argument(
+        "--resume-log",
+        default=None,
+        help="take the sweep rows printed by an earlier run's log instead of re-running them",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--threads",
@@ -391,7 +396,17 @@ def main() -> int:
     report = {"machine": machine(), "command": " ".join(["uv run python bench/cloud/run.py", *sys.argv[1:]]),
               "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
               "model": str(path), "dtype": "float32", "args": vars(args)}  # fmt: skip
-    report["sweep"] = sweep(path, hf, args)
+    if args.resume_log:
+        rows = [json.loads(ln) for ln in Path(args.resume_log).read_text().splitlines()
+                if ln.startswith('{"variant"')]  # fmt: skip
+        seq = next((r["ours"]["tok_s"] for r in rows if r["concurrency"] == 1), None)
+        for r in rows:
+            if r["variant"] == "fixed" and seq:
+                r["ratio_vs_sequential"] = r["ours"]["tok_s"] / seq
+        report["sweep_from_log"] = args.resume_log
+        report["sweep"] = rows
+    else:
+        report["sweep"] = sweep(path, hf, args)
     report["prefix"] = prefix_sharing(path, args)
     report["mooncake"] = mooncake(path, args)
     report["elapsed_s"] = time.time() - t0
