@@ -188,3 +188,21 @@ def test_panic_mode_when_every_replica_is_ejected() -> None:
         r.ejected_until = float("inf")
     assert p.healthy() == []  # the router sees the tier as down
     assert p.pick(None) in p.replicas  # but a request still gets a replica to try
+
+
+def test_the_operators_command_line_parses() -> None:
+    import argparse
+
+    from hybridllm_gateway import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["serve", "--config", "/etc/hybridllm/routing.json", "--port", "8000",
+         "--api-keys-file", "/etc/hybridllm-keys/keys"]
+    )  # fmt: skip
+    settings = cli.settings_from_args(args)
+    assert str(settings.config) == "/etc/hybridllm/routing.json"
+    assert settings.port == 8000
+    assert str(settings.api_keys_file) == "/etc/hybridllm-keys/keys"
+    assert settings.workers == 1
