@@ -105,6 +105,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._idle = threading.Condition()
+        self._is_idle = True  # set by the engine only at the end of a loop (after releases)
 
     # --- other threads ----------------------------------------------------------------------
 
@@ -120,7 +121,8 @@ class Engine:
         self.backend.close()
 
     def add(self, request: EngineRequest) -> None:
-        with self._count_lock:
+        with self._idle, self._count_lock:  # one step with the idle flag: no false idle
+            self._is_idle = False
             self._num_waiting += 1
         self._inbox.put(("add", request))
 
@@ -138,10 +140,7 @@ class Engine:
     def wait_idle(self, timeout: float) -> bool:
         """True once no request is queued or running (tests, graceful shutdown)."""
         with self._idle:
-            return self._idle.wait_for(
-                lambda: not self._running and not self._waiting and self._num_waiting == 0,
-                timeout=timeout,
-            )
+            return self._idle.wait_for(lambda: self._is_idle, timeout=timeout)
 
     # --- engine thread ----------------------------------------------------------------------
 
@@ -153,6 +152,7 @@ class Engine:
             if self._running:
                 self._step()
             with self._idle:
+                self._is_idle = not self._running and not self._waiting and self._num_waiting == 0
                 self._idle.notify_all()
 
     def _drain(self, block: bool) -> None:
