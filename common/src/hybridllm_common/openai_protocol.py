@@ -76,6 +76,24 @@ def make_error(code: str, message: str, param: str | None = None) -> tuple[int, 
     return status, ErrorResponse(error=detail)
 
 
+class APIError(Exception):
+    """An error a server answers with: one of the stable codes, the message, the parameter.
+
+    Raised anywhere in a request's handling; each server (cloud, edge, gateway) renders it
+    with :func:`make_error` in its own web framework.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.headers = code, message, param, headers
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -8,17 +8,7 @@ from aiohttp import web
 
 from hybridllm_common import openai_protocol as oai
 
-
-class APIError(Exception):
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param, self.headers = code, message, param, headers
+APIError = oai.APIError
 
 
 def error_response(

@@ -28,16 +28,7 @@ from hybridllm_edge.server import serving
 log = logging.getLogger(__name__)
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param, self.headers = code, message, param, headers
+APIError = oai.APIError
 
 
 def error_response(
