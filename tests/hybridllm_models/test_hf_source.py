@@ -103,7 +103,8 @@ def test_hf_source_converts_to_gguf(store_root: Path, hub_cache: Path, hf_dir: P
     assert convert.ensure(uri, "hf") == Store().pull(uri).path
     gguf_path = convert.ensure(uri, "gguf")
     assert gguf_path.name == "model-f16.gguf"
-    llm = llama_cpp.Llama(str(gguf_path), n_ctx=64, verbose=False, n_threads=1)
+    # logits_all: every evaluated position gets its logits row (otherwise only the last is written)
+    llm = llama_cpp.Llama(str(gguf_path), n_ctx=64, verbose=False, n_threads=1, logits_all=True)
     from tokenizers import Tokenizer
 
     text = "Hello, world! 42 <|im_end|>"
