@@ -38,12 +38,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def run_standalone(
+    prog: str,
+    description: str | None,
+    add_commands: Callable[[Any], None],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """The body of a distribution's own command (`hybridllm-cloud`, `hybridllm-edge`, ...).
+
+    ``add_commands`` is the same function the distribution uses under `hybridllm NAME`, so
+    both spellings take the same subcommands and flags.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    return int(args.func(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
     if func is None:

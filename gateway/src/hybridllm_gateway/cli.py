@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridllm_common import cli as common_cli
 from hybridllm_gateway import config as config_mod
 
 log = logging.getLogger(__name__)
@@ -147,13 +148,7 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridllm-gateway", description=__doc__)
-    _add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return int(args.func(args))
+    return common_cli.run_standalone("hybridllm-gateway", __doc__, _add_commands, argv)
 
 
 if __name__ == "__main__":

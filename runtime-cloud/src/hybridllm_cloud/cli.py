@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridllm_cloud import config as config_mod
+from hybridllm_common import cli as common_cli
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,7 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridllm-cloud", description=__doc__)
-    _add_serve(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return int(args.func(args))
+    return common_cli.run_standalone("hybridllm-cloud", __doc__, _add_serve, argv)
 
 
 if __name__ == "__main__":

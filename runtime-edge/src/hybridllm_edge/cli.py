@@ -14,6 +14,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from hybridllm_common import cli as common_cli
 from hybridllm_edge import config
 
 log = logging.getLogger(__name__)
@@ -78,13 +79,7 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridllm-edge", description=__doc__)
-    _add_serve(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return int(args.func(args))
+    return common_cli.run_standalone("hybridllm-edge", __doc__, _add_serve, argv)
 
 
 if __name__ == "__main__":
