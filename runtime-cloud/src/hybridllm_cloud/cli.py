@@ -14,6 +14,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+import pydantic
+
 from hybridllm_cloud import config as config_mod
 from hybridllm_common import cli as common_cli
 
@@ -54,7 +56,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     from hybridllm_cloud.server import app as app_mod
 
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except pydantic.ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            print(f"hybridllm-cloud serve: {where + ': ' if where else ''}{msg}", file=sys.stderr)
+        return 2
     if settings.torch_threads is not None:
         import torch
 

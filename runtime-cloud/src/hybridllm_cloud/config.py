@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybridllm_cloud.engine import llm_engine
@@ -25,8 +25,36 @@ class ServeSettings(BaseSettings):
     served_model_name: str | None = Field(
         default=None, description="name in /v1/models (default: derived from --model)"
     )
-    role: Literal["monolithic"] = Field(
-        default="monolithic", description="engine role (prefill/decode come with disaggregation)"
+    role: Literal["monolithic", "prefill", "decode"] = Field(
+        default="monolithic",
+        description="monolithic; prefill (serves remote prefills on --kv-port); decode "
+        "(sends long prompts to --prefill-url)",
+    )
+    kv_port: int = Field(
+        default=8001, ge=0, le=65535, description="prefill role: port of the KV transfer server"
+    )
+    kv_socket: str | None = Field(
+        default=None, description="prefill role: also listen on this Unix socket path"
+    )
+    prefill_url: str | None = Field(
+        default=None,
+        description="decode role: prefill workers, comma-separated tcp://HOST:PORT or "
+        "unix:///PATH (a host name is resolved to all its addresses)",
+    )
+    local_prefill_threshold: int = Field(
+        default=256,
+        ge=0,
+        description="decode role: prompts with at most this many uncached tokens are "
+        "prefilled locally",
+    )
+    max_remote_prefills_per_worker: int = Field(
+        default=8, ge=1, description="decode role: concurrent transfers per prefill worker"
+    )
+    kv_transfer_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="KV transfer: connect and per-frame timeout"
+    )
+    kv_transfer_retries: int = Field(
+        default=1, ge=0, description="decode role: other prefill workers to try after a failure"
     )
     host: str = Field(default="0.0.0.0", description="listen address")
     port: int = Field(default=8000, description="listen port")
@@ -52,6 +80,19 @@ class ServeSettings(BaseSettings):
     )
     retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on 503")
 
+    @model_validator(mode="after")
+    def _role_needs(self) -> ServeSettings:
+        if self.role == "decode" and not self.prefill_url:
+            raise ValueError("prefill_url: the decode role needs --prefill-url")
+        if self.prefill_url:
+            from hybridllm_cloud.disagg import transport
+
+            try:
+                transport.parse_endpoints(self.prefill_url)
+            except ValueError as exc:
+                raise ValueError(f"prefill_url: {exc}") from exc
+        return self
+
     def engine_config(self) -> llm_engine.EngineConfig:
         return llm_engine.EngineConfig(
             block_size=self.block_size,
@@ -64,4 +105,6 @@ class ServeSettings(BaseSettings):
             enable_chunked_prefill=self.enable_chunked_prefill,
             dtype=self.dtype,
             device=self.device,
+            role=self.role,
+            local_prefill_threshold=self.local_prefill_threshold,
         )

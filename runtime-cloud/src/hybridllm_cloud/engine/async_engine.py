@@ -4,7 +4,8 @@ The HTTP side never runs engine code: it puts commands (add, abort) in a thread-
 inbox and receives outputs on its own asyncio queue through ``call_soon_threadsafe``.
 The engine thread drains the inbox between steps, so an abort (client disconnect) takes
 effect at the next step boundary and frees the request's blocks there. With nothing to
-do, the thread sleeps on an event that the next command sets.
+do, the thread sleeps on an event that the next command sets, or, in the decode role, a
+finished KV transfer (``engine.notify``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        engine.notify = self._wake.set
         self._pending_lock = threading.Lock()
         self.num_pending = 0  # added but not yet seen by the engine thread
         self.stats = engine.stats()
@@ -67,12 +69,13 @@ class AsyncEngine:
         priority: Priority,
         out: asyncio.Queue[tuple[int, llm_engine.RequestOutput | BaseException]],
         tag: int = 0,
+        kv_export: tuple[int, llm_engine.ExportSink] | None = None,
     ) -> None:
         """Queues a request; its outputs arrive on ``out`` as ``(tag, output)``."""
         sink = _Sink(asyncio.get_running_loop(), out, tag)
         with self._pending_lock:
             self.num_pending += 1
-        self._inbox.put(("add", (request_id, prompt_token_ids, params, priority, sink)))
+        self._inbox.put(("add", (request_id, prompt_token_ids, params, priority, sink, kv_export)))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -99,11 +102,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id, prompt, params, priority, sink = payload  # type: ignore[misc]
+                request_id, prompt, params, priority, sink, export = payload  # type: ignore[misc]
                 with self._pending_lock:
                     self.num_pending -= 1
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority)
+                    self.engine.add_request(request_id, prompt, params, priority, export)
                 except ValueError as exc:
                     self._deliver(sink, exc)
                     continue
@@ -123,6 +126,11 @@ class AsyncEngine:
                 with self._idle:
                     self._idle.notify_all()
                 self._wake.wait()
+                continue
+            if not self.engine.has_schedulable():
+                # Only requests waiting for remote KV: sleep until a transfer ends or a
+                # command arrives (both set the event); the timeout is a safety net.
+                self._wake.wait(timeout=1.0)
                 continue
             try:
                 outputs = self.engine.step()

@@ -7,7 +7,9 @@ room for its next tokens, which returns False when the pool is exhausted so the 
 can preempt. Full blocks are hashed and registered in the prefix cache as soon as the
 tokens that fill them are scheduled: the model runner writes every scheduled token's K/V
 before any attention of the same layer reads it, so a block is safe to share from the
-step in which it is computed (vLLM v1 does the same).
+step in which it is computed (vLLM v1 does the same). Blocks that a prefill worker
+fills (``allocate(..., register=False)``) are registered only once their K/V have arrived
+(``register_computed``), so no other request can read a block that is still in flight.
 """
 
 from __future__ import annotations
@@ -82,8 +84,13 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[block_pool.KVBlock],
+        register: bool = True,
     ) -> list[block_pool.KVBlock]:
-        """Takes the prefix blocks and new blocks for ``num_new_tokens``; returns the new ones."""
+        """Takes the prefix blocks and new blocks for ``num_new_tokens``; returns the new ones.
+
+        ``register=False``: the new blocks are filled from elsewhere; their hashes are
+        registered by ``register_computed`` once they are.
+        """
         if request.request_id in self.req_to_blocks:
             raise ValueError(f"request {request.request_id} already holds blocks")
         self.pool.touch(computed_blocks)
@@ -92,7 +99,7 @@ class KVCacheManager:
         request.num_computed_tokens = len(computed_blocks) * self.block_size
         self.req_to_blocks[request.request_id] = list(computed_blocks)
         self.req_to_num_cached_blocks[request.request_id] = len(computed_blocks)
-        return self._grow(request, num_new_tokens)
+        return self._grow(request, num_new_tokens, register)
 
     def append_slot(self, request: Request, num_new_tokens: int = 1) -> bool:
         """Room for ``num_new_tokens`` more tokens of a running request; False if none."""
@@ -102,12 +109,19 @@ class KVCacheManager:
         self._grow(request, num_new_tokens)
         return True
 
-    def _grow(self, request: Request, num_new_tokens: int) -> list[block_pool.KVBlock]:
+    def _grow(
+        self, request: Request, num_new_tokens: int, register: bool = True
+    ) -> list[block_pool.KVBlock]:
         need = self._num_new_blocks(request, num_new_tokens)
         new_blocks = self.pool.get_new_blocks(need)
         self.req_to_blocks[request.request_id].extend(new_blocks)
-        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        if register:
+            self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
         return new_blocks
+
+    def register_computed(self, request: Request) -> None:
+        """Registers the full blocks of the request's computed tokens in the prefix cache."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.pool.enable_caching:

@@ -6,21 +6,42 @@ land in ``EngineInfo``, never back in the config. Stop strings are matched here,
 detokenised text, and end the request through the scheduler like an abort; while a
 request runs, the last ``len(longest stop) - 1`` characters are held back so a stream
 never shows the beginning of a stop string.
+
+Roles (``EngineConfig.role``) are one engine with two extra seams, not separate engines:
+
+- ``decode``: ``connector`` (a ``disagg.connector.RemotePrefillClient``) is asked to fill the
+  blocks of every ``KVLoad`` the scheduler emits; it reports back from its own thread
+  through ``_on_remote_done``, and the next step turns the result into the request's first
+  token (or, on failure, a local prefill). Prompts with at most ``local_prefill_threshold``
+  uncached tokens, or any prompt while the prefill pool has no capacity, stay local.
+- ``prefill``: a request added with ``kv_export`` has its blocks handed, layer by layer, to
+  an ``ExportSink`` (the KV server's per-transfer queue); a sink that refuses (its peer is
+  gone or too slow) aborts the request at the end of the step.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from hybridllm_cloud import tokenizer as tokenizer_mod
 from hybridllm_cloud.engine import block_pool, kv_cache_manager, scheduler
-from hybridllm_cloud.engine.outputs import TokenLogprobs
-from hybridllm_cloud.engine.request import Priority, Request, RequestStatus, SamplingParams
+from hybridllm_cloud.engine.outputs import EngineCoreOutput, KVLoad, TokenLogprobs
+from hybridllm_cloud.engine.request import (
+    KVExport,
+    Priority,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from hybridllm_cloud.model import llama
 from hybridllm_cloud.worker import model_runner
 
@@ -48,6 +69,35 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     dtype: str = "float32"
     device: str = "cpu"
+    role: str = "monolithic"  # monolithic | prefill | decode
+    local_prefill_threshold: int = 256  # decode role: uncached prompt tokens kept local
+
+
+class ExportSink(Protocol):
+    """Prefill role: receives a request's blocks after each layer (engine thread)."""
+
+    def put(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """False: the transfer is gone (peer closed, timed out); abort the request."""
+        ...
+
+
+@dataclass
+class RemotePrefillResult:
+    token: int
+    logprobs: TokenLogprobs | None = None
+    generator_state: torch.Tensor | None = None
+
+
+class RemotePrefill(Protocol):
+    """Decode role: what the engine needs of the prefill pool (see disagg.connector)."""
+
+    def has_capacity(self) -> bool: ...
+
+    def start(
+        self, load: KVLoad, done: Callable[[str, RemotePrefillResult | None], None]
+    ) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -72,6 +122,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    generator_state: torch.Tensor | None = None  # prefill role: seeded requests, when finished
 
 
 @dataclass
@@ -94,6 +145,10 @@ class EngineStats:
     num_preemptions: int
     last_batch_size: int
     last_num_tokens: int
+    num_remote_waiting: int = 0
+    num_remote_prefills: int = 0
+    num_local_prefills: int = 0
+    num_remote_failures: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -144,6 +199,19 @@ class LLMEngine:
         self.runner = model_runner.ModelRunner(model, num_blocks, config.block_size)
         self._outputs: dict[str, _OutputState] = {}
         self._last_batch = (0, 0)
+        # Disaggregation seams (see the module docstring).
+        self.connector: RemotePrefill | None = None
+        self.notify: Callable[[], None] | None = None  # wakes the thread running step()
+        self._remote_done: queue.SimpleQueue[tuple[str, RemotePrefillResult | None]] = (
+            queue.SimpleQueue()
+        )
+        self._remote_event = threading.Event()
+        self._export_sinks: dict[str, ExportSink] = {}
+        self._failed_exports: set[str] = set()
+        self.runner.kv_export_sink = self._export
+        self.num_remote_prefills = 0
+        self.num_local_prefills = 0
+        self.num_remote_failures = 0
         log.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, kernels %s",
             num_blocks,
@@ -167,12 +235,19 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
+        kv_export: tuple[int, ExportSink] | None = None,
     ) -> None:
+        """``kv_export=(first_block, sink)``: prefill role, ship the blocks from there on."""
         params.validate()
         request = Request(
             request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority
         )
+        request.allow_remote_prefill = self.connector is not None
+        if kv_export is not None:
+            request.kv_export = KVExport(first_block=kv_export[0])
         self.scheduler.add_request(request)
+        if kv_export is not None:
+            self._export_sinks[request_id] = kv_export[1]
         detok = None
         if self.tokenizer is not None:
             detok = tokenizer_mod.IncrementalDetokenizer(
@@ -181,20 +256,98 @@ class LLMEngine:
         self._outputs[request_id] = _OutputState(detok, params.stop, len(prompt_token_ids))
 
     def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self.scheduler.remote and self.connector is not None:
+                self.connector.cancel(request_id)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._outputs.pop(request_id, None)
+            self._export_sinks.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_schedulable(self) -> bool:
+        return self.scheduler.has_schedulable() or not self._remote_done.empty()
+
+    # --- disaggregation ---------------------------------------------------------------------
+
+    def use_remote_prefill(self, connector: RemotePrefill) -> None:
+        """Decode role: long prompts are prefilled by ``connector``'s workers."""
+        self.connector = connector
+        threshold = self.config.local_prefill_threshold
+
+        def decide(request: Request, num_uncached: int) -> bool:
+            """Asked once per request, at its first admission attempt."""
+            request.allow_remote_prefill = False
+            remote = num_uncached > threshold and connector.has_capacity()
+            if not remote:
+                self.num_local_prefills += 1
+            return remote
+
+        self.scheduler.remote_prefill = decide
+
+    def _on_remote_done(self, request_id: str, result: RemotePrefillResult | None) -> None:
+        """Called by the connector's thread when a transfer has ended (and stopped writing)."""
+        self._remote_done.put((request_id, result))
+        self._remote_event.set()
+        if self.notify is not None:
+            self.notify()
+
+    def _drain_remote(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        while True:
+            try:
+                request_id, result = self._remote_done.get_nowait()
+            except queue.Empty:
+                return outputs
+            if result is None:
+                self.num_remote_failures += 1
+                self.scheduler.fail_remote_prefill(request_id)
+                continue
+            self.num_remote_prefills += 1
+            core = self.scheduler.finish_remote_prefill(request_id, result.token, result.logprobs)
+            if core is None:
+                continue
+            if result.generator_state is not None and core.finish_reason is None:
+                try:
+                    self.runner.set_generator_state(request_id, result.generator_state)
+                except (RuntimeError, ValueError) as exc:  # e.g. prefill ran on another device
+                    log.warning("%s: generator state not usable (%s); reseeding", request_id, exc)
+            outputs.append(core)
+
+    def _export(
+        self, request_id: str, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        sink = self._export_sinks.get(request_id)
+        if (
+            sink is not None
+            and request_id not in self._failed_exports
+            and not sink.put(layer, first_block, k, v)
+        ):
+            self._failed_exports.add(request_id)
+
     # --- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        core_outputs = self._drain_remote()
         sched = self.scheduler.schedule()
         self._last_batch = (len(sched.scheduled), sched.total_num_scheduled_tokens)
+        if sched.kv_loads:
+            assert self.connector is not None
+            for load in sched.kv_loads:
+                self.connector.start(load, self._on_remote_done)
         result = self.runner.execute(sched)
-        core_outputs = self.scheduler.update_from_output(sched, result)
+        core_outputs += self.scheduler.update_from_output(sched, result)
+        if self._failed_exports:
+            failed = list(self._failed_exports)
+            self._failed_exports.clear()
+            log.warning("KV export failed for %s: aborting", ", ".join(failed))
+            self.abort(failed)
+            core_outputs = [c for c in core_outputs if c.request_id not in failed]
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for core in core_outputs:
             state = self._outputs.get(core.request_id)
@@ -235,6 +388,8 @@ class LLMEngine:
             )
             if finish is not None:
                 del self._outputs[core.request_id]
+                if self._export_sinks.pop(core.request_id, None) is not None:
+                    outputs[-1].generator_state = self.runner.generator_state(core.request_id)
         return outputs
 
     @staticmethod
@@ -267,6 +422,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             last_batch_size=self._last_batch[0],
             last_num_tokens=self._last_batch[1],
+            num_remote_waiting=len(self.scheduler.remote),
+            num_remote_prefills=self.num_remote_prefills,
+            num_local_prefills=self.num_local_prefills,
+            num_remote_failures=self.num_remote_failures,
         )
 
     # --- offline use (tests, benchmarks) --------------------------------------------------
@@ -281,6 +440,10 @@ class LLMEngine:
             self.add_request(request_id, prompt, p)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
+            if not self.has_schedulable():  # only remote prefills in flight
+                self._remote_event.wait(timeout=1.0)
+                self._remote_event.clear()
+                continue
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out

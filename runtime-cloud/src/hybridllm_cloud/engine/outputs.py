@@ -31,10 +31,32 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVLoad:
+    """Decode role: fill these blocks of a request from a prefill worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]  # the prompt's whole block table
+    first_block: int  # blocks before it are prefix-cache hits here and are not sent
+    sampling_params: SamplingParams
+
+
+@dataclass
+class KVExportSlice:
+    """Prefill role: after each layer of this step, ship these blocks of a request."""
+
+    request_id: str
+    first_block: int  # index in the request's block table of block_ids[0]
+    block_ids: list[int]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # since the previous step
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_exports: list[KVExportSlice] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -4,6 +4,11 @@ The scheduler owns request objects; the model runner never sees them (it receive
 ``ScheduledRequest`` records). ``num_computed_tokens`` counts tokens whose K/V are in the
 cache; preemption by recompute resets it to 0 and keeps the generated tokens, which are
 then recomputed as if they were part of the prompt.
+
+Disaggregation adds two things: on a decode worker a request may wait in
+``WAITING_FOR_REMOTE_KV`` while a prefill worker fills its blocks (it holds them, but is
+neither waiting nor running); on a prefill worker ``kv_export`` marks a request whose
+blocks, from ``kv_export.first_block`` on, are shipped layer by layer as they are computed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -66,6 +72,18 @@ class SamplingParams:
 
 
 @dataclass
+class KVExport:
+    """Prefill role: ship this request's blocks from ``first_block`` on (see disagg)."""
+
+    first_block: int
+    sent_upto: int = -1  # blocks before it are final and were shipped; -1: none yet
+
+    def reset(self) -> None:
+        """After a preemption the blocks are recomputed (and re-sent) from scratch."""
+        self.sent_upto = -1
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -79,6 +97,8 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    allow_remote_prefill: bool = False  # decode role: the scheduler may ask a prefill worker
+    kv_export: KVExport | None = None  # prefill role
 
     @property
     def num_prompt_tokens(self) -> int:

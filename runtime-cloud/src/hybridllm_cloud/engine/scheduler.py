@@ -4,6 +4,19 @@ It owns every request object and the queues; it asks the KV cache manager for bl
 hands the model runner a plain ``SchedulerOutput``. There is no prefill/decode phase: a
 request is ``num_computed_tokens`` out of ``num_tokens``, and a step gives each request
 some of the gap (vLLM v1), so chunked prefill and decode share one batch.
+
+Disaggregation uses the same scheduler in both roles:
+
+- decode role: when a waiting request may be prefilled remotely and ``remote_prefill``
+  (a callable set by the engine: threshold and prefill-pool capacity) says yes, the request
+  takes blocks for its whole prompt at admission (prefix hits included, new blocks not yet
+  registered), moves to ``remote`` in ``WAITING_FOR_REMOTE_KV``, and the step's output
+  carries a ``KVLoad`` for the engine to start. ``finish_remote_prefill`` then makes it a
+  running request with its first token; ``fail_remote_prefill`` gives its blocks back and
+  puts it at the front of the queue for a local prefill. An abort while the KV is in flight
+  only marks the request: its blocks are freed when the transfer has stopped writing them.
+- prefill role: a request with ``kv_export`` gets a ``KVExportSlice`` per step naming the
+  blocks the step completes (plus, the first time, prefix-cache hits the decode side lacks).
 """
 
 from __future__ import annotations
@@ -11,14 +24,18 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybridllm_cloud.engine import kv_cache_manager
+from hybridllm_cloud.engine import block_pool, kv_cache_manager
 from hybridllm_cloud.engine.outputs import (
     EngineCoreOutput,
+    KVExportSlice,
+    KVLoad,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from hybridllm_cloud.engine.request import Priority, Request, RequestStatus
 
@@ -42,6 +59,9 @@ class Scheduler:
         self.running: list[Request] = []  # kept sorted by Request.sort_key
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+        # Decode role: requests whose prompt KV a prefill worker is filling.
+        self.remote: dict[str, Request] = {}
+        self.remote_prefill: Callable[[Request, int], bool] | None = None
 
     # --- queues ---------------------------------------------------------------------------
 
@@ -54,6 +74,10 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0 or bool(self.remote)
+
+    def has_schedulable(self) -> bool:
+        """Work a step can do now (requests waiting for remote KV cannot run yet)."""
         return bool(self.running) or self.num_waiting > 0
 
     def add_request(self, request: Request) -> None:
@@ -80,6 +104,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status.is_finished:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                # A transfer may still be writing its blocks: they are freed when it ends.
+                request.status = status
+                del self.requests[request_id]
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -98,6 +127,8 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        if victim.kv_export is not None:
+            victim.kv_export.reset()
         self.num_preemptions += 1
         self.waiting[victim.priority].appendleft(victim)
         log.debug("preempted %s (recompute)", victim.request_id)
@@ -141,13 +172,23 @@ class Scheduler:
             i += 1
 
         while not out.preempted_req_ids and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
                 break
             request = self._peek_waiting()
             if request is None:
                 break
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
+            if (
+                request.allow_remote_prefill
+                and self.remote_prefill is not None
+                and self.remote_prefill(request, num_new)  # clears allow_remote_prefill
+            ):
+                if not self.kv.can_allocate(request, num_new, computed_blocks):
+                    request.allow_remote_prefill = True  # decide again when blocks free up
+                    break
+                self._start_remote(request, num_new, computed_blocks, num_hit, out)
+                continue
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
@@ -161,7 +202,94 @@ class Scheduler:
             bisect.insort(self.running, request, key=Request.sort_key)
             out.scheduled.append(self._record(request, num_new))
             budget -= num_new
+        for scheduled in out.scheduled:
+            request = self.requests[scheduled.request_id]
+            if request.kv_export is not None:
+                piece = self._export_slice(request, scheduled.context_len)
+                if piece is not None:
+                    out.kv_exports.append(piece)
         return out
+
+    def _start_remote(
+        self,
+        request: Request,
+        num_new: int,
+        computed_blocks: list[block_pool.KVBlock],
+        num_hit: int,
+        out: SchedulerOutput,
+    ) -> None:
+        self.kv.allocate(request, num_new, computed_blocks, register=False)
+        self.waiting[request.priority].popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        self.remote[request.request_id] = request
+        out.kv_loads.append(
+            KVLoad(
+                request_id=request.request_id,
+                prompt_token_ids=request.all_token_ids(),
+                block_ids=self.kv.block_ids(request.request_id),
+                first_block=len(computed_blocks),
+                sampling_params=request.sampling_params,
+            )
+        )
+
+    def finish_remote_prefill(
+        self, request_id: str, token: int, logprobs: TokenLogprobs | None
+    ) -> EngineCoreOutput | None:
+        """The prompt's KV arrived: the request runs on, with its first token.
+
+        Returns None when the request was aborted meanwhile (its blocks are freed now).
+        """
+        request = self.remote.pop(request_id)
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.kv.free(request)
+            self._finished_since_step.append(request_id)
+            return None
+        request.num_computed_tokens = request.num_tokens
+        self.kv.register_computed(request)
+        request.output_token_ids.append(token)
+        status = self._check_stop(request, token)
+        if status is None:
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=Request.sort_key)
+        else:
+            request.status = status
+            self._free(request)
+        return EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=[token],
+            finish_reason=status.value if status else None,
+            stop_reason=request.stop_reason,
+            logprobs=[logprobs] if logprobs else [],
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def fail_remote_prefill(self, request_id: str) -> None:
+        """The transfer failed for good: give the blocks back and prefill locally."""
+        request = self.remote.pop(request_id)
+        self.kv.free(request)
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            self._finished_since_step.append(request_id)
+            return
+        request.num_computed_tokens = 0
+        request.allow_remote_prefill = False
+        request.status = RequestStatus.WAITING
+        self.waiting[request.priority].appendleft(request)
+
+    def _export_slice(self, request: Request, context_len: int) -> KVExportSlice | None:
+        """Blocks to ship after this step: from the first not-yet-final one to the last touched."""
+        export = request.kv_export
+        if export is None:
+            return None
+        bs = self.kv.block_size
+        start = export.first_block if export.sent_upto < 0 else export.sent_upto
+        end = -(-context_len // bs)
+        export.sent_upto = max(start, context_len // bs)
+        if end <= start:
+            return None
+        table = self.kv.block_ids(request.request_id)
+        return KVExportSlice(request.request_id, start, table[start:end])
 
     def _record(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

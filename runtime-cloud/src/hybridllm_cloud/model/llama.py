@@ -15,6 +15,7 @@ CPU (MKL, measured in bench/cloud) and no slower on GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,12 +100,15 @@ class LlamaModel:
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """``layer_hook(i)`` runs once layer ``i`` has written this step's K/V to the cache
+        (the prefill role ships them from there while the next layers compute)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if residual is None:
                 residual = x
                 x = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
@@ -119,6 +123,8 @@ class LlamaModel:
             v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache, True)
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if layer_hook is not None:
+                layer_hook(i)
             if meta.decode_only:
                 attn = ops.paged_decode_attention(
                     q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale

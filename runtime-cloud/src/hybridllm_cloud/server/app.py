@@ -9,8 +9,10 @@ parameter.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hybridllm_cloud import config as config_mod
+from hybridllm_cloud.disagg import connector, prefill_server, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
 from hybridllm_cloud.server import metrics as server_metrics
 from hybridllm_cloud.server import serving
@@ -56,13 +59,65 @@ def served_name(settings: config_mod.ServeSettings) -> str:
     return settings.model.rsplit("#", 1)[-1].split(".", 1)[0] or settings.model
 
 
+def model_id(engine: llm_engine.LLMEngine, name: str) -> str:
+    """Served name plus a fingerprint of the architecture: prefill and decode must agree."""
+    digest = hashlib.sha256(repr(engine.model.config).encode()).hexdigest()[:12]
+    return f"{name}:{digest}"
+
+
+async def _start_role(
+    app: FastAPI, settings: config_mod.ServeSettings, engine: llm_engine.LLMEngine
+) -> Callable[[], Awaitable[None]]:
+    """Starts what the role adds (KV server or prefill client); returns its shutdown."""
+    metrics = app.state.metrics
+    ident = model_id(engine, app.state.model_name)
+    if settings.role == "prefill":
+        server = prefill_server.KVServer(
+            app.state.engine,
+            ident,
+            max_waiting=settings.max_waiting_requests,
+            timeout=settings.kv_transfer_timeout_seconds,
+            on_transfer=metrics.on_kv_served,
+        )
+        endpoints = [transport.Endpoint("tcp", settings.host, settings.kv_port)]
+        if settings.kv_socket:
+            endpoints.append(transport.Endpoint("unix", settings.kv_socket))
+        app.state.kv_endpoints = [await server.start(ep) for ep in endpoints]
+        metrics.set_role("prefill", lambda: server.active)
+        return server.close
+    if settings.role == "decode":
+        assert settings.prefill_url is not None
+        client = connector.RemotePrefillClient(
+            transport.parse_endpoints(settings.prefill_url),
+            engine.runner,
+            ident,
+            max_inflight_per_worker=settings.max_remote_prefills_per_worker,
+            retries=settings.kv_transfer_retries,
+            timeout=settings.kv_transfer_timeout_seconds,
+            on_transfer=metrics.on_kv_transfer,
+        )
+        client.start_thread()
+        engine.use_remote_prefill(client)
+        app.state.prefill_client = client
+        metrics.set_role("decode", lambda: sum(w.inflight for w in client.workers()))
+
+        async def close() -> None:
+            await asyncio.to_thread(client.close)
+
+        return close
+    metrics.set_role(settings.role)
+
+    async def nothing() -> None:
+        return None
+
+    return nothing
+
+
 def create_app(
     settings: config_mod.ServeSettings, engine: llm_engine.LLMEngine | None = None
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        import asyncio
-
         nonlocal engine
         if engine is None:
             path = await asyncio.to_thread(resolve_model_path, settings.model)
@@ -70,13 +125,15 @@ def create_app(
                 llm_engine.LLMEngine.from_path, path, settings.engine_config()
             )
         app.state.engine = async_engine.AsyncEngine(engine, app.state.metrics.on_step)
+        stop = await _start_role(app, settings, engine)
         app.state.engine.start()
         app.state.ready = True
-        log.info("serving %s", app.state.model_name)
+        log.info("serving %s (role %s)", app.state.model_name, settings.role)
         try:
             yield
         finally:
             app.state.ready = False
+            await stop()
             app.state.engine.shutdown()
 
     app = FastAPI(title="hybridllm cloud runtime", lifespan=lifespan)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from hybridllm_cloud.disagg import connector
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_common import metrics as names
 
@@ -58,6 +61,48 @@ class ServerMetrics:
             names.TOKENS_PER_STEP, "Tokens per engine step", buckets=STEP_BUCKETS, registry=r
         )
 
+        # Disaggregation (both roles; zero in the monolithic one).
+        self.kv_bytes = Counter(
+            names.KV_TRANSFER_BYTES_TOTAL.removesuffix("_total"),
+            "KV cache bytes moved between prefill and decode workers",
+            ["direction"],
+            registry=r,
+        )
+        self.kv_seconds = Histogram(
+            names.KV_TRANSFER_SECONDS,
+            "KV transfer duration (request sent to last block received / DONE sent)",
+            ["outcome"],
+            buckets=b,
+            registry=r,
+        )
+        self.prefills = Counter(
+            names.REMOTE_PREFILLS_TOTAL.removesuffix("_total"),
+            "Prefills by where they ran (decode role) and outcome",
+            ["where", "outcome"],
+            registry=r,
+        )
+        self.transfers_active = Gauge(
+            names.KV_TRANSFERS_ACTIVE, "KV transfers in progress", ["role"], registry=r
+        )
+        self.role_info = Gauge(names.ENGINE_ROLE_INFO, "Role of this engine", ["role"], registry=r)
+        self._local_prefills = 0
+
+    def set_role(self, role: str, active: Callable[[], float] | None = None) -> None:
+        self.role_info.labels(role=role).set(1)
+        if active is not None:
+            self.transfers_active.labels(role=role).set_function(active)
+
+    def on_kv_transfer(self, stats: connector.TransferStats) -> None:
+        """Decode role: one remote prefill ended (connector thread)."""
+        self.kv_bytes.labels(direction="received").inc(stats.bytes)
+        self.kv_seconds.labels(outcome=stats.outcome).observe(stats.seconds)
+        self.prefills.labels(where="remote", outcome=stats.outcome).inc()
+
+    def on_kv_served(self, outcome: str, seconds: float, sent: int) -> None:
+        """Prefill role: one transfer to a decode worker ended."""
+        self.kv_bytes.labels(direction="sent").inc(sent)
+        self.kv_seconds.labels(outcome=outcome).observe(seconds)
+
     def on_step(self, stats: llm_engine.EngineStats) -> None:
         """Called from the engine thread after every step (prometheus_client is thread-safe)."""
         self.running.set(stats.num_running)
@@ -68,3 +113,8 @@ class ServerMetrics:
         self.preemptions.set(stats.num_preemptions)
         self.batch_size.observe(stats.last_batch_size)
         self.step_tokens.observe(stats.last_num_tokens)
+        if stats.num_local_prefills > self._local_prefills:
+            self.prefills.labels(where="local", outcome="ok").inc(
+                stats.num_local_prefills - self._local_prefills
+            )
+            self._local_prefills = stats.num_local_prefills

@@ -7,15 +7,23 @@ scheduled requests form one ``[num_tokens]`` batch; per sequence, ``query_start_
 ``context_lens`` and its block table give attention its view of the cache. When every
 sequence brings a single token (pure decode), the decode kernel runs instead of the
 varlen prefill one.
+
+For disaggregation the runner is also where KV blocks leave and enter the cache:
+``kv_export_sink`` receives, after each layer of a step, copies of the blocks the
+scheduler named in ``kv_exports`` (prefill role), and ``write_blocks`` stores blocks that
+arrived from a prefill worker (decode role; called from the transfer thread, on blocks no
+running request reads). A request's random generator state can be exported after its
+first token and imported on the other side, so seeded sampling continues unchanged.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
-from hybridllm_cloud.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from hybridllm_cloud.engine.outputs import KVExportSlice, ModelRunnerOutput, SchedulerOutput
 from hybridllm_cloud.model import llama
 from hybridllm_cloud.worker import sampler
 
@@ -43,6 +51,55 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.req_to_generator: dict[str, torch.Generator] = {}
+        # (request_id, layer, first_block, k_blocks, v_blocks) -> None
+        self.kv_export_sink: Callable[[str, int, int, torch.Tensor, torch.Tensor], None] | None = (
+            None
+        )
+
+    # --- KV blocks in and out (disaggregation) ------------------------------------------
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(self.kv_caches[0][0].shape[1:])
+
+    def _layer_hook(self, exports: list[KVExportSlice]) -> Callable[[int], None] | None:
+        sink = self.kv_export_sink
+        if sink is None or not exports:
+            return None
+        dev = self.model.device
+        index = [torch.tensor(e.block_ids, dtype=torch.int64, device=dev) for e in exports]
+
+        def hook(layer: int) -> None:
+            k_cache, v_cache = self.kv_caches[layer]
+            for export, idx in zip(exports, index, strict=True):
+                sink(
+                    export.request_id,
+                    layer,
+                    export.first_block,
+                    k_cache.index_select(0, idx),
+                    v_cache.index_select(0, idx),
+                )
+
+        return hook
+
+    def write_blocks(
+        self, layer_start: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Stores ``k``/``v`` of shape ``[layers, len(block_ids), *block_shape]``."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.model.device)
+        for offset in range(k.shape[0]):
+            k_cache, v_cache = self.kv_caches[layer_start + offset]
+            k_cache.index_copy_(0, idx, k[offset].to(k_cache.device, non_blocking=True))
+            v_cache.index_copy_(0, idx, v[offset].to(v_cache.device, non_blocking=True))
+
+    def generator_state(self, request_id: str) -> torch.Tensor | None:
+        gen = self.req_to_generator.get(request_id)
+        return gen.get_state() if gen is not None else None
+
+    def set_generator_state(self, request_id: str, state: torch.Tensor) -> None:
+        gen = torch.Generator(device=self.model.device)
+        gen.set_state(state)
+        self.req_to_generator[request_id] = gen
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -89,6 +146,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_caches,
             meta,
+            self._layer_hook(sched.kv_exports),
         )
         if not logits_rows:
             return ModelRunnerOutput()
