@@ -36,4 +36,11 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_invalid_choice_is_rejected() -> None:
     with pytest.raises(SystemExit):
-        parse(["--role", "prefill"])
+        parse(["--role", "router"])
+
+
+def test_decode_role_needs_prefill_url(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--role", "decode"]) == 2
+    assert "--prefill-url" in capsys.readouterr().err
+    assert cli.main(["serve", "--role", "decode", "--prefill-url", "nohostport"]) == 2
+    assert "prefill_url: 'nohostport'" in capsys.readouterr().err
