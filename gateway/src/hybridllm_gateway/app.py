@@ -35,7 +35,7 @@ from hybridllm_gateway import cascade as cascade_mod
 from hybridllm_gateway import classifier as classifier_mod
 from hybridllm_gateway import config as config_mod
 from hybridllm_gateway import metrics as metrics_mod
-from hybridllm_gateway import openapi, proxy, router, safety
+from hybridllm_gateway import openapi, proxy, relay, router, safety
 from hybridllm_gateway.errors import APIError, error_response
 
 log = logging.getLogger(__name__)
@@ -283,6 +283,7 @@ async def _startup(app: web.Application) -> None:
         first_byte_timeout_s=s.first_byte_timeout_s,
         request_timeout_s=s.request_timeout_s,
         max_attempts=s.max_attempts,
+        pool=relay.Pool(s.connect_timeout_s) if s.stream_relay == "raw" else None,
     )
     state.watchers = _watchers(state)
     state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]
@@ -295,6 +296,8 @@ async def _cleanup(app: web.Application) -> None:
     await asyncio.gather(*state.tasks, return_exceptions=True)
     if state.forwarder is not None:
         await state.forwarder.session.close()
+        if state.forwarder.pool is not None:
+            state.forwarder.pool.close()
 
 
 def create_app(settings: config_mod.GatewaySettings) -> web.Application:

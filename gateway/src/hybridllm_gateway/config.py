@@ -158,7 +158,14 @@ class GatewaySettings(BaseModel):
         default=256, ge=1, description="Prompt characters hashed for affinity."
     )
     load_factor: float = Field(default=1.25, ge=1.0, description="Bound on a replica's share.")
-    upstream_connections: int = Field(default=4096, ge=1)
+    upstream_connections: int = Field(
+        default=4096, ge=1, description="Connection limit of the non-streaming upstream client."
+    )
+    stream_relay: str = Field(
+        default="raw",
+        pattern="^(raw|aiohttp)$",
+        description="Streaming path: raw (protocol-level relay) or aiohttp (generic client).",
+    )
 
 
 def file_key(path: Path) -> tuple[int, int, int] | None:

@@ -14,6 +14,7 @@ generating.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from aiohttp import web
 from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import metrics as metrics_mod
+from hybridllm_gateway import relay
 from hybridllm_gateway.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class Forwarder:
     first_byte_timeout_s: float
     request_timeout_s: float
     max_attempts: int
+    pool: relay.Pool | None = None  # None: streams go through aiohttp's client too
 
     def _fail(self, replica: balancer_mod.Replica, kind: str) -> None:
         self.metrics.upstream_errors.labels(tier=replica.tier, kind=kind).inc()
@@ -97,10 +100,22 @@ class Forwarder:
                 replica.num_outstanding += 1
                 gauge = self.metrics.outstanding.labels(tier=tier)
                 gauge.inc()
+                raw = (
+                    stream
+                    and self.pool is not None
+                    and relay.supports(replica.url)
+                    and request.version == aiohttp.HttpVersion11
+                )
                 try:
-                    done, last_error = await self._attempt(
-                        request, replica, path, payload, headers, timeout, stream, t_start, outcome
-                    )
+                    if raw:
+                        done, last_error = await self._attempt_raw(
+                            request, replica, path, payload, headers, t_start, outcome
+                        )
+                    else:
+                        done, last_error = await self._attempt(
+                            request, replica, path, payload, headers, timeout, stream, t_start,
+                            outcome,
+                        )  # fmt: skip
                 finally:
                     replica.num_outstanding -= 1
                     gauge.dec()
@@ -215,6 +230,185 @@ class Forwarder:
         if completed:
             await out.write_eof()
         return out
+
+    # -- the raw streaming path (relay.py): no aiohttp client, bytes written from callbacks
+    async def _attempt_raw(
+        self,
+        request: web.Request,
+        replica: balancer_mod.Replica,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+        t_start: float,
+        outcome: Outcome,
+    ) -> tuple[web.StreamResponse | None, str]:
+        assert self.pool is not None
+        url = replica.url + path
+        t_send = time.perf_counter()
+        pre_s = t_send - t_start
+        extra = {k: v for k, v in headers.items() if k != "content-type" and "\r" not in v and "\n" not in v}  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.first_byte_timeout_s, self.request_timeout_s)
+        conn: relay.Upstream | None = None
+        try:
+            for fresh in (False, True):
+                try:
+                    if fresh:
+                        conn = await self.pool.connect(relay.address(replica.url))
+                        reused = False
+                    else:
+                        conn, reused = await self.pool.acquire(replica.url)
+                except (OSError, TimeoutError) as exc:
+                    self._fail(replica, "connect")
+                    outcome.status = 0
+                    return None, f"{url}: {type(exc).__name__}: {exc}"
+                conn.send(path, replica.url[len("http://") :].split("/", 1)[0], payload, extra)
+                async with asyncio.timeout_at(deadline):
+                    while conn.head is None and conn.lost is None:
+                        await conn.wait()
+                if conn.head is None and reused and conn.num_reads == 0:
+                    log.debug("pooled connection to %s was closed while idle; new one", replica.url)
+                    continue
+                break
+            assert conn is not None
+            head = conn.head
+            if head is None:
+                self._fail(replica, "read")
+                outcome.status = 0
+                return None, f"{url}: {conn.lost!r} before the answer's head"
+            self.metrics.upstream_latency.labels(tier=replica.tier).observe(
+                time.perf_counter() - t_send
+            )
+            if head.status != 200:  # an error answer: read it whole
+                async with asyncio.timeout_at(deadline):
+                    while not conn.complete and conn.lost is None:
+                        await conn.wait()
+                body = conn.payload()
+                if head.status in RETRYABLE_STATUS:
+                    self._fail(replica, f"http_{head.status}")
+                    outcome.status = head.status
+                    conn.abort()
+                    return None, f"{url}: HTTP {head.status}: {body[:200].decode(errors='replace')}"
+                self.balancer.record_success(replica)
+                outcome.status, outcome.body, outcome.headers = head.status, body, head.headers
+                outcome.ttft_s = time.perf_counter() - t_start
+                outcome.added_s = pre_s
+                conn.release()
+                return None, ""
+            async with asyncio.timeout_at(deadline):
+                while not conn.body and not conn.complete and conn.lost is None:
+                    await conn.wait()
+            if not conn.body:
+                self._fail(replica, "empty_stream")
+                outcome.status = 0
+                conn.abort()
+                return None, f"{url}: stream closed before the first byte"
+        except TimeoutError:
+            if conn is not None:
+                conn.abort()
+            self._fail(replica, "read")
+            outcome.status = 0
+            return None, f"{url}: no answer within {self.first_byte_timeout_s:g} s"
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
+        self.balancer.record_success(replica)
+        outcome.status = 200
+        return await self._relay_raw(request, conn, replica, pre_s, t_start, outcome), ""
+
+    async def _relay_raw(
+        self,
+        request: web.Request,
+        conn: relay.Upstream,
+        replica: balancer_mod.Replica,
+        pre_s: float,
+        t_start: float,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        t_first = time.perf_counter()
+        out = web.StreamResponse(
+            status=200,
+            headers={
+                "content-type": "text/event-stream",
+                "cache-control": "no-cache",
+                "x-hybridllm-tier": replica.tier,
+                "x-hybridllm-route": request.get("route_reason", ""),
+            },
+        )
+        out.enable_chunked_encoding()
+        down = request.transport
+        framed = conn.scanner is not None  # upstream chunks pass through as framed
+        gone = False
+        try:
+            await out.prepare(request)
+            request.writer.send_headers()
+            if down is None or down.is_closing():
+                raise ConnectionResetError("client closed the connection")
+            high = down.get_write_buffer_limits()[1]
+
+            def sink(data: bytes) -> None:
+                nonlocal gone
+                if down.is_closing():
+                    gone = True
+                    conn.abort()
+                    conn.complete = True
+                    return
+                outcome.num_chunks += data.count(b"data: ")
+                down.write(data if framed else b"%x\r\n%b\r\n" % (len(data), data))
+                if down.get_write_buffer_size() > high:
+                    conn.pause()
+
+            sink(conn.take_body())
+            outcome.ttft_s = time.perf_counter() - t_start
+            outcome.added_s = pre_s + (time.perf_counter() - t_first)
+            conn.sink = sink
+            await self._pump(request, conn)
+        except (ConnectionResetError, RuntimeError) as exc:
+            log.info("client went away mid-stream (%s); closing upstream %s", exc, replica.url)
+            conn.abort()
+            return out
+        except TimeoutError:
+            log.warning("upstream %s stalled mid-stream; closing it", replica.url)
+            self._fail(replica, "mid_stream")
+            conn.abort()
+            return out
+        except BaseException:
+            conn.abort()
+            raise
+        if gone:
+            log.info("client went away mid-stream; closed upstream %s", replica.url)
+            return out
+        if conn.lost is not None:
+            log.warning("upstream %s broke mid-stream: %r", replica.url, conn.lost)
+            self._fail(replica, "mid_stream")
+            conn.abort()
+            return out
+        conn.release()
+        await out.write_eof()
+        return out
+
+    async def _pump(self, request: web.Request, conn: relay.Upstream) -> None:
+        """Waits while the callbacks relay: for the end, a loss, or a pause to drain.
+
+        An upstream that sends nothing for ``first_byte_timeout_s`` (or runs past the
+        request timeout) raises TimeoutError.
+        """
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.request_timeout_s
+        while not conn.complete and conn.lost is None:
+            if conn.paused:
+                await request.writer.drain()
+                conn.resume()
+                continue
+            reads = conn.num_reads
+            idle_until = min(loop.time() + self.first_byte_timeout_s, end)
+            try:
+                async with asyncio.timeout_at(idle_until):
+                    await conn.wait()
+            except TimeoutError:
+                if conn.num_reads == reads or loop.time() >= end:
+                    raise
 
 
 def usage_tokens(body: bytes | None) -> int:

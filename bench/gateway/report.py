@@ -1,0 +1,173 @@
+"""The gateway benchmark's report: medians over repeats, a markdown table, JSON and a plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import procs
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+P99_GOAL_S = 0.002  # issue #6: p99 added latency <= 2 ms at 256 concurrent streams
+GOAL_LEVEL = 256
+
+
+def median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarise(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int]) -> dict[str, Any]:  # fmt: skip
+    summary: dict[str, Any] = {}
+    for c in levels:
+        row: dict[str, Any] = {}
+        direct = raw["direct"][c]
+        for name, per_level in raw.items():
+            cells = per_level[c]
+            r = {k: median([x[k] for x in cells]) for k in ("rps", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")}  # fmt: skip
+            r["errors"] = sum(x["errors"] for x in cells)
+            r["cores"] = {k: median([x["cores"][k] for x in cells]) for k in cells[0]["cores"]}
+            r["proxy_cpu_ms_per_req"] = median(
+                [
+                    1000 * x["cores"].get("proxy", 0.0) / x["rps"] if x["rps"] else None
+                    for x in cells
+                ]
+            )
+            if name != "direct":
+                for q in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"):
+                    diffs = [
+                        (x[q] - d[q]) if x[q] is not None and d[q] is not None else None
+                        for x, d in zip(cells, direct, strict=True)
+                    ]
+                    r[f"added_{q}"] = median(diffs)
+                r["rps_vs_direct"] = (
+                    r["rps"] / row["direct"]["rps"] if row["direct"]["rps"] else None
+                )
+            if name == "gateway":
+                r["inner_p50"] = median([x.get("inner_p50") for x in cells])
+                r["inner_p99"] = median([x.get("inner_p99") for x in cells])
+            row[name] = r
+        if "litellm" in row and "gateway" in row and row["litellm"]["rps"]:
+            row["gateway"]["rps_vs_litellm"] = row["gateway"]["rps"] / row["litellm"]["rps"]
+        summary[str(c)] = row
+    return summary
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.2f}"
+
+
+def goals(summary: dict[str, Any], levels: list[int]) -> list[str]:
+    out = []
+    g = summary.get(str(GOAL_LEVEL), {}).get("gateway")
+    if g is not None and g.get("added_ttft_p99") is not None:
+        met = g["added_ttft_p99"] <= P99_GOAL_S
+        out.append(f"- p99 added TTFT at {GOAL_LEVEL} concurrent streams: {ms(g['added_ttft_p99'])} ms "
+                   f"(goal <= 2 ms): **{'met' if met else 'NOT met'}**; added end-to-end p99 "
+                   f"{ms(g.get('added_e2e_p99'))} ms.")  # fmt: skip
+    ratios = []
+    for c in levels:
+        gw = summary[str(c)].get("gateway", {})
+        if "rps_vs_litellm" in gw:
+            ratios.append(f"{c}: {gw['rps_vs_litellm']:.1f}x")
+        elif "litellm" in summary[str(c)]:
+            ratios.append(f"{c}: LiteLLM completed no request in the window")
+    if ratios:
+        out.append("- Throughput, gateway / LiteLLM (goal >= 3x): " + "; ".join(ratios) + ".")
+    return out
+
+
+def write(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int],
+          args: argparse.Namespace, cmd: str, loads: tuple[str, str]) -> None:  # fmt: skip
+    summary = summarise(raw, levels)
+    m = procs.machine()
+    doc = {"machine": m, "load_average": {"before": loads[0], "after": loads[1]}, "command": cmd,
+           "args": vars(args), "summary": summary, "raw": raw}  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(doc, indent=2))
+    period = args.tokens / args.rate
+    lines = [
+        "# Gateway benchmark", "",
+        f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gib']} GiB RAM, Python {m['python']}; "
+        f"shared with other engineers (load average {loads[0]} before the run, {loads[1]} after). "
+        "Compare ratios within this run.", "",
+        f"Command: `{cmd}`", "",
+        f"Backend: the fixed-rate token server, {args.tokens} tokens per stream at {args.rate:g} "
+        f"tokens/s per stream ({period:g} s per stream, first token at once). Load generator in its "
+        f"own process: C streams in flight, started evenly over {period:g} s, requests sent in a "
+        f"{args.duration:g} s window recorded; median of {args.repeats} repeats, targets alternating. "
+        f"Gateway worker processes: {args.workers}.", "",
+        "Added = the target's percentile minus direct's, same repeat and concurrency. In-gateway: "
+        "the gateway's own `hybridllm_gateway_added_latency_seconds` histogram (bucket upper "
+        "bounds). Cores = CPU seconds / wall seconds of each process over the cell (loadgen, "
+        "backend, proxy = gateway or LiteLLM, machine = everything on the machine).", "",
+        "## Goals", "", *goals(summary, levels), "",
+        "## Results", "",
+        "| C | target | req/s | vs direct | TTFT p50 | TTFT p99 | added TTFT p50 | added TTFT p99 | added e2e p99 | in-gateway p50 / p99 | cores loadgen / backend / proxy / machine | proxy CPU ms/req | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for c in levels:
+        for name, r in summary[str(c)].items():
+            vs = "1.00" if name == "direct" else f"{r['rps_vs_direct'] or 0:.2f}"
+            cores = r["cores"]
+            cs = " / ".join(f"{cores.get(k, 0.0):.2f}" if k in cores else "-" for k in ("loadgen", "backend", "proxy", "machine"))  # fmt: skip
+            inner = (
+                f"{ms(r.get('inner_p50'))} / {ms(r.get('inner_p99'))}" if name == "gateway" else "-"
+            )
+            cpu_req = f"{r['proxy_cpu_ms_per_req']:.3f}" if name != "direct" and r["proxy_cpu_ms_per_req"] else "-"  # fmt: skip
+            lines.append(f"| {c} | {name} | {r['rps']:.1f} | {vs} | {ms(r['ttft_p50'])} | {ms(r['ttft_p99'])} | "
+                         f"{ms(r.get('added_ttft_p50'))} | {ms(r.get('added_ttft_p99'))} | {ms(r.get('added_e2e_p99'))} | "
+                         f"{inner} | {cs} | {cpu_req} | {r['errors']} |")  # fmt: skip
+    lines += [
+        "",
+        "All latencies in ms.",
+        "",
+        f"![throughput and added latency]({args.out}.png)",
+        "",
+    ]
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
+    plot(summary, levels, RESULTS / f"{args.out}.png", args)
+    print("\n".join(lines))
+
+
+def plot(summary: dict[str, Any], levels: list[int], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = list(summary[str(levels[0])])
+    for name in names:
+        a.plot(levels, [summary[str(n)][name]["rps"] for n in levels], marker="o", label=name)
+        if name != "direct":
+            added = [summary[str(n)][name].get("added_ttft_p99") for n in levels]
+            b.plot(levels, [1000 * x if x is not None else float("nan") for x in added], marker="o", label=name)  # fmt: skip
+        cpu = [summary[str(n)][name]["cores"].get("proxy") for n in levels]
+        if name != "direct":
+            c.plot(levels, [x if x is not None else float("nan") for x in cpu], marker="o", label=f"{name} process")  # fmt: skip
+    c.plot(levels, [summary[str(n)]["direct"]["cores"]["backend"] for n in levels], marker="s", ls="--", label="backend (direct)")  # fmt: skip
+    c.plot(levels, [summary[str(n)]["direct"]["cores"]["loadgen"] for n in levels], marker="s", ls=":", label="load generator (direct)")  # fmt: skip
+    b.axhline(2.0, color="grey", ls="--", lw=1, label="goal at 256: 2 ms")
+    a.set(
+        xscale="log", xlabel="concurrent streams", ylabel="completed requests/s", title="Throughput"
+    )
+    b.set(xscale="log", yscale="symlog", xlabel="concurrent streams", ylabel="ms",
+          title="Added TTFT p99 vs direct (median of repeats)")  # fmt: skip
+    c.set(
+        xscale="log",
+        xlabel="concurrent streams",
+        ylabel="cores (CPU s / s)",
+        title="CPU by process",
+    )
+    for ax in (a, b, c):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"{args.tokens} tokens/stream at {args.rate:g} tokens/s, 2-core shared machine", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
