@@ -2,21 +2,35 @@
 
 A policy sees an `Observation` (what a controller in the cluster could measure: ready
 and provisioned replicas, the work that arrived over the last interval, requests in
-flight) and returns the replica count it wants. All of them share `HpaBehaviour`, the
-Kubernetes HPA's own rules, so they differ only in the signal:
+flight) and returns the replica count it wants.
 
-- `Hpa`: the HPA algorithm on offered load per ready replica against a target
-  utilisation: no change within a 10% tolerance, scale-up limited to max(+100%, +4
-  pods) per 15 s, scale-down to the highest recommendation of the last 300 s.
+The reactive reference follows the Kubernetes HPA (autoscaling/v2) as documented in
+"Horizontal Pod Autoscaling" (kubernetes.io, "Algorithm details" and "Configurable
+scaling behavior"): every 15 s (``--horizontal-pod-autoscaler-sync-period``)
+``desired = ceil(current * metric / target)``, where ``current`` is the scale target's
+replica count (starting pods included); no change while ``metric / target`` is within
+the 10% tolerance; scale-up without a stabilisation window and at most
+max(+100%, +4 pods) per 15 s; scale-down to the *highest* recommendation of the last
+300 s. The metric is read through a metrics pipeline (`MetricView`): the value the HPA
+acts on is the mean over ``METRIC_WINDOW_S`` that ended ``METRIC_DELAY_S`` ago (one
+scrape interval), not the instantaneous load. The metric itself is the offered work per
+replica (the gateway's token rates as an External/AverageValue metric), which does not
+saturate at 100% like a GPU-utilisation metric would: that makes the HPA a strong
+reference, never a strawman.
+
+- `Hpa`: the above on offered work against a target utilisation.
 - `KedaQueue`: KEDA's Prometheus scaler on requests in flight (waiting + running), an
   AverageValue target per replica, then the same HPA rules.
-- `Predictive`: the upper-quantile forecast of work over the next lead time, divided by
-  the target utilisation (`capacity.PoolConfig.replicas_for`).
+- `Predictive`: the larger of the upper-quantile forecast over every bin that touches
+  [now, now + lead time] and the measured work (the same delayed metric the HPA reads),
+  divided by a target utilisation chosen on the training period. It has no tolerance,
+  no scale-down window by default and no scale-up rate limit (it writes the scale
+  subresource itself, as the operator will): the forecast already holds replicas for
+  the whole lead time, so when it says demand falls the pool shrinks at once.
 - `PredictiveWithFloor`: the larger of `Predictive` and the HPA at the same target:
-  never fewer replicas than the reactive policy would run, more where the forecast
-  sees a rise coming that the HPA would only notice once it has happened.
-- `Oracle`: the true future work over the lead time (what predictive would do with a
-  perfect forecast).
+  never fewer replicas than the reactive policy would run.
+- `Oracle`: the true future work over [now, now + lead time] (what predictive would do
+  with a perfect forecast): scales up exactly one lead time ahead, down immediately.
 """
 
 from __future__ import annotations
@@ -31,6 +45,9 @@ import numpy as np
 from hybridllm_forecaster.capacity import PoolConfig
 
 HPA_TOLERANCE = 0.1
+HPA_DOWN_WINDOW_S = 300.0  # behavior.scaleDown.stabilizationWindowSeconds default
+METRIC_DELAY_S = 15.0  # one scrape interval between the load and the value the controller reads
+METRIC_WINDOW_S = 30.0  # the metric is a rate over this window (two scrapes)
 
 
 @dataclass(frozen=True)
@@ -43,25 +60,62 @@ class Observation:
 
 
 @dataclass
+class MetricView:
+    """The offered work as a controller reads it: averaged over a window, one delay late."""
+
+    delay_s: float = METRIC_DELAY_S
+    window_s: float = METRIC_WINDOW_S
+    _samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def read(self, obs: Observation) -> float:
+        self._samples.append((obs.now_s, obs.work_per_s))
+        newest = obs.now_s - self.delay_s
+        while len(self._samples) > 1 and self._samples[0][0] <= newest - self.window_s:
+            self._samples.popleft()
+        seen = [w for t, w in self._samples if t <= newest + 1e-9]
+        # before the first delayed sample exists, the oldest one is the best there is
+        return float(np.mean(seen)) if seen else self._samples[0][1]
+
+
+@dataclass
 class HpaBehaviour:
-    """Tolerance, scale-up rate limit and scale-down stabilisation, as autoscaling/v2 does."""
+    """Tolerance, stabilisation and rate limits in the order autoscaling/v2 applies them.
+
+    The recommendation (after the tolerance) is recorded; scale-down goes to the highest
+    recommendation within ``down_window_s`` (scale-up has no window); then the scale-up
+    rate limit max(+100%, +4 pods) per 15 s and the min/max bounds.
+    """
 
     pool: PoolConfig
     apply_tolerance: bool = True
+    down_window_s: float = HPA_DOWN_WINDOW_S
+    limit_scale_up: bool = True
     _recent: deque[tuple[float, int]] = field(default_factory=deque)
 
     def apply(self, obs: Observation, raw_desired: float) -> int:
-        current = max(obs.provisioned, 1)
-        desired = math.ceil(raw_desired - 1e-9)
-        if self.apply_tolerance and abs(raw_desired / current - 1.0) <= HPA_TOLERANCE:
-            desired = obs.provisioned
-        desired = min(desired, max(2 * current, current + 4))
-        desired = int(min(self.pool.max_replicas, max(self.pool.min_replicas, desired)))
-        window = self.pool.scale_down_stabilisation_s
-        self._recent.append((obs.now_s, desired))
-        while self._recent and self._recent[0][0] <= obs.now_s - window:
+        current = obs.provisioned
+        rec = math.ceil(raw_desired - 1e-9)
+        if (
+            self.apply_tolerance
+            and current > 0
+            and abs(raw_desired / current - 1.0) <= HPA_TOLERANCE
+        ):
+            rec = current
+        rec = self._bound(rec)
+        self._recent.append((obs.now_s, rec))
+        while self._recent and self._recent[0][0] <= obs.now_s - self.down_window_s:
             self._recent.popleft()
-        return max(d for _, d in self._recent)
+        down = max(d for _, d in self._recent) if self._recent else rec
+        if rec > current:
+            desired = min(rec, max(2 * current, current + 4)) if self.limit_scale_up else rec
+        elif down < current:
+            desired = down
+        else:
+            desired = current
+        return self._bound(desired)
+
+    def _bound(self, n: int) -> int:
+        return int(min(self.pool.max_replicas, max(self.pool.min_replicas, n)))
 
 
 class Policy:
@@ -74,14 +128,18 @@ class Policy:
 class Hpa(Policy):
     name = "hpa"
 
-    def __init__(self, pool: PoolConfig, target_utilisation: float = 0.7) -> None:
+    def __init__(
+        self, pool: PoolConfig, target_utilisation: float = 0.7, metric: MetricView | None = None
+    ) -> None:
         self.target = target_utilisation
         self.behaviour = HpaBehaviour(pool)
+        self.metric = metric if metric is not None else MetricView()
 
     def decide(self, obs: Observation) -> int:
+        work = self.metric.read(obs)
         if obs.ready == 0:
             return self.behaviour.apply(obs, max(obs.provisioned, 1))
-        return self.behaviour.apply(obs, obs.work_per_s / self.target)
+        return self.behaviour.apply(obs, work / self.target)
 
 
 class KedaQueue(Policy):
@@ -102,16 +160,27 @@ class Predictive(Policy):
     name = "predictive"
 
     def __init__(
-        self, pool: PoolConfig, forecast_max: ForecastFn, target_utilisation: float | None = None
+        self,
+        pool: PoolConfig,
+        forecast_max: ForecastFn,
+        target_utilisation: float | None = None,
+        *,
+        down_window_s: float = 0.0,
+        metric: MetricView | None = None,
     ) -> None:
         self.pool = pool
         self.forecast_max = forecast_max
         self.target = target_utilisation or pool.target_utilisation
-        self.behaviour = HpaBehaviour(pool, apply_tolerance=False)
+        self.behaviour = HpaBehaviour(
+            pool, apply_tolerance=False, down_window_s=down_window_s, limit_scale_up=False
+        )
+        self.metric = metric  # None: plan from the forecast alone (the oracle)
 
     def decide(self, obs: Observation) -> int:
         work = self.forecast_max(obs.now_s, obs.now_s + self.pool.lead_time_s)
-        return self.behaviour.apply(obs, self.pool.replicas_for(work, self.target))
+        if self.metric is not None:
+            work = max(work, self.metric.read(obs))
+        return self.behaviour.apply(obs, work / self.target)
 
 
 class PredictiveWithFloor(Policy):
@@ -120,8 +189,9 @@ class PredictiveWithFloor(Policy):
     def __init__(
         self, pool: PoolConfig, forecast_max: ForecastFn, target_utilisation: float | None = None
     ) -> None:
-        self.predictive = Predictive(pool, forecast_max, target_utilisation)
-        self.floor = Hpa(pool, target_utilisation or pool.target_utilisation)
+        target = target_utilisation or pool.target_utilisation
+        self.predictive = Predictive(pool, forecast_max, target, metric=MetricView())
+        self.floor = Hpa(pool, target)
 
     def decide(self, obs: Observation) -> int:
         return max(self.predictive.decide(obs), self.floor.decide(obs))
@@ -151,21 +221,34 @@ def series_max_fn(values: np.ndarray, step_s: float) -> ForecastFn:
     return fn
 
 
-def forecast_max_fn(upper: np.ndarray, bin_s: float, offset_s: float = 0.0) -> ForecastFn:
-    """Max of the upper forecast issued at the last complete bin over bins touching [from, to].
+def forecast_max_fn(
+    upper: np.ndarray, bin_s: float, offset_s: float = 0.0, observed_after_s: float | None = None
+) -> ForecastFn:
+    """Max of the upper forecast over the bins after the current one that touch [from, to].
 
     `upper[i, h - 1]` forecasts bin ``i + h`` from the data up to bin ``i``; times are
-    simulation seconds, bin ``k`` starts at ``offset_s + k * bin_s``.
+    simulation seconds, bin ``k`` starts at ``offset_s + k * bin_s``. A bin counts as
+    observed ``observed_after_s`` after it starts (default: when it is complete). The
+    fluid simulator holds a bin's rate constant, so there the rate of the current bin is
+    known after one metric reading, exactly as the HPA knows it; the forecast is then
+    issued from the current bin. Returns 0 when [from, to] ends within an observed bin:
+    the measured work (the caller's floor) covers it.
     """
     n, horizon = upper.shape
+    seen_after = bin_s if observed_after_s is None else min(observed_after_s, bin_s)
 
     def fn(from_s: float, to_s: float) -> float:
-        origin = int((from_s - offset_s) // bin_s) - 1  # last bin fully observed
+        rel = from_s - offset_s
+        cur = int(rel // bin_s)  # the bin that holds now
+        origin = cur if rel - cur * bin_s >= seen_after - 1e-9 else cur - 1
         if origin < 0:
             return float(np.max(upper[0]))
         origin = min(origin, n - 1)
         last_bin = int((to_s - offset_s) // bin_s)
-        h_max = min(horizon, max(1, last_bin - origin))
-        return float(np.max(upper[origin, :h_max]))
+        first_h = max(1, cur - origin)
+        h_max = min(horizon, last_bin - origin)
+        if h_max < first_h:
+            return 0.0
+        return float(np.max(upper[origin, first_h - 1 : h_max]))
 
     return fn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -58,10 +59,25 @@ def attainment_at_cost(res: EvalResult, family: str, hours: float) -> float:
     return float(np.interp(hours, xs, ys))
 
 
+def cost_at_attainment(res: EvalResult, family: str, attainment: float) -> float:
+    """Cheapest replica-hours at which a family's test sweep reaches `attainment`.
+
+    Interpolated linearly between neighbouring settings (sorted by cost); NaN when no
+    setting reaches it; the cheapest setting's cost (an upper bound) when it already does.
+    """
+    pts = sorted((r.replica_hours, r.slo_attainment) for _, r in res.test_runs[family])
+    if pts[0][1] >= attainment:
+        return pts[0][0]
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if y1 >= attainment > y0:
+            return x0 + (attainment - y0) / (y1 - y0) * (x1 - x0)
+    return math.nan
+
+
 def verdict(res: EvalResult) -> dict[str, Any]:
     hpa = res.test_result("hpa")
     out: dict[str, Any] = {"reference": f"hpa at target utilisation {res.chosen['hpa']:g}"}
-    for fam in ("predictive", "predictive+floor"):
+    for fam in ("predictive", "predictive+floor", "oracle"):
         r = res.test_result(fam)
         ratio = r.replica_hours / hpa.replica_hours
         at_equal = attainment_at_cost(res, fam, hpa.replica_hours)
@@ -69,6 +85,8 @@ def verdict(res: EvalResult) -> dict[str, Any]:
             "cost_ratio": ratio,
             "slo_points": 100 * (r.slo_attainment - hpa.slo_attainment),
             "slo_points_at_equal_cost": 100 * (at_equal - hpa.slo_attainment),
+            "cost_ratio_at_equal_slo": cost_at_attainment(res, fam, hpa.slo_attainment)
+            / hpa.replica_hours,
             "goal_met": bool(
                 (r.slo_attainment >= hpa.slo_attainment - 1e-9 and ratio <= 0.8)
                 or (not math.isnan(at_equal) and at_equal - hpa.slo_attainment >= 0.05)
