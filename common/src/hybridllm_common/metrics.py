@@ -40,6 +40,7 @@ TOKENS_PER_STEP = "hybridllm_engine_step_tokens"
 # Disaggregated serving (cloud runtime, prefill and decode roles).
 KV_TRANSFER_BYTES_TOTAL = "hybridllm_kv_transfer_bytes_total"  # label: direction (sent, received)
 KV_TRANSFER_SECONDS = "hybridllm_kv_transfer_seconds"  # histogram; label: outcome
+KV_TRANSFER_STREAMING_SECONDS = "hybridllm_kv_transfer_streaming_seconds"  # first to last frame
 REMOTE_PREFILLS_TOTAL = "hybridllm_prefills_total"  # label: where (remote, local), outcome
 KV_TRANSFERS_ACTIVE = "hybridllm_kv_transfers_active"  # gauge; label: role
 ENGINE_ROLE_INFO = "hybridllm_engine_role_info"  # gauge = 1; label: role
