@@ -117,3 +117,70 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         "",
     ]
     path.write_text("\n".join(lines))
+
+
+def plot_scaling(report: dict[str, Any], path: Path) -> None:
+    """bench/edge/scaling.py: tokens/s and gain over batch 1 against the batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name, per_b in report["results"].items():
+        batches = [int(b) for b in per_b]
+        axes[0].plot(batches, [v["tokens_per_s"] for v in per_b.values()], "o-", label=name)
+        axes[1].plot(batches, [v["gain_vs_batch1"] for v in per_b.values()], "o-", label=name)
+    axes[0].set(xlabel="sequences per llama_decode", ylabel="decode tokens/s (median)",
+                title="One llama_decode step, all sequences")  # fmt: skip
+    axes[1].axhline(2.0, color="grey", linestyle="--", label="issue goal at 8 clients")
+    axes[1].set(xlabel="sequences per llama_decode", ylabel="tokens/s over batch 1",
+                title="Ceiling of batched vs one-at-a-time serving")  # fmt: skip
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+    m = report["machine"]
+    fig.suptitle(
+        f"SmolLM2-135M, {report['threads']} thread(s); {m['cores']} cores {m['cpu']}", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_scaling_markdown(report: dict[str, Any], path: Path) -> None:
+    m = report["machine"]
+    names = list(report["results"])
+    batches = list(report["results"][names[0]])
+    lines = [
+        "# llama.cpp decode step against the batch size (edge runtime)",
+        "",
+        f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gib']} GiB RAM; load average "
+        f"{', '.join(f'{v:.1f}' for v in m['load'])} at start, "
+        f"{', '.join(f'{v:.1f}' for v in report['load_end'])} at end (shared machine).",
+        "",
+        f"Command: `{report['command']}`; {report['threads']} CPU thread(s); each cell is the "
+        f"median over {report['rounds']} interleaved rounds of the median of "
+        f"{report['steps']} decode steps (`LlamaCppBackend.forward`, logits of every sequence).",
+        "",
+        "| weights | " + " | ".join(f"batch {b} ms/step" for b in batches)
+        + " | " + " | ".join(f"tok/s b{b}" for b in batches)
+        + " | gain b8/b1 (ceiling of the 8-client ratio) |",
+        "|---|" + "---|" * (2 * len(batches) + 1),
+    ]  # fmt: skip
+    for name, per_b in report["results"].items():
+        last = per_b[batches[-1]]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{v['step_ms']:.1f}" for v in per_b.values())
+            + " | " + " | ".join(f"{v['tokens_per_s']:.1f}" for v in per_b.values())
+            + f" | {last['gain_vs_batch1']:.2f} |"
+        )  # fmt: skip
+    lines += [
+        "",
+        "A one-request-at-a-time server decodes at the batch-1 rate; a batched server at best at",
+        "the batch-8 rate, less prompt processing and serving overhead. The last column is",
+        "therefore the most the 8-client throughput ratio can reach with these kernels here.",
+        "",
+        f"![plot]({path.with_suffix('.png').name})",
+        "",
+    ]
+    path.write_text("\n".join(lines))

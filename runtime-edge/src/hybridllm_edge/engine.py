@@ -7,7 +7,9 @@ its slots:
 
 1. drain the inbox: queue new requests, drop aborted ones (their slot's KV is released
    at once, so a cancelled request frees its memory before the next step);
-2. give free slots to waiting requests, first come first served;
+2. give free slots to waiting requests, first come first served, the lowest free slot
+   first: running slots stay a run of consecutive ids, which llama.cpp decodes in one
+   micro-batch (a gap splits the step in two, see ``backends/llamacpp.py``);
 3. build one batch under a token budget: every decoding slot's last sampled token first
    (decode is never starved by a long prompt), then prompt chunks of prefilling slots with
    what budget is left (chunked prefill);
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import heapq
 import logging
 import queue
 import threading
@@ -99,7 +102,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._waiting: collections.deque[EngineRequest] = collections.deque()
         self._running: list[EngineRequest] = []
-        self._free_slots = list(range(self.info.num_slots))
+        self._free_slots = list(range(self.info.num_slots))  # a heap: lowest slot first
         self._num_waiting = 0  # in the inbox, not yet seen by the engine; under _count_lock
         self._count_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -184,7 +187,7 @@ class Engine:
     def _admit(self) -> None:
         while self._free_slots and self._waiting:
             req = self._waiting.popleft()
-            req.slot = self._free_slots.pop(0)
+            req.slot = heapq.heappop(self._free_slots)
             if req.params.temperature > 0:
                 req.rng = np.random.default_rng(req.params.seed)
             self._running.append(req)
@@ -279,5 +282,5 @@ class Engine:
     def _finish(self, req: EngineRequest) -> None:
         self._running.remove(req)
         self.backend.release(req.slot)
-        self._free_slots.append(req.slot)
+        heapq.heappush(self._free_slots, req.slot)
         req.slot = -1

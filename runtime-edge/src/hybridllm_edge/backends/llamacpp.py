@@ -10,7 +10,16 @@ cells from the KV (``llama_memory_seq_rm``) so a cancelled request frees its mem
 
 The context is used only from the engine thread. The KV is split per sequence
 (``kv_unified`` off), so every slot gets exactly ``max_model_len`` positions and one long
-request cannot starve the others.
+request cannot starve the others, and a token attends only to its own slot's cells.
+
+Token order matters with a split KV. llama.cpp cuts such a batch into micro-batches with
+``split_equal(sequential=true)``: one micro-batch holds the same number of tokens of each
+of a run of *consecutive, increasing* sequence ids, taken in batch order. A step whose
+slots come as 3, 0, 5, 1, 2, 4, 6, 7 therefore runs as three graph computations ({3, 4},
+{0, 1, 2}, {5, 6, 7}) and 7, 6, ..., 0 as eight, each a full pass over the weights:
+measured on SmolLM2 Q4_1 with 8 slots, 1.7x and 2.5x the time of the same tokens in slot
+order. So ``forward`` packs the batch in slot order, whatever order the engine lists the
+work in, and hands the logits back in the engine's order.
 """
 
 from __future__ import annotations
@@ -104,23 +113,24 @@ class LlamaCppBackend:
         return self._pieces[token_id]
 
     def forward(self, work: list[SlotWork]) -> np.ndarray:
+        total = sum(len(item.token_ids) for item in work)
+        if total > self.num_batch:  # before writing: the batch holds num_batch tokens
+            raise ValueError(f"step of {total} tokens exceeds n_batch {self.num_batch}")
         batch = self._batch
         n = 0
-        wanted: list[int] = []
-        for item in work:
+        last_index = [0] * len(work)  # batch index of each item's last token
+        for k in sorted(range(len(work)), key=lambda k: work[k].slot):  # see module docstring
+            item = work[k]
             last = len(item.token_ids) - 1
             for i, token in enumerate(item.token_ids):
                 batch.token[n] = token
                 batch.pos[n] = item.pos + i
                 batch.n_seq_id[n] = 1
                 batch.seq_id[n][0] = item.slot
-                want = item.want_logits and i == last
-                batch.logits[n] = want
-                if want:
-                    wanted.append(n)
+                batch.logits[n] = item.want_logits and i == last
                 n += 1
-        if n > self.num_batch:
-            raise ValueError(f"step of {n} tokens exceeds n_batch {self.num_batch}")
+            last_index[k] = n - 1
+        wanted = [last_index[k] for k, item in enumerate(work) if item.want_logits]
         batch.n_tokens = n
         rc = llama_cpp.llama_decode(self._ctx.ctx, batch)
         if rc != 0:

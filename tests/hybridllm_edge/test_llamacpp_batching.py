@@ -1,0 +1,99 @@
+"""The llama.cpp backend and the engine's slot choice, on the real SmolLM2 Q4_1 (no server).
+
+``forward`` packs a step in slot order (llama.cpp splits a batch with a split KV at every
+break in consecutive sequence ids) and must still return logits in the engine's order;
+the engine hands out the lowest free slot so running slots stay consecutive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from hybridllm_edge import backends, config, engine, sampling
+from hybridllm_edge.backends import Backend, SlotWork
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a dragon"]
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[Backend]:
+    b = backends.load(config.EdgeSettings(parallel=4, max_model_len=64, threads=1,
+                                          max_num_batched_tokens=64))  # fmt: skip
+    yield b
+    b.close()
+
+
+def _release_all(backend: Backend) -> None:
+    for slot in range(backend.info.num_slots):
+        backend.release(slot)
+
+
+def test_logits_come_back_in_work_order_whatever_the_slot_order(backend: Backend) -> None:
+    prompts = [backend.encode(p, add_special=True) for p in PROMPTS]
+    alone = []
+    for slot, ids in zip([3, 0, 2], prompts, strict=True):
+        _release_all(backend)
+        alone.append(backend.forward([SlotWork(slot, ids, 0, True)])[0])
+    _release_all(backend)
+    # slots listed out of order, and one item in the middle that wants no logits
+    work = [
+        SlotWork(3, prompts[0], 0, True),
+        SlotWork(1, prompts[1][:2], 0, False),
+        SlotWork(0, prompts[1], 0, True),
+        SlotWork(2, prompts[2], 0, True),
+    ]
+    rows = backend.forward(work)
+    assert rows.shape == (3, backend.info.vocab_size)
+    batch = backend._batch  # type: ignore[attr-defined]
+    packed = [batch.seq_id[i][0] for i in range(batch.n_tokens)]
+    assert packed == sorted(packed)  # one run of consecutive ids: one llama.cpp micro-batch
+    for row, ref in zip(rows, alone, strict=True):
+        assert int(np.argmax(row)) == int(np.argmax(ref))
+        np.testing.assert_allclose(row, ref, atol=0.05)
+    assert [backend.slot_length(s) for s in range(4)] == [
+        len(prompts[1]), 2, len(prompts[2]), len(prompts[0])
+    ]  # fmt: skip
+    # the next decode step, again out of order, continues each slot's own sequence
+    nxt = [int(np.argmax(r)) for r in rows]
+    step = [
+        SlotWork(2, [nxt[2]], len(prompts[2]), True),
+        SlotWork(3, [nxt[0]], len(prompts[0]), True),
+    ]
+    out = backend.forward(step)
+    _release_all(backend)
+    ref3 = backend.forward([SlotWork(3, prompts[0] + [nxt[0]], 0, True)])[0]
+    np.testing.assert_allclose(out[1], ref3, atol=0.05)
+    _release_all(backend)
+
+
+def test_a_step_over_the_batch_size_is_refused_before_it_is_written(backend: Backend) -> None:
+    _release_all(backend)
+    too_long = [SlotWork(0, [1] * 40, 0, False), SlotWork(1, [1] * 40, 0, True)]
+    with pytest.raises(ValueError, match="exceeds n_batch"):
+        backend.forward(too_long)
+    ids = backend.encode(PROMPTS[0], add_special=True)
+    assert backend.forward([SlotWork(0, ids, 0, True)]).shape == (1, backend.info.vocab_size)
+    _release_all(backend)
+
+
+def test_engine_hands_out_the_lowest_free_slot(backend: Backend) -> None:
+    eng = engine.Engine(backend, max_num_batched_tokens=64)  # not started: driven by hand
+    params = sampling.SamplingParams(max_tokens=4, temperature=0)
+    reqs = [engine.EngineRequest(f"r{i}", [1, 2], params, lambda _: None) for i in range(6)]
+    for r in reqs[:4]:
+        eng.add(r)
+    eng._drain(block=False)
+    eng._admit()
+    assert [r.slot for r in reqs[:4]] == [0, 1, 2, 3]
+    eng._finish(reqs[2])
+    eng._finish(reqs[0])
+    eng.add(reqs[4])
+    eng.add(reqs[5])
+    eng._drain(block=False)
+    eng._admit()
+    assert (reqs[4].slot, reqs[5].slot) == (0, 2)
+    for r in (reqs[1], reqs[3], reqs[4], reqs[5]):
+        eng._finish(r)
