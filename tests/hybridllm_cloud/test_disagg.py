@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -283,23 +284,20 @@ def test_prefill_dies_mid_transfer_retried_on_another(
         b.close()
 
 
-async def _bad_server(handler: Callable[..., Any]) -> tuple[asyncio.Server, transport.Endpoint]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    return server, transport.Endpoint("tcp", "127.0.0.1", port)
+async def _bad_server(handler: Callable[..., Any]) -> tuple[transport.Server, transport.Endpoint]:
+    server = await transport.start_server(transport.Endpoint("tcp", "127.0.0.1", 0), handler)
+    return server, transport.Endpoint("tcp", "127.0.0.1", server.address[1])
 
 
 def test_corrupt_frame_is_retried_elsewhere(
     mono: llm_engine.LLMEngine, prefill: PrefillWorker, loop: LoopThread, decode_factory: Any
 ) -> None:
-    async def corrupt(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        frame = await protocol.read_frame(reader)
+    async def corrupt(conn: protocol.Conn) -> None:
+        frame = await conn.recv()
         payload = b"\x00" * 64
         bad = protocol.Frame(protocol.FrameType.KV, frame.transfer_id, payload, 0, 1, 0, 1)
-        writer.write(protocol.encode_header(bad, crc=12345) + payload)
-        await writer.drain()
-        await reader.read()  # until the client hangs up
-        writer.close()
+        await conn.send_raw(protocol.encode_header(bad, crc=12345) + payload)
+        await conn.wait_closed_by_peer()
 
     server, endpoint = loop.run(_bad_server(corrupt))
     try:
@@ -311,14 +309,14 @@ def test_corrupt_frame_is_retried_elsewhere(
         assert_idle(decode)
         wait_prefill_idle(prefill)
     finally:
-        server.close()
+        loop.run(server.close())
 
 
 def test_decode_side_disappears_mid_transfer(prefill: PrefillWorker, loop: LoopThread) -> None:
     """The prefill worker aborts the request and frees its blocks when its peer is gone."""
 
     async def half_transfer() -> int:
-        reader, writer = await transport.open_stream(prefill.endpoint, 10)
+        conn = await transport.connect(prefill.endpoint, 10)
         layout = prefill.server.layout
         req = {
             "request_id": "gone",
@@ -327,10 +325,9 @@ def test_decode_side_disappears_mid_transfer(prefill: PrefillWorker, loop: LoopT
             "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0},
             "layout": layout,
         }
-        protocol.write_frame(writer, protocol.json_frame(protocol.FrameType.PREFILL, 1, req))
-        await writer.drain()
-        frame = await protocol.read_frame(reader)
-        writer.transport.abort()  # reset, like a killed process
+        await conn.send(protocol.json_frame(protocol.FrameType.PREFILL, 1, req))
+        frame = await conn.recv()
+        conn.abort()  # reset, like a killed process
         return frame.layer_start
 
     assert loop.run(half_transfer()) == 0
@@ -345,12 +342,11 @@ def test_abort_while_kv_in_flight_frees_blocks_after_transfer_stops(
     got_request = threading.Event()
     release = asyncio.Event()
 
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await protocol.read_frame(reader)
+    async def silent(conn: protocol.Conn) -> None:
+        await conn.recv()
         got_request.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(release.wait(), 30)
-        writer.close()
 
     server, endpoint = loop.run(_bad_server(silent))
     try:
@@ -370,7 +366,7 @@ def test_abort_while_kv_in_flight_frees_blocks_after_transfer_stops(
         assert_idle(decode)
     finally:
         loop.loop.call_soon_threadsafe(release.set)
-        server.close()
+        loop.run(server.close())
 
 
 def test_layout_mismatch_is_not_retried(
@@ -391,10 +387,14 @@ def test_frame_roundtrip_and_checksum() -> None:
     frame = protocol.Frame(protocol.FrameType.KV, 9, payload, 2, 1, 5, 3)
 
     async def roundtrip(data: bytes) -> protocol.Frame:
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        reader.feed_eof()
-        return await protocol.read_frame(reader)
+        a, b = socket.socketpair()
+        sender, receiver = protocol.Conn(a), protocol.Conn(b)
+        await sender.send_raw(data)
+        sender.close()
+        try:
+            return await receiver.recv()
+        finally:
+            receiver.close()
 
     got = asyncio.run(roundtrip(protocol.encode_header(frame) + payload))
     assert (got.type, got.transfer_id, got.layer_start, got.first_block, got.num_blocks) == (

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import threading
@@ -69,6 +68,8 @@ class TransferStats:
     attempts: int
     endpoint: str | None = None
     errors: list[str] = field(default_factory=list)
+    first_frame_s: float | None = None  # since start: queueing + compute before any block
+    last_frame_s: float | None = None  # since start: the last block written here
 
 
 class RemotePrefillClient:
@@ -112,6 +113,7 @@ class RemotePrefillClient:
         self._lock = threading.Lock()
         self._tids = itertools.count(1)
         self._futures: dict[str, concurrent.futures.Future[None]] = {}
+        self._started: dict[str, float] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kv-connector", daemon=True
@@ -188,6 +190,7 @@ class RemotePrefillClient:
     ) -> None:
         start = time.monotonic()
         stats = TransferStats(load.request_id, "failed", 0.0, 0, 0)
+        self._started[load.request_id] = start
         result: llm_engine.RemotePrefillResult | None = None
         tried: set[transport.Endpoint] = set()
         try:
@@ -218,6 +221,7 @@ class RemotePrefillClient:
             stats.outcome = "cancelled"
             result = None
         finally:
+            self._started.pop(load.request_id, None)
             stats.seconds = time.monotonic() - start
             if self.on_transfer is not None:
                 self.on_transfer(stats)
@@ -242,15 +246,12 @@ class RemotePrefillClient:
             "layout": self.layout,
         }
         try:
-            reader, writer = await transport.open_stream(endpoint, self.timeout)
+            conn = await transport.connect(endpoint, self.timeout)
         except (OSError, TimeoutError) as exc:
             raise TransferError(f"connect: {exc or type(exc).__name__}") from exc
         try:
-            protocol.write_frame(
-                writer, protocol.json_frame(protocol.FrameType.PREFILL, tid, request)
-            )
-            await writer.drain()
-            return await self._receive(reader, tid, load, stats)
+            await conn.send(protocol.json_frame(protocol.FrameType.PREFILL, tid, request))
+            return await self._receive(conn, tid, load, stats)
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             raise TransferError(
                 f"connection lost mid-transfer ({exc or type(exc).__name__})"
@@ -260,12 +261,10 @@ class RemotePrefillClient:
         except protocol.ProtocolError as exc:
             raise TransferError(str(exc)) from exc
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            conn.close()
 
     async def _receive(
-        self, reader: asyncio.StreamReader, tid: int, load: KVLoad, stats: TransferStats
+        self, conn: protocol.Conn, tid: int, load: KVLoad, stats: TransferStats
     ) -> llm_engine.RemotePrefillResult:
         num_blocks = len(load.block_ids)
         missing = {
@@ -274,7 +273,7 @@ class RemotePrefillClient:
             for b in range(load.first_block, num_blocks)
         }
         while True:
-            frame = await asyncio.wait_for(protocol.read_frame(reader), self.timeout)
+            frame = await asyncio.wait_for(conn.recv(), self.timeout)
             if frame.transfer_id != tid:
                 raise protocol.ProtocolError(
                     f"frame of transfer {frame.transfer_id}, expected {tid}"
@@ -282,6 +281,10 @@ class RemotePrefillClient:
             if frame.type == protocol.FrameType.KV:
                 self._store(frame, load)
                 stats.bytes += len(frame.payload)
+                now = time.monotonic() - self._started.get(load.request_id, time.monotonic())
+                if stats.first_frame_s is None:
+                    stats.first_frame_s = now
+                stats.last_frame_s = now
                 for layer in range(frame.layer_start, frame.layer_start + frame.layer_count):
                     for b in range(frame.first_block, frame.first_block + frame.num_blocks):
                         missing.discard((layer, b))
@@ -327,7 +330,7 @@ class RemotePrefillClient:
                 f"KV payload of {len(frame.payload)} bytes, expected {expected}"
             )
         wire = _TORCH_TO_WIRE.get(self.dtype, self.dtype)
-        data = torch.frombuffer(bytearray(frame.payload), dtype=wire).view(self.dtype)
+        data = torch.frombuffer(frame.payload, dtype=wire).view(self.dtype)
         data = data.view(layers, 2, n, *self.block_shape)
         self.runner.write_blocks(
             frame.layer_start, load.block_ids[first : first + n], data[:, 0], data[:, 1]

@@ -114,77 +114,65 @@ class KVServer:
         self.on_transfer = on_transfer  # (outcome, seconds, bytes sent)
         self.active = 0
         self._ids = itertools.count()
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._servers: list[transport.Server] = []
 
     async def start(self, endpoint: transport.Endpoint) -> transport.Endpoint:
         """Listens; returns the bound endpoint (port 0 picks a free one)."""
-        self._server = await transport.start_server(endpoint, self._handle)
+        server = await transport.start_server(endpoint, self._handle)
+        self._servers.append(server)
         if endpoint.scheme == "tcp":
-            host, port = self._server.sockets[0].getsockname()[:2]
+            host, port = server.address[:2]
             endpoint = transport.Endpoint("tcp", host, port)
         log.info("KV server listening on %s", endpoint)
         return endpoint
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
+        """Stops listening and drops every open transfer (their requests are aborted)."""
+        servers, self._servers = self._servers, []
+        for server in servers:
+            await server.close()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def _handle(self, conn: protocol.Conn) -> None:
         self.active += 1
         start, sent, outcome = time.monotonic(), 0, "error"
         try:
-            outcome, sent = await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            outcome, sent = await self._serve(conn)
+        except (OSError, asyncio.IncompleteReadError) as exc:
             outcome = "peer_lost"
             log.info("KV transfer: decode side went away (%s)", exc)
         except protocol.ProtocolError as exc:
             log.warning("KV transfer: %s", exc)
         except asyncio.CancelledError:
             outcome = "cancelled"
+            raise
         finally:
             self.active -= 1
-            self._tasks.discard(task)
-            writer.close()
             if self.on_transfer is not None:
                 self.on_transfer(outcome, time.monotonic() - start, sent)
 
-    async def _error(
-        self, writer: asyncio.StreamWriter, tid: int, message: str, retryable: bool
-    ) -> None:
+    async def _error(self, conn: protocol.Conn, tid: int, message: str, retryable: bool) -> None:
         frame = protocol.json_frame(
             protocol.FrameType.ERROR, tid, {"message": message, "retryable": retryable}
         )
-        protocol.write_frame(writer, frame)
         with contextlib.suppress(ConnectionError):
-            await writer.drain()
+            await conn.send(frame)
 
-    async def _serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[str, int]:
-        frame = await asyncio.wait_for(protocol.read_frame(reader), self.timeout)
+    async def _serve(self, conn: protocol.Conn) -> tuple[str, int]:
+        frame = await asyncio.wait_for(conn.recv(), self.timeout)
         if frame.type != protocol.FrameType.PREFILL:
             raise protocol.ProtocolError(f"expected PREFILL, got {frame.type.name}")
         tid = frame.transfer_id
         req = frame.json()
         if req.get("layout") != self.layout:
             await self._error(
-                writer,
+                conn,
                 tid,
                 f"cache layout mismatch: decode {req.get('layout')}, prefill {self.layout}",
                 retryable=False,
             )
             return "layout_mismatch", 0
         if self.engine.num_waiting >= self.max_waiting:
-            await self._error(writer, tid, "prefill worker busy", retryable=True)
+            await self._error(conn, tid, "prefill worker busy", retryable=True)
             return "busy", 0
         try:
             prompt = [int(t) for t in req["prompt_token_ids"]]
@@ -201,7 +189,7 @@ class KVServer:
             )
             priority = Priority(int(req.get("priority", 0)))
         except (KeyError, TypeError, ValueError) as exc:
-            await self._error(writer, tid, f"bad PREFILL request: {exc}", retryable=False)
+            await self._error(conn, tid, f"bad PREFILL request: {exc}", retryable=False)
             return "bad_request", 0
 
         loop = asyncio.get_running_loop()
@@ -209,7 +197,7 @@ class KVServer:
         sink = _TransferSink(loop, out, self.max_buffered_bytes, self.timeout)
         request_id = f"{req.get('request_id', 'remote')}-p{next(self._ids)}"
         self.engine.add(request_id, prompt, params, priority, out, kv_export=(first_block, sink))
-        peer_gone = asyncio.ensure_future(reader.read(1))  # EOF (b"") = decode side left
+        peer_gone = asyncio.ensure_future(conn.wait_closed_by_peer())
         sent, finished = 0, False
         try:
             while True:
@@ -221,24 +209,22 @@ class KVServer:
                     get.cancel()
                     if peer_gone in done:
                         raise ConnectionResetError("decode side closed the connection")
-                    await self._error(writer, tid, "prefill timed out", retryable=True)
+                    await self._error(conn, tid, "prefill timed out", retryable=True)
                     return "timeout", sent
                 tag, item = get.result()
                 if tag == _KV:
                     layer, block, k, v = item
                     payload = _payload(k, v)
-                    protocol.write_frame(
-                        writer,
+                    await conn.send(
                         protocol.Frame(
                             protocol.FrameType.KV, tid, payload, layer, 1, block, k.shape[0]
-                        ),
+                        )
                     )
-                    await writer.drain()
                     sent += len(payload)
                     sink.release(len(payload))
                     continue
                 if isinstance(item, BaseException):
-                    await self._error(writer, tid, str(item), retryable=False)
+                    await self._error(conn, tid, str(item), retryable=False)
                     finished = True
                     return "rejected", sent
                 result: llm_engine.RequestOutput = item
@@ -262,8 +248,7 @@ class KVServer:
                         "num_cached_tokens": result.num_cached_tokens,
                     },
                 )
-                protocol.write_frame(writer, done_frame)
-                await writer.drain()
+                await conn.send(done_frame)
                 return "ok", sent
         finally:
             sink.close()

@@ -31,8 +31,10 @@ make a reader allocate without bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
+import socket
 import struct
 import zlib
 from dataclasses import dataclass
@@ -96,45 +98,88 @@ def json_frame(type_: FrameType, transfer_id: int, obj: dict[str, Any]) -> Frame
     return Frame(type_, transfer_id, json.dumps(obj, separators=(",", ":")).encode())
 
 
-def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
-    """Queues a frame on the writer (the caller awaits ``drain()`` for back-pressure)."""
-    writer.write(encode_header(frame))
-    if len(frame.payload):
-        writer.write(frame.payload)
+class Conn:
+    """One transfer's socket, framed, on the running asyncio loop.
 
+    Frames go through ``loop.sock_sendall`` / ``loop.sock_recv_into`` on the raw
+    non-blocking socket: a payload is received straight into one preallocated buffer (no
+    stream buffer growing and shrinking around megabyte frames, about 3x the throughput of
+    asyncio streams on loopback), and ``send`` returns only when the kernel took the bytes,
+    which is the back-pressure the prefill side relies on.
+    """
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
-    """Reads one frame; raises ``asyncio.IncompleteReadError`` at EOF, ``ProtocolError``."""
-    header = await reader.readexactly(HEADER_SIZE)
-    (
-        magic,
-        version,
-        type_,
-        _flags,
-        transfer_id,
-        layer_start,
-        layer_count,
-        first_block,
-        num_blocks,
-        payload_len,
-        crc,
-    ) = HEADER.unpack(header)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r}: not a hybridllm KV stream")
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version}, this side speaks {VERSION}")
-    try:
-        ftype = FrameType(type_)
-    except ValueError as exc:
-        raise ProtocolError(f"unknown frame type {type_}") from exc
-    if payload_len > MAX_PAYLOAD:
-        raise ProtocolError(f"frame of {payload_len} bytes exceeds {MAX_PAYLOAD}")
-    payload = await reader.readexactly(payload_len) if payload_len else b""
-    if zlib.crc32(payload) != crc:
-        raise ProtocolError(
-            f"checksum mismatch in {ftype.name} frame (layer {layer_start}, block {first_block})"
-        )
-    return Frame(ftype, transfer_id, payload, layer_start, layer_count, first_block, num_blocks)
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self._header = bytearray(HEADER_SIZE)
+
+    async def send(self, frame: Frame) -> None:
+        await self.loop.sock_sendall(self.sock, encode_header(frame))
+        if len(frame.payload):
+            await self.loop.sock_sendall(self.sock, frame.payload)
+
+    async def send_raw(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def _fill(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))
+            got += n
+
+    async def recv(self) -> Frame:
+        """One frame; ``asyncio.IncompleteReadError`` at EOF, ``ProtocolError`` if invalid."""
+        await self._fill(memoryview(self._header))
+        (
+            magic,
+            version,
+            type_,
+            _flags,
+            transfer_id,
+            layer_start,
+            layer_count,
+            first_block,
+            num_blocks,
+            payload_len,
+            crc,
+        ) = HEADER.unpack(self._header)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic!r}: not a hybridllm KV stream")
+        if version != VERSION:
+            raise ProtocolError(f"protocol version {version}, this side speaks {VERSION}")
+        try:
+            ftype = FrameType(type_)
+        except ValueError as exc:
+            raise ProtocolError(f"unknown frame type {type_}") from exc
+        if payload_len > MAX_PAYLOAD:
+            raise ProtocolError(f"frame of {payload_len} bytes exceeds {MAX_PAYLOAD}")
+        payload = bytearray(payload_len)
+        if payload_len:
+            await self._fill(memoryview(payload))
+        if zlib.crc32(payload) != crc:
+            raise ProtocolError(
+                f"checksum mismatch in {ftype.name} frame (layer {layer_start}, block {first_block})"
+            )
+        return Frame(ftype, transfer_id, payload, layer_start, layer_count, first_block, num_blocks)
+
+    async def wait_closed_by_peer(self) -> None:
+        """Returns when the peer closes or resets the connection (it never sends after PREFILL)."""
+        buf = bytearray(1)
+        with contextlib.suppress(OSError):
+            while await self.loop.sock_recv_into(self.sock, buf):
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def abort(self) -> None:
+        """Closes with a reset (RST), as a crashed process would."""
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
 
 
 def cache_layout(

@@ -1,7 +1,7 @@
 """Where KV bytes travel: endpoints and the transport seam.
 
-The protocol (``protocol.py``) is written against asyncio byte streams, so a transport is
-only "how to open a stream to an endpoint and how to accept them":
+The protocol (``protocol.Conn``) frames any connected stream socket, so a transport is
+only "how to connect to an endpoint and how to accept connections":
 
 - ``tcp://host:port`` (or plain ``host:port``): TCP, across hosts. A host name is resolved
   to all of its addresses, so a Kubernetes headless Service of the prefill pool yields one
@@ -20,13 +20,16 @@ sends ``DONE`` when they completed. See docs/cloud-runtime.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+from hybridllm_cloud.disagg import protocol
 
-STREAM_LIMIT = 1 << 20  # reader buffer; payloads are read with readexactly, not lines
+Handler = Callable[[protocol.Conn], Awaitable[None]]
 
 
 @dataclass(frozen=True, order=True)
@@ -77,23 +80,84 @@ def resolve(endpoints: list[Endpoint]) -> list[Endpoint]:
     return sorted(out)
 
 
-async def open_stream(
-    endpoint: Endpoint, timeout: float
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    if endpoint.scheme == "unix":
-        coro = asyncio.open_unix_connection(endpoint.host, limit=STREAM_LIMIT)
-    else:
-        coro = asyncio.open_connection(endpoint.host, endpoint.port, limit=STREAM_LIMIT)
-    reader, writer = await asyncio.wait_for(coro, timeout)
-    sock = writer.get_extra_info("socket")
-    if sock is not None and endpoint.scheme == "tcp":
+async def connect(endpoint: Endpoint, timeout: float) -> protocol.Conn:
+    """A framed connection to ``endpoint`` (TCP_NODELAY: headers must not wait for Nagle)."""
+    loop = asyncio.get_running_loop()
+    family = socket.AF_UNIX if endpoint.scheme == "unix" else _family(endpoint.host)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        address: Any = (
+            endpoint.host if endpoint.scheme == "unix" else (endpoint.host, endpoint.port)
+        )
+        await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
+    except BaseException:
+        sock.close()
+        raise
+    if endpoint.scheme == "tcp":
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return reader, writer
+    return protocol.Conn(sock)
 
 
-async def start_server(endpoint: Endpoint, handler: Handler) -> asyncio.Server:
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class Server:
+    """Accepts connections on a listening socket; runs ``handler(conn)`` for each."""
+
+    def __init__(self, sock: socket.socket, handler: Handler) -> None:
+        self.sock = sock
+        self.handler = handler
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> Any:
+        return self.sock.getsockname()
+
+    def start(self) -> None:
+        self._accepting = asyncio.ensure_future(self._accept())
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            client, _ = await loop.sock_accept(self.sock)
+            if client.family != socket.AF_UNIX:
+                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.ensure_future(self._run(protocol.Conn(client)))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _run(self, conn: protocol.Conn) -> None:
+        try:
+            await self.handler(conn)
+        finally:
+            conn.close()
+
+    async def close(self) -> None:
+        """Stops accepting and cancels every open connection's handler (they close)."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+        self.sock.close()
+        tasks = list(self._conns)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def start_server(endpoint: Endpoint, handler: Handler) -> Server:
     if endpoint.scheme == "unix":
-        return await asyncio.start_unix_server(handler, endpoint.host, limit=STREAM_LIMIT)
-    return await asyncio.start_server(
-        handler, endpoint.host, endpoint.port, limit=STREAM_LIMIT, reuse_address=True
-    )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint.host)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(endpoint.host)
+    else:
+        sock = socket.socket(_family(endpoint.host), socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((endpoint.host, endpoint.port))
+    sock.listen(128)
+    sock.setblocking(False)
+    server = Server(sock, handler)
+    server.start()
+    return server

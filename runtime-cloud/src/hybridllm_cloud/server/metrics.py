@@ -75,6 +75,12 @@ class ServerMetrics:
             buckets=b,
             registry=r,
         )
+        self.kv_streaming = Histogram(
+            names.KV_TRANSFER_STREAMING_SECONDS,
+            "Decode side: first to last KV frame of a transfer (overlaps prefill compute)",
+            buckets=b,
+            registry=r,
+        )
         self.prefills = Counter(
             names.REMOTE_PREFILLS_TOTAL.removesuffix("_total"),
             "Prefills by where they ran (decode role) and outcome",
@@ -96,6 +102,8 @@ class ServerMetrics:
         """Decode role: one remote prefill ended (connector thread)."""
         self.kv_bytes.labels(direction="received").inc(stats.bytes)
         self.kv_seconds.labels(outcome=stats.outcome).observe(stats.seconds)
+        if stats.first_frame_s is not None and stats.last_frame_s is not None:
+            self.kv_streaming.observe(stats.last_frame_s - stats.first_frame_s)
         self.prefills.labels(where="remote", outcome=stats.outcome).inc()
 
     def on_kv_served(self, outcome: str, seconds: float, sent: int) -> None:
