@@ -95,9 +95,17 @@ def test_plan_replicas_follows_demand_and_stabilises():
     p1 = planner.plan_replicas(_history(100.0), POOL, now_s=0.0)
     p2 = planner.plan_replicas(_history(200.0), POOL, now_s=15.0)
     assert p2.desired > p1.desired >= POOL.min_replicas
-    high = planner.plan_replicas(_history(200.0), POOL, now_s=0.0)
-    low = planner.plan_replicas(_history(50.0), POOL, now_s=100.0, state=high.state)
+    held = POOL.with_(forecast_down_window_s=300.0)
+    high = planner.plan_replicas(_history(200.0), held, now_s=0.0)
+    low = planner.plan_replicas(_history(50.0), held, now_s=100.0, state=high.state)
     assert low.raw_desired < high.desired
     assert low.desired == high.desired  # held by scale-down stabilisation
-    later = planner.plan_replicas(_history(50.0), POOL, now_s=400.0, state=low.state)
+    later = planner.plan_replicas(_history(50.0), held, now_s=400.0, state=low.state)
     assert later.desired == later.raw_desired < high.desired
+
+
+def test_plan_replicas_scales_down_at_once_by_default():
+    high = planner.plan_replicas(_history(200.0), POOL, now_s=0.0)
+    low = planner.plan_replicas(_history(50.0), POOL, now_s=15.0, state=high.state)
+    assert low.desired == low.raw_desired < high.desired
+    assert low.desired >= POOL.replicas_for(low.measured_work_per_s)  # never below the floor

@@ -95,7 +95,9 @@ class PoolConfig:
     min_replicas: int = 1
     max_replicas: int = 1000
     target_utilisation: float = 0.8  # of a replica's work capacity, for planned load
-    scale_down_stabilisation_s: float = 300.0
+    scale_down_stabilisation_s: float = 300.0  # the HPA's (reactive) window
+    # the planner's window: 0, because its forecast already covers the whole lead time
+    forecast_down_window_s: float = 0.0
 
     @property
     def prefill_reserve(self) -> float:

@@ -38,8 +38,8 @@ SWEEPS: dict[str, tuple[float, ...]] = {
     # model, so the grid is finest there (the HPA at 0.7 is the reference)
     "hpa": (0.5, 0.6, 0.7, 0.75, 0.8, 0.9),
     "keda-queue": (0.3, 0.5, 0.7, 0.9),
-    "predictive": (0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9),
-    "predictive+floor": (0.6, 0.65, 0.7, 0.75, 0.8, 0.85),
+    "predictive": (0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9),
+    "predictive+floor": (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9),
     "oracle": (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9),
 }
 

@@ -10,11 +10,12 @@ Steps, each the same as the predictive policy in the simulator:
 2. a forecast of the next bins up to the lead time (cold start + control interval),
    P50 and the upper quantile, from the chosen model (``auto``: gradient boosting when
    four days of history exist, Holt-Winters otherwise);
-3. replicas for the largest upper forecast within the lead time at the pool's target
-   utilisation, never fewer than the work measured in the last bin needs at 100%
-   (the reactive floor), within min/max;
-4. the highest recommendation of the stabilisation window, so the pool shrinks only
-   after demand has stayed low for that long.
+3. replicas for the larger of the largest upper forecast within the lead time and the
+   work measured in the last bin (the reactive floor), at the pool's target
+   utilisation, within min/max;
+4. the highest recommendation of ``PoolConfig.forecast_down_window_s`` (default 0: the
+   forecast already holds replicas for the whole lead time, so the pool shrinks as soon
+   as the forecast says demand falls; the simulator's `policies.Predictive` does the same).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def plan_replicas(
     upper = float(np.max(fc.upper[-1]))
     median = float(np.max(fc.p50[-1]))
     measured = float(y[-1])
-    raw = max(pool.replicas_for(upper), pool.replicas_for(measured, 1.0))
-    window = pool.scale_down_stabilisation_s
+    raw = pool.replicas_for(max(upper, measured))
+    window = pool.forecast_down_window_s
     recent = [(t, d) for t, d in (state.recent if state else ()) if t > now_s - window]
     recent.append((now_s, raw))
     desired = max(d for _, d in recent)
