@@ -309,6 +309,38 @@ def transfer_part(model: str, log: Path, lengths: list[int]) -> list[dict[str, A
     return rows
 
 
+def transport_alone(kv_bytes_per_token: int, lengths: list[int], repeats: int = 5) -> list[float]:
+    """GB/s of the framing alone on loopback (sender and receiver in this process, one frame
+    per layer as in a transfer, checksums on both sides, no model), per prompt length."""
+    from hybridllm_cloud.disagg import protocol, transport
+
+    layers = 30
+
+    async def measure(n: int) -> float:
+        size = kv_bytes_per_token * n // layers
+        payload = memoryview(bytearray(os.urandom(1024)) * (size // 1024 + 1))[:size]
+
+        async def send(conn: protocol.Conn) -> None:
+            for layer in range(layers):
+                await conn.send(protocol.Frame(protocol.FrameType.KV, 1, payload, layer, 1, 0, 1))
+
+        server = await transport.start_server(transport.Endpoint("tcp", "127.0.0.1", 0), send)
+        best = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            conn = await transport.connect(
+                transport.Endpoint("tcp", "127.0.0.1", server.address[1]), 5
+            )
+            for _ in range(layers):
+                await conn.recv()
+            best.append(size * layers / (time.perf_counter() - t) / 1e9)
+            conn.close()
+        await server.close()
+        return statistics.median(best)
+
+    return [asyncio.run(measure(n)) for n in lengths]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -318,10 +350,10 @@ def main() -> int:
     )
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--short-rate", type=float, default=1.0, help="interactive requests/s")
-    ap.add_argument("--short-len", type=int, default=48)
-    ap.add_argument("--short-out", type=int, default=48)
-    ap.add_argument("--long-every", type=float, default=4.0, help="seconds between long prompts")
+    ap.add_argument("--short-rate", type=float, default=0.3, help="interactive requests/s")
+    ap.add_argument("--short-len", type=int, default=32)
+    ap.add_argument("--short-out", type=int, default=32)
+    ap.add_argument("--long-every", type=float, default=6.0, help="seconds between long prompts")
     ap.add_argument("--long-scale", type=float, default=0.5)
     ap.add_argument("--long-cap", type=int, default=1536)
     ap.add_argument("--long-out", type=int, default=8)
@@ -364,7 +396,12 @@ def main() -> int:
     medians = {
         n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items() if rs
     }
-    transfer = transfer_part(args.model, log, [int(x) for x in args.transfer_lengths.split(",")])
+    lengths = [int(x) for x in args.transfer_lengths.split(",")]
+    transfer = transfer_part(args.model, log, lengths)
+    if transfer:
+        per_token = int(transfer[-1]["kv_bytes"] // transfer[-1]["prompt_tokens"])
+        for row, gbps in zip(transfer, transport_alone(per_token, lengths), strict=True):
+            row["transport_alone_gb_per_s"] = gbps
     report = {
         "machine": machine(),
         "command": "uv run python bench/disagg/run.py " + " ".join(sys.argv[1:]),
