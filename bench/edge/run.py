@@ -12,7 +12,11 @@ same number of CPU threads:
 2. 1, 4, 8 concurrent clients: aggregate output tokens/s and p95 request latency of our
    server (``--parallel 8``, batched slots) vs ``python -m llama_cpp.server``;
 3. response cache: end-to-end latency of a repeated greedy question over loopback with the
-   ``openai`` client.
+   ``openai`` client, and the client's own share (``bench/edge/cache_hit.py``).
+
+``--weights`` picks the GGUF both servers load (default the shipped Q4_1; ``q8_0``,
+``q4_0``, ``f16``: see ``bench/edge/weights.py`` and ``bench/edge/scaling.py`` for why the
+weight type decides how much batching can gain on a CPU).
 
 ``llama_cpp.server`` needs the ``server`` extra's packages that the workspace does not lock
 (sse-starlette, starlette-context); ``--peer-deps`` points at a folder holding them
@@ -36,6 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cache_hit
+import weights
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
@@ -173,45 +181,13 @@ def load_test(base: str, clients: int, per_client: int, max_tokens: int) -> dict
     }
 
 
-def cache_latency(base: str, repeats: int) -> dict[str, float]:
-    import openai
-
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-    ask = {"model": "", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-           "max_tokens": 16, "temperature": 0}  # fmt: skip
-    t0 = time.perf_counter()
-    client.chat.completions.create(**ask)
-    miss = time.perf_counter() - t0
-    lat = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        raw = client.chat.completions.with_raw_response.create(**ask)
-        raw.parse()
-        lat.append(time.perf_counter() - t0)
-        assert raw.headers["x-hybridllm-cache"] == "hit"
-    lat.sort()
-    # the same hits with a plain keep-alive HTTP client: the server's share without the
-    # openai client's own request building and response parsing
-    raw_lat = []
-    with httpx.Client(base_url=base, timeout=30) as http:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            r = http.post("/v1/chat/completions", json=ask)
-            r.json()
-            raw_lat.append(time.perf_counter() - t0)
-            assert r.headers["x-hybridllm-cache"] == "hit"
-    raw_lat.sort()
-    return {"miss_s": miss, "hit_median_ms": 1000 * statistics.median(lat),
-            "hit_p95_ms": 1000 * lat[int(0.95 * (len(lat) - 1))], "repeats": repeats,
-            "httpx_hit_median_ms": 1000 * statistics.median(raw_lat),
-            "httpx_hit_p95_ms": 1000 * raw_lat[int(0.95 * (len(raw_lat) - 1))]}  # fmt: skip
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/edge")
+    parser.add_argument("--out", type=Path, help="default bench/results/edge[-WEIGHTS]")
+    parser.add_argument("--weights", choices=weights.CHOICES, default="q4_1",
+                        help="GGUF both servers load (bench/edge/weights.py)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
@@ -221,11 +197,13 @@ def main() -> int:
     parser.add_argument("--peer-deps", default="/tmp/llama_server_deps")
     args = parser.parse_args()
 
-    import hybridllm_models
-
-    gguf = str(hybridllm_models.ensure(target="gguf"))
+    if args.out is None:
+        suffix = "" if args.weights == "q4_1" else f"-{args.weights}"
+        args.out = ROOT / f"bench/results/edge{suffix}"
+    gguf = str(weights.resolve(args.weights))
     report: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "gguf": gguf,
-                              "threads": args.threads, "max_tokens": args.max_tokens}  # fmt: skip
+                              "weights": args.weights.upper(), "threads": args.threads,
+                              "max_tokens": args.max_tokens}  # fmt: skip
 
     ours_port, peer_port = free_port(), free_port()
     ours_cmd = [sys.executable, "-m", "hybridllm_edge.cli", "serve", "--model", gguf, "--parallel", "8",
@@ -266,11 +244,12 @@ def main() -> int:
                 p = load_test(peer_base, c, args.per_client, args.max_tokens)
                 rounds.setdefault(c, []).append((o, p))
         print("cache", flush=True)
-        report["cache"] = cache_latency(ours_base, 50)
+        report["cache"] = cache_hit.measure(ours_base, ours_port, free_port(), 200)
     finally:
         stop(ours)
         stop(peer)
 
+    report["load_end"] = list(os.getloadavg())
     report["single_stream"] = {
         "in_process_decode_tps": raw, "ours_decode_tps": served,
         "ratio_median": statistics.median(o / r for o, r in zip(served, raw, strict=True)),

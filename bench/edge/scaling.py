@@ -19,7 +19,7 @@ overhead, ``tok/s(batch 8) / tok/s(batch 1)`` of one ``llama_decode`` is the cei
   memory-bound and batching pays.
 
 The weight types are the model store's conversions of the same model (``gguf-q8_0``,
-``gguf-f16``) and a Q4_0 made here from the F16 file with ``llama_model_quantize``. Every
+``gguf-f16``) and a Q4_0 made from the F16 file (``bench/edge/weights.py``). Every
 round measures every type at every batch size, interleaved, so load from other users of
 a shared machine falls on all alike; the report gives medians over rounds.
 """
@@ -27,29 +27,16 @@ a shared machine falls on all alike; the report gives medians over rounds.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import weights
 from run import PROMPTS, ROOT, machine
-
-
-def make_q4_0(f16: Path, out: Path) -> Path:
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-    params.nthread = 2
-    rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize({f16} -> Q4_0) failed with {rc}")
-    return out
 
 
 def step_ms(backend: Any, batch: int, steps: int) -> float:
@@ -83,18 +70,11 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
 
-    import hybridllm_models
     from hybridllm_edge import config
     from hybridllm_edge.backends.llamacpp import LlamaCppBackend
 
-    tmp = Path(tempfile.mkdtemp(prefix="edge-scaling-"))
-    f16 = Path(hybridllm_models.ensure(target="gguf-f16"))
-    models = {
-        "Q4_1 (shipped)": Path(hybridllm_models.ensure(target="gguf")),
-        "Q8_0": Path(hybridllm_models.ensure(target="gguf-q8_0")),
-        "Q4_0": make_q4_0(f16, tmp / "model-q4_0.gguf"),
-        "F16": f16,
-    }
+    labels = {"q4_1": "Q4_1 (shipped)", "q8_0": "Q8_0", "q4_0": "Q4_0", "f16": "F16"}
+    models = {labels[w]: weights.resolve(w) for w in weights.CHOICES}
     settings = config.EdgeSettings(parallel=max(args.batches), threads=args.threads,
                                    max_model_len=256)  # fmt: skip
     backends = {name: LlamaCppBackend(path, name, settings) for name, path in models.items()}
