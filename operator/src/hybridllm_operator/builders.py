@@ -19,6 +19,7 @@ from hybridllm_common import crd
 
 MANAGED_BY = "hybridllm-operator"
 PORT = 8000
+KV_PORT = 8001  # prefill pool: KV transfer server (hybridllm_cloud.disagg)
 GATEWAY_SERVICE_PORT = 80
 GPU_RESOURCE = "nvidia.com/gpu"
 ROUTING_CONFIG_KEY = "routing.json"
@@ -106,6 +107,12 @@ def service_url(service: Service, component: str) -> str:
     return f"http://{child_name(service, component)}.{service.namespace}.svc:{port}"
 
 
+def kv_url(service: Service) -> str:
+    """The prefill pool's KV endpoint; its Service is headless, so the name resolves to
+    every prefill pod and the decode workers balance and fail over between them."""
+    return f"tcp://{child_name(service, 'prefill')}.{service.namespace}.svc:{KV_PORT}"
+
+
 # --------------------------------------------------------------------------- pools
 
 
@@ -171,12 +178,16 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
         str(cloud.max_num_seqs),
     ]
     args += ["--gpu-memory-fraction", str(cloud.kv_cache.gpu_memory_fraction)]
+    if pool.resources.gpu:
+        args += ["--device", "cuda"]
     if not cloud.kv_cache.prefix_caching:
-        args += ["--no-prefix-caching"]
+        args += ["--no-enable-prefix-caching"]
+    if role == "prefill":
+        args += ["--kv-port", str(KV_PORT)]
     if role == "decode":
         args += [
             "--prefill-url",
-            service_url(service, "prefill"),
+            kv_url(service),
             "--local-prefill-threshold",
             str(cloud.local_prefill_threshold),
         ]
@@ -239,7 +250,14 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         "name": "server",
         "image": pool.image,
         "args": pool.args,
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": PORT, "protocol": "TCP"},
+            *(
+                [{"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}]
+                if pool.component == "prefill"
+                else []
+            ),
+        ],
         "env": [
             {"name": "HYBRIDLLM_MODEL_CACHE", "value": MODEL_CACHE_MOUNT},
             *({"name": k, "value": v} for k, v in sorted(pool.env.items())),
@@ -305,17 +323,22 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
 
 def build_service(service: Service, pool: Pool) -> dict[str, Any]:
     port = GATEWAY_SERVICE_PORT if pool.component == "gateway" else PORT
+    spec: dict[str, Any] = {
+        "type": "ClusterIP",
+        "selector": selector_labels(service, pool.component),
+        "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if pool.component == "prefill":
+        # Headless: decode workers resolve the name to every ready prefill pod.
+        spec["clusterIP"] = "None"
+        spec["ports"].append({"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(
             service, child_name(service, pool.component), pool.component, revisioned=False
         ),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(service, pool.component),
-            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
-        },
+        "spec": spec,
     }
 
 

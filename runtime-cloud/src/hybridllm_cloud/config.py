@@ -62,6 +62,18 @@ class ServeSettings(BaseSettings):
         default="float32", description="weights and KV cache dtype"
     )
     device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1)")
+    quantization: Literal["none", "w8a16"] = Field(
+        default="none",
+        description="weights: none, or w8a16 (int8 per-channel weights, 16-bit activations; "
+        "needs --dtype bfloat16 or float16)",
+    )
+    gpu_memory_fraction: float = Field(
+        default=0.9,
+        ge=0.1,
+        le=0.98,
+        description="CUDA: share of GPU memory for weights plus KV cache (the KV cache gets the "
+        "rest after the weights); on CPU --kv-cache-memory-gib sizes the cache",
+    )
     torch_threads: int | None = Field(
         default=None, ge=1, description="torch intra-op threads (default: torch's choice)"
     )
@@ -82,6 +94,8 @@ class ServeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _role_needs(self) -> ServeSettings:
+        if self.quantization == "w8a16" and self.dtype == "float32":
+            raise ValueError("quantization: w8a16 needs --dtype bfloat16 or float16")
         if self.role == "decode" and not self.prefill_url:
             raise ValueError("prefill_url: the decode role needs --prefill-url")
         if self.prefill_url:
@@ -105,6 +119,8 @@ class ServeSettings(BaseSettings):
             enable_chunked_prefill=self.enable_chunked_prefill,
             dtype=self.dtype,
             device=self.device,
+            quantization=self.quantization,
+            gpu_memory_fraction=self.gpu_memory_fraction,
             role=self.role,
             local_prefill_threshold=self.local_prefill_threshold,
         )

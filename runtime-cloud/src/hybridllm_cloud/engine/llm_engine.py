@@ -69,6 +69,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     dtype: str = "float32"
     device: str = "cpu"
+    quantization: str = "none"  # none | w8a16
+    gpu_memory_fraction: float = 0.9  # CUDA: weights + KV cache share of the GPU
     role: str = "monolithic"  # monolithic | prefill | decode
     local_prefill_threshold: int = 256  # decode role: uncached prompt tokens kept local
 
@@ -172,7 +174,18 @@ class LLMEngine:
         max_len = config.max_model_len or model.config.max_position_embeddings
         max_len = min(max_len, model.config.max_position_embeddings)
         per_block = model_runner.kv_bytes_per_block(model, config.block_size)
-        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
+        kv_bytes = config.kv_cache_memory_bytes
+        if model.device.type == "cuda" and config.num_kv_blocks is None:
+            total = torch.cuda.get_device_properties(model.device).total_memory
+            kv_bytes = int(config.gpu_memory_fraction * total) - torch.cuda.memory_allocated(
+                model.device
+            )
+            if kv_bytes < per_block:
+                raise ValueError(
+                    f"gpu_memory_fraction {config.gpu_memory_fraction} leaves no room for the KV "
+                    "cache after the weights"
+                )
+        num_blocks = config.num_kv_blocks or kv_bytes // per_block
         if num_blocks * config.block_size < max_len:
             log.warning(
                 "KV cache of %d blocks holds %d tokens, less than max_model_len %d: capping it",
@@ -223,7 +236,11 @@ class LLMEngine:
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig) -> LLMEngine:
         model = llama.load_llama(
-            path, DTYPES[config.dtype], torch.device(config.device), config.max_model_len
+            path,
+            DTYPES[config.dtype],
+            torch.device(config.device),
+            config.max_model_len,
+            config.quantization,
         )
         return cls(model, tokenizer_mod.Tokenizer(path), config)
 

@@ -37,15 +37,43 @@ class AttentionMetadata:
 
 
 @dataclass
+class QuantWeight:
+    """w8a16: int8 weight ``[out_features, in_features]`` with one scale per output channel."""
+
+    w_int8: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def from_transposed(cls, w_t: torch.Tensor) -> QuantWeight:
+        w_int8, scales = ops.quantize_per_channel_int8(w_t.t())
+        return cls(w_int8.contiguous(), scales.to(w_t.device))
+
+
+Weight = torch.Tensor | QuantWeight
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    if isinstance(w, QuantWeight):
+        return ops.w8a16_matmul(x, w.w_int8, w.scales)
+    return x @ w
+
+
+@dataclass
 class LayerWeights:
-    """Linear weights transposed: ``[in_features, out_features]``."""
+    """Linear weights transposed: ``[in_features, out_features]`` (or int8, see QuantWeight)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [hidden, (num_heads + 2 * num_kv_heads) * head_dim]
-    o: torch.Tensor  # [num_heads * head_dim, hidden]
+    qkv: Weight  # [hidden, (num_heads + 2 * num_kv_heads) * head_dim]
+    o: Weight  # [num_heads * head_dim, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    down: torch.Tensor  # [intermediate, hidden]
+    gate_up: Weight  # [hidden, 2 * intermediate]
+    down: Weight  # [intermediate, hidden]
+
+    def quantize_w8a16(self) -> None:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(self, name)
+            if isinstance(w, torch.Tensor):
+                setattr(self, name, QuantWeight.from_transposed(w))
 
     @classmethod
     def from_hf(
@@ -116,7 +144,7 @@ class LlamaModel:
                 x, residual = ops.fused_add_rms_norm(
                     x, residual, layer.input_norm, cfg.rms_norm_eps
                 )
-            qkv = x @ layer.qkv
+            qkv = linear(x, layer.qkv)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
@@ -139,9 +167,9 @@ class LlamaModel:
                     meta.context_lens,
                     self.scale,
                 )
-            x = attn.reshape(num_tokens, self.q_size) @ layer.o
+            x = linear(attn.reshape(num_tokens, self.q_size), layer.o)
             x, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = ops.silu_and_mul(x @ layer.gate_up) @ layer.down
+            x = linear(ops.silu_and_mul(linear(x, layer.gate_up)), layer.down)
         assert residual is not None
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, cfg.rms_norm_eps)
         return x
@@ -159,9 +187,21 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_llama(
-    path: Path, dtype: torch.dtype, device: torch.device, max_position: int | None = None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int | None = None,
+    quantization: str = "none",
 ) -> LlamaModel:
-    """Loads a Hugging Face layout folder (config.json + safetensors)."""
+    """Loads a Hugging Face layout folder (config.json + safetensors).
+
+    ``quantization="w8a16"``: the layers' linear weights become int8 with per-channel scales
+    (activations stay in ``dtype``, which must then be 16-bit); embedding and LM head stay.
+    """
+    if quantization not in ("none", "w8a16"):
+        raise ValueError(f"quantization: {quantization!r} is not one of none, w8a16")
+    if quantization == "w8a16" and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError("quantization: w8a16 needs 16-bit activations (dtype bfloat16 or float16)")
     cfg = model_config.LlamaConfig.from_dir(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
@@ -187,6 +227,8 @@ def load_llama(
                 down=take(p + "mlp.down_proj.weight"),
             )
         )
+        if quantization == "w8a16":
+            layers[-1].quantize_w8a16()
     embed = take("embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors else None
     if lm_head is None:
