@@ -141,18 +141,6 @@ def test_caching_off_never_hits() -> None:
     assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
 
 
-def test_adopt_reuses_cached_and_marks_blocks_to_fill() -> None:
-    pool, kv = make_manager(num_blocks=6)
-    a = make_request("a", list(range(8)))
-    kv.allocate(a, 8, [])
-    hashes = block_pool.hash_request_blocks([*range(8), 5, 5, 5, 5], 4)
-    blocks, needs_fill = pool.adopt(hashes)
-    assert [b.block_id for b in blocks] == [0, 1, 2]
-    assert needs_fill == [False, False, True]
-    assert pool.get_cached_block(hashes[2]) is blocks[2]
-    assert [b.ref_cnt for b in blocks] == [2, 2, 1]
-
-
 def test_double_free_is_an_error() -> None:
     pool = block_pool.BlockPool(2)
     (blk,) = pool.get_new_blocks(1)

@@ -11,8 +11,9 @@ Design (vLLM v1 ``BlockPool``):
   front of the queue and is allocated, its hash is evicted (LRU eviction of cached blocks).
 - A request frees its blocks tail first, so the blocks least likely to be shared (the end
   of a sequence) are evicted before the shared prefix blocks.
-- ``adopt`` takes hashes computed elsewhere (a prefill worker) and returns the blocks the
-  caller must fill, reusing blocks already cached here: the disaggregated decode side.
+- The disaggregated decode side needs nothing special here: it allocates blocks for a
+  remote prefill like any other and registers their hashes once the K/V has arrived
+  (``KVCacheManager.register_computed``).
 
 Hashes are Python ``hash`` of ``(parent_hash, tuple(token_ids))``: ints and tuples of ints
 hash the same in every process (PYTHONHASHSEED only salts str/bytes), so a prefill and a
@@ -121,28 +122,6 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
-
-    def adopt(self, block_hashes: Sequence[int]) -> tuple[list[KVBlock], list[bool]]:
-        """Blocks for hashes computed elsewhere, plus which ones the caller must fill.
-
-        Blocks already cached here are reused (touched); the others are new blocks registered
-        under the given hashes. The caller checked ``num_free_blocks`` and writes the K/V of
-        every block marked ``True`` before scheduling anything that reads it.
-        """
-        blocks: list[KVBlock] = []
-        needs_fill: list[bool] = []
-        for block_hash in block_hashes:
-            cached = self.get_cached_block(block_hash)
-            if cached is not None:
-                self.touch([cached])
-                blocks.append(cached)
-                needs_fill.append(False)
-                continue
-            (block,) = self.get_new_blocks(1)
-            self.cache_block(block, block_hash)
-            blocks.append(block)
-            needs_fill.append(True)
-        return blocks, needs_fill
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
