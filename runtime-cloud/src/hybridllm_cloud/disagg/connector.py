@@ -5,11 +5,12 @@ a thread of its own ("kv-connector"); the engine thread calls ``start`` / ``canc
 ``has_capacity`` and gets the outcome through the ``done`` callback, called exactly once per
 transfer and only after the transfer has stopped writing blocks.
 
-Choosing a worker: least outstanding transfers among the endpoints (host names resolved
-to every address, re-resolved every ``resolve_interval`` seconds), skipping those in
-back-off after a failure. ``has_capacity`` is false when every worker already has
-``max_inflight_per_worker`` transfers or is backing off; the engine then prefills locally
-(conditional disaggregation).
+Choosing a worker: least outstanding transfers among the endpoints, skipping those in
+back-off after a failure. Host names are resolved to every address at start and again
+every ``resolve_interval`` seconds on the connector's loop (never on the engine thread).
+``has_capacity`` is false when every worker already has ``max_inflight_per_worker``
+transfers or is backing off; the engine then prefills locally (conditional
+disaggregation).
 
 Each received ``KV`` frame is checked (checksum, layer and block range within what was
 asked, exact payload size) and written straight into the blocks the scheduler allocated.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -109,7 +111,6 @@ class RemotePrefillClient:
         self.on_transfer = on_transfer
         self.on_frame: Callable[[protocol.Frame], None] | None = None  # observers (tests)
         self._workers: dict[transport.Endpoint, _Worker] = {}
-        self._resolved_at = -1e9
         self._lock = threading.Lock()
         self._tids = itertools.count(1)
         self._futures: dict[str, concurrent.futures.Future[None]] = {}
@@ -118,28 +119,44 @@ class RemotePrefillClient:
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kv-connector", daemon=True
         )
-        self._refresh(force=True)
+        self._apply(transport.resolve(self.configured))
 
     # --- lifecycle ------------------------------------------------------------------------
 
     def start_thread(self) -> None:
         self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._resolve_forever(), self._loop)
+
+    async def _resolve_forever(self) -> None:
+        """Re-resolves the endpoints off the engine thread (DNS may be slow)."""
+        while True:
+            await asyncio.sleep(self.resolve_interval)
+            try:
+                found = await self._loop.run_in_executor(None, transport.resolve, self.configured)
+            except Exception:  # never let a resolver bug stop the loop
+                log.exception("resolving prefill endpoints failed; keeping the last set")
+                continue
+            self._apply(found)
 
     def close(self) -> None:
-        for fut in list(self._futures.values()):
-            fut.cancel()
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        """Cancels open transfers (each still reports to its engine) and stops the loop."""
+        if not self._thread.is_alive():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
 
     # --- workers ----------------------------------------------------------------------------
 
-    def _refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._resolved_at < self.resolve_interval:
-            return
-        self._resolved_at = now
-        found = transport.resolve(self.configured)
+    def _apply(self, found: list[transport.Endpoint]) -> None:
         with self._lock:
             for ep in found:
                 self._workers.setdefault(ep, _Worker(ep))
@@ -152,12 +169,10 @@ class RemotePrefillClient:
             return list(self._workers.values())
 
     def has_capacity(self) -> bool:
-        self._refresh()
         now = time.monotonic()
         return any(w.down_until <= now and w.inflight < self.max_inflight for w in self.workers())
 
     def _pick(self, tried: set[transport.Endpoint]) -> _Worker | None:
-        self._refresh()
         now = time.monotonic()
         with self._lock:
             live = [w for w in self._workers.values() if w.endpoint not in tried]
