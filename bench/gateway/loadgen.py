@@ -14,7 +14,8 @@ the offered load the same for every target and free of artefacts:
 
 Per request: time to first byte (TTFT) and to the last byte (end-to-end). Prints one
 JSON line with percentiles, completed requests per second over the window, errors and
-the CPU seconds this process used (``resource.getrusage``).
+the CPU seconds this process used (``resource.getrusage``) and the seconds it waited
+for a CPU while runnable (``/proc/self/schedstat``).
 
     python bench/gateway/loadgen.py --url http://127.0.0.1:8000 --concurrency 256 \
         --duration 10 --tokens 64 --rate 32
@@ -31,6 +32,12 @@ import time
 from typing import Any
 
 KEY = "sk-bench-master-key-0123456789abcdef"  # every target checks it: same work per request
+
+
+def runq_wait_s() -> float:
+    """Seconds this process spent runnable but waiting for a CPU (/proc schedstat)."""
+    with open("/proc/self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -89,9 +96,9 @@ async def load(
             while time.perf_counter() < window_end:
                 await one(session)
 
-        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu0, wait0 = resource.getrusage(resource.RUSAGE_SELF), runq_wait_s()
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu1, wait1 = resource.getrusage(resource.RUSAGE_SELF), runq_wait_s()
     cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     return {
         "completed": len(e2e),
@@ -102,6 +109,7 @@ async def load(
         "e2e_p50": pct(e2e, 0.5),
         "e2e_p99": pct(e2e, 0.99),
         "loadgen_cpu_s": cpu_s,
+        "loadgen_runq_s": wait1 - wait0,
         "loadgen_wall_s": time.perf_counter() - t0,
     }
 

@@ -136,6 +136,31 @@ def session_cpu_s(sid: int) -> float:
     return ticks / TICK
 
 
+def runq_wait_s(pids: list[int]) -> float:
+    """Seconds the threads of ``pids`` spent runnable but waiting for a CPU (schedstat)."""
+    ns = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                ns += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the thread ended between listing and reading
+    return ns / 1e9
+
+
+def session_pids(sid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                pids.append(int(d.name))
+    return pids
+
+
 def machine_busy_s() -> float:
     """CPU seconds the whole machine spent outside idle and iowait since boot."""
     fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]

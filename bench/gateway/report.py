@@ -30,6 +30,7 @@ def summarise(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int]
             r = {k: median([x[k] for x in cells]) for k in ("rps", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")}  # fmt: skip
             r["errors"] = sum(x["errors"] for x in cells)
             r["cores"] = {k: median([x["cores"][k] for x in cells]) for k in cells[0]["cores"]}
+            r["runq"] = {k: median([x["runq"][k] for x in cells]) for k in cells[0]["runq"]}
             r["proxy_cpu_ms_per_req"] = median(
                 [
                     1000 * x["cores"].get("proxy", 0.0) / x["rps"] if x["rps"] else None
@@ -46,7 +47,7 @@ def summarise(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int]
                 r["rps_vs_direct"] = (
                     r["rps"] / row["direct"]["rps"] if row["direct"]["rps"] else None
                 )
-            if name == "gateway":
+            if name.startswith("gateway"):
                 r["inner_p50"] = median([x.get("inner_p50") for x in cells])
                 r["inner_p99"] = median([x.get("inner_p99") for x in cells])
             row[name] = r
@@ -103,24 +104,26 @@ def write(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int],
         "Added = the target's percentile minus direct's, same repeat and concurrency. In-gateway: "
         "the gateway's own `hybridllm_gateway_added_latency_seconds` histogram (bucket upper "
         "bounds). Cores = CPU seconds / wall seconds of each process over the cell (loadgen, "
-        "backend, proxy = gateway or LiteLLM, machine = everything on the machine).", "",
+        "backend, proxy = the target when it is not direct, machine = everything on the machine, "
+        "other engineers' work included). CPU wait = milliseconds per second that the process "
+        "was runnable but had no CPU (run-queue delay from `/proc/<pid>/task/*/schedstat`).", "",
         "## Goals", "", *goals(summary, levels), "",
         "## Results", "",
-        "| C | target | req/s | vs direct | TTFT p50 | TTFT p99 | added TTFT p50 | added TTFT p99 | added e2e p99 | in-gateway p50 / p99 | cores loadgen / backend / proxy / machine | proxy CPU ms/req | errors |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| C | target | req/s | vs direct | TTFT p50 | TTFT p99 | added TTFT p50 | added TTFT p99 | added e2e p99 | in-gateway p50 / p99 | cores loadgen / backend / proxy / machine | CPU wait ms/s loadgen / backend / proxy | proxy CPU ms/req | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for c in levels:
         for name, r in summary[str(c)].items():
             vs = "1.00" if name == "direct" else f"{r['rps_vs_direct'] or 0:.2f}"
             cores = r["cores"]
             cs = " / ".join(f"{cores.get(k, 0.0):.2f}" if k in cores else "-" for k in ("loadgen", "backend", "proxy", "machine"))  # fmt: skip
-            inner = (
-                f"{ms(r.get('inner_p50'))} / {ms(r.get('inner_p99'))}" if name == "gateway" else "-"
-            )
+            rq = r["runq"]
+            wait = " / ".join(f"{1000 * rq[k]:.0f}" if k in rq else "-" for k in ("loadgen", "backend", "proxy"))  # fmt: skip
+            inner = f"{ms(r.get('inner_p50'))} / {ms(r.get('inner_p99'))}" if name.startswith("gateway") else "-"  # fmt: skip
             cpu_req = f"{r['proxy_cpu_ms_per_req']:.3f}" if name != "direct" and r["proxy_cpu_ms_per_req"] else "-"  # fmt: skip
             lines.append(f"| {c} | {name} | {r['rps']:.1f} | {vs} | {ms(r['ttft_p50'])} | {ms(r['ttft_p99'])} | "
                          f"{ms(r.get('added_ttft_p50'))} | {ms(r.get('added_ttft_p99'))} | {ms(r.get('added_e2e_p99'))} | "
-                         f"{inner} | {cs} | {cpu_req} | {r['errors']} |")  # fmt: skip
+                         f"{inner} | {cs} | {wait} | {cpu_req} | {r['errors']} |")  # fmt: skip
     lines += [
         "",
         "All latencies in ms.",

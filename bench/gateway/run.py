@@ -46,6 +46,8 @@ def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -
     cmd = [sys.executable, str(LOADGEN), "--url", url, "--concurrency", str(c),
            "--duration", str(args.duration), "--tokens", str(args.tokens), "--rate", str(args.rate)]  # fmt: skip
     cpu0 = {name: procs.session_cpu_s(sid) for name, sid in sids.items()}
+    pids = {name: procs.session_pids(sid) for name, sid in sids.items()}
+    wait0 = {name: procs.runq_wait_s(p) for name, p in pids.items()}
     busy0, t0 = procs.machine_busy_s(), time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 4 + 180)
     wall = time.perf_counter() - t0
@@ -57,6 +59,9 @@ def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -
     cell["cores"] = {name: (procs.session_cpu_s(sid) - cpu0[name]) / wall for name, sid in sids.items()}  # fmt: skip
     cell["cores"]["loadgen"] = cell["loadgen_cpu_s"] / wall
     cell["cores"]["machine"] = (procs.machine_busy_s() - busy0) / wall
+    # run-queue wait: share of the cell each process was runnable but had no CPU
+    cell["runq"] = {name: (procs.runq_wait_s(p) - wait0[name]) / wall for name, p in pids.items()}
+    cell["runq"]["loadgen"] = cell["loadgen_runq_s"] / wall
     return cell
 
 
@@ -73,15 +78,24 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
                "tiers": {"cloud": {"backends": [{"url": backend, "revision": "v1", "weight": 100}]}}}  # fmt: skip
     (tmp / "routing.json").write_text(json.dumps(routing))
     (tmp / "keys").write_text(f"bench:{hashlib.sha256(KEY.encode()).hexdigest()}\n")
-    if "gateway" in args.targets:
+    for name, relay in (("gateway", "raw"), ("gateway-aiohttp", "aiohttp")):
+        if name not in args.targets:
+            continue
         gport = procs.free_port()
         running.append(procs.start([py, "-m", "hybridllm_gateway.cli", "serve", "--config",
                                     str(tmp / "routing.json"), "--port", str(gport), "--host", "127.0.0.1",
-                                    "--workers", str(args.workers), "--api-keys-file", str(tmp / "keys")],
-                                   tmp / "gateway.log"))  # fmt: skip
-        urls["gateway"] = f"http://127.0.0.1:{gport}"
-        sids["gateway"] = running[-1].pid
-        procs.wait_up(urls["gateway"], running[-1], "/health")
+                                    "--workers", str(args.workers), "--api-keys-file", str(tmp / "keys"),
+                                    "--stream-relay", relay], tmp / f"{name}.log"))  # fmt: skip
+        urls[name] = f"http://127.0.0.1:{gport}"
+        sids[name] = running[-1].pid
+        procs.wait_up(urls[name], running[-1], "/health")
+    if "nullproxy" in args.targets:
+        nport = procs.free_port()
+        running.append(procs.start([py, str(Path(__file__).resolve().parent / "nullproxy.py"), "--port", str(nport),
+                                    "--backend", f"127.0.0.1:{bport}"], tmp / "nullproxy.log"))  # fmt: skip
+        urls["nullproxy"] = f"http://127.0.0.1:{nport}"
+        sids["nullproxy"] = running[-1].pid
+        procs.wait_up(urls["nullproxy"], running[-1], "/health")
     if args.litellm and "litellm" in args.targets:
         lport = procs.free_port()
         (tmp / "litellm.yaml").write_text(
@@ -116,7 +130,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     p.add_argument("--rate", type=float, default=32.0, help="tokens per second per stream")
     p.add_argument("--workers", type=int, default=1, help="gateway (and LiteLLM) processes")
-    p.add_argument("--targets", default="direct,gateway,litellm")
+    p.add_argument(
+        "--targets",
+        default="direct,nullproxy,gateway,gateway-aiohttp,litellm",
+        help="direct; nullproxy (a bare TCP relay, the floor); gateway (raw stream relay); "
+        "gateway-aiohttp (the same gateway, streams through aiohttp's client); litellm",
+    )
     p.add_argument("--litellm", default="", help="path of the litellm CLI (a separate venv)")
     p.add_argument("--profile", type=float, default=0.0, help="py-spy seconds (0: none)")
     p.add_argument("--out", default="gateway")
@@ -138,11 +157,12 @@ def main() -> None:
                     spy = None
                     if args.profile and name == "gateway" and rep == 0 and c == max(levels):
                         spy = profile(sids["gateway"], args.profile, report.RESULTS / f"{args.out}-profile.svg")  # fmt: skip
-                    before = procs.added_buckets(url) if name == "gateway" else {}
+                    inner = name.startswith("gateway")
+                    before = procs.added_buckets(url) if inner else {}
                     cell = run_cell(url, c, args, {"backend": sids["backend"], **({"proxy": sids[name]} if name in sids else {})})  # fmt: skip
                     if spy is not None:
                         spy.wait(timeout=120)
-                    if name == "gateway":
+                    if inner:
                         after = procs.added_buckets(url)
                         cell["inner_p50"] = procs.bucket_quantile(before, after, 0.5)
                         cell["inner_p99"] = procs.bucket_quantile(before, after, 0.99)
@@ -150,6 +170,7 @@ def main() -> None:
                     if cell["errors"]:
                         procs.drain(url)
                     cores = " ".join(f"{k}={v:.2f}" for k, v in cell["cores"].items())
+                    cores += " runq: " + " ".join(f"{k}={v:.3f}" for k, v in cell["runq"].items())
                     print(f"rep {rep} c={c:5d} {name:8s} rps={cell['rps']:8.1f} "
                           f"ttft p50={1000 * (cell['ttft_p50'] or 0):7.2f} ms "
                           f"p99={1000 * (cell['ttft_p99'] or 0):7.2f} ms "

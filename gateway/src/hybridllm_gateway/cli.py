@@ -10,6 +10,7 @@ kernel spreads connections): state is per process, as it is per gateway replica.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import multiprocessing
@@ -61,8 +62,12 @@ def run_worker(settings: config_mod.GatewaySettings, reuse_port: bool) -> None:
         uvloop.install()
     except ImportError:
         log.warning("uvloop not installed; running on the default asyncio loop (slower)")
+    app = app_mod.create_app(settings)
+    # Everything alive now (modules, the classifier, the app) lives as long as the
+    # process: out of the collector's sight, so a collection walks only request objects.
+    gc.freeze()
     web.run_app(
-        app_mod.create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         reuse_port=reuse_port,

@@ -61,8 +61,8 @@ class ChunkScanner:
         self.payload: list[bytes] = []
 
     def feed(self, data: bytes) -> bytes:
-        prefix, cut = b"", len(data)
         pos, n = 0, len(data)
+        prefix, cut = b"", 0 if self.last else n
         while pos < n and not self.done:
             if self.left:
                 take = min(self.left, n - pos)
@@ -92,7 +92,8 @@ class ChunkScanner:
             if size == 0:
                 self.last, cut = True, start
                 continue
-            prefix = held  # a split size line: its first part goes out before data
+            if held:  # a split size line: its first part goes out before data
+                prefix = held
             self.left = size + 2
         if prefix or cut < n:
             return prefix + data[:cut]
