@@ -4,7 +4,7 @@ Run from the repository root:
 
     uv run python bench/forecaster/run.py            # all cases (10-15 minutes on 2 cores)
     uv run python bench/forecaster/run.py servegen   # only cases whose name contains "servegen"
-    uv run python bench/forecaster/run.py --summary  # rebuild the summary from the results
+    uv run python bench/forecaster/run.py --summary ["load average ..."]  # summary only
 
 Each case is the exact CLI command printed in the summary; its report, results.json and
 plots land in bench/results/forecaster/<case>/, and bench/results/forecaster.md collects
@@ -76,7 +76,8 @@ def machine() -> str:
 
 def main(argv: list[str]) -> int:
     os.chdir(ROOT)
-    if argv == ["--summary"]:
+    if argv[:1] == ["--summary"]:
+        load = argv[1] if len(argv) > 1 else f"{_load()} (when the summary was written)"
         rows = []
         for name, args in CASES.items():
             if (OUT / name / "results.json").exists():
@@ -92,8 +93,9 @@ def main(argv: list[str]) -> int:
                 ]
                 data = json.loads((OUT / name / "results.json").read_text())
                 rows.append((name, shlex.join(cmd), data))
-        write_summary(rows)
+        write_summary(rows, load)
         return 0
+    load_start = _load()
     only = argv[0] if argv else ""
     rows = []
     for name, args in CASES.items():
@@ -109,14 +111,18 @@ def main(argv: list[str]) -> int:
         data = json.loads((out / "results.json").read_text())
         rows.append((name, shlex.join(["uv", "run", *command]), data))
     if not only:
-        write_summary(rows)
+        write_summary(rows, f"{load_start} at the start, {_load()} at the end")
     return 0
 
 
-def write_summary(rows: list[tuple[str, str, dict]]) -> None:
+def _load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def write_summary(rows: list[tuple[str, str, dict]], load: str) -> None:
     lines = [
         "# Forecaster: predictive vs reactive scaling on the development traces\n",
-        f"Machine: {machine()}. Produced by `uv run python bench/forecaster/run.py` "
+        f"Machine: {machine()}; {load}. Produced by `uv run python bench/forecaster/run.py` "
         f"({time.strftime('%Y-%m-%d')}). Train on the first half of each trace's time, test on "
         "the second; every number below is from the test half. Per-case reports and plots: "
         "`bench/results/forecaster/<case>/report.md`.\n",

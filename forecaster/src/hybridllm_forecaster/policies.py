@@ -187,10 +187,17 @@ class PredictiveWithFloor(Policy):
     name = "predictive+floor"
 
     def __init__(
-        self, pool: PoolConfig, forecast_max: ForecastFn, target_utilisation: float | None = None
+        self,
+        pool: PoolConfig,
+        forecast_max: ForecastFn,
+        target_utilisation: float | None = None,
+        *,
+        down_window_s: float = 0.0,
     ) -> None:
         target = target_utilisation or pool.target_utilisation
-        self.predictive = Predictive(pool, forecast_max, target, metric=MetricView())
+        self.predictive = Predictive(
+            pool, forecast_max, target, down_window_s=down_window_s, metric=MetricView()
+        )
         self.floor = Hpa(pool, target)
 
     def decide(self, obs: Observation) -> int:

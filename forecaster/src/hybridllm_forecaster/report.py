@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridllm_forecaster import policies
 from hybridllm_forecaster.evaluate import EvalResult
 
 FAMILIES = ("hpa", "keda-queue", "predictive", "predictive+floor", "oracle")
@@ -40,6 +41,9 @@ def policy_rows(res: EvalResult) -> list[dict[str, Any]]:
         rows.append({
             "policy": fam,
             "setting": res.chosen[fam],
+            "scale_down_window_s": res.down_windows.get(
+                fam, policies.HPA_DOWN_WINDOW_S if fam in ("hpa", "keda-queue") else 0.0
+            ),
             "slo_attainment": r.slo_attainment,
             "ttft_attainment": r.ttft_attainment,
             "tbt_attainment": r.tbt_attainment,
