@@ -10,7 +10,7 @@
 4. Each policy family is run at several settings on the training part; the HPA at
    its usual 70% target is the reference, and every other family keeps the cheapest
    setting that reaches the HPA's training attainment. The forecast-driven families
-   also choose, on the training part, between no scale-down window and the HPA's
+   and the oracle also choose, on the training part, between no scale-down window and the HPA's
    300 s (`PREDICTIVE_DOWN_WINDOWS`). Those settings are then run on the test part;
    only test numbers are reported as results.
 
@@ -46,11 +46,11 @@ SWEEPS: dict[str, tuple[float, ...]] = {
 }
 
 
-# forecast-driven families try both on the training part: no window (the forecast holds
+# forecast-driven families (the oracle too) try both on the training part: no window (the forecast holds
 # replicas for the lead time) and the HPA's 300 s (when forecasts of short bins are noisy,
 # a replica released now may be needed again before a new one could be ready)
 PREDICTIVE_DOWN_WINDOWS = (0.0, policies.HPA_DOWN_WINDOW_S)
-FORECAST_FAMILIES = ("predictive", "predictive+floor")
+FORECAST_FAMILIES = ("predictive", "predictive+floor", "oracle")
 
 
 @dataclass
@@ -282,5 +282,7 @@ def make_policy(
     if family == "predictive+floor":
         return policies.PredictiveWithFloor(pool, fn, setting, down_window_s=down_window_s)
     if family == "oracle":
-        return policies.Oracle(pool, policies.series_max_fn(truth, step_s), setting)
+        return policies.Oracle(
+            pool, policies.series_max_fn(truth, step_s), setting, down_window_s=down_window_s
+        )
     raise ValueError(f"unknown policy family {family!r}")

@@ -30,7 +30,9 @@ reference, never a strawman.
 - `PredictiveWithFloor`: the larger of `Predictive` and the HPA at the same target:
   never fewer replicas than the reactive policy would run.
 - `Oracle`: the true future work over [now, now + lead time] (what predictive would do
-  with a perfect forecast): scales up exactly one lead time ahead, down immediately.
+  with a perfect forecast): scales up exactly one lead time ahead, down immediately
+  (or after a window, which `evaluate` chooses on the training part as for predictive:
+  the future *arrivals* it knows say nothing of long prefills still queued).
 """
 
 from __future__ import annotations
@@ -208,9 +210,14 @@ class Oracle(Policy):
     name = "oracle"
 
     def __init__(
-        self, pool: PoolConfig, true_max: ForecastFn, target_utilisation: float | None = None
+        self,
+        pool: PoolConfig,
+        true_max: ForecastFn,
+        target_utilisation: float | None = None,
+        *,
+        down_window_s: float = 0.0,
     ) -> None:
-        self.inner = Predictive(pool, true_max, target_utilisation)
+        self.inner = Predictive(pool, true_max, target_utilisation, down_window_s=down_window_s)
 
     def decide(self, obs: Observation) -> int:
         return self.inner.decide(obs)
