@@ -73,6 +73,10 @@ def main() -> int:
     import os
 
     os.chdir(ROOT)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from run import machine  # the same machine line as the benchmark summary
+
+    load_start = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     started = time.monotonic()
     w = servegen.load_windows(TRACE)
     pool = PoolConfig()
@@ -84,7 +88,9 @@ def main() -> int:
     lines = [
         "# Fluid simulator vs per-request simulator (ServeGen m-large windows)\n",
         f"Command: `uv run python bench/forecaster/calibrate_fluid.py` ({time.strftime('%Y-%m-%d')}, "
-        f"{time.monotonic() - started:.0f} s). Each row: one 10-minute window sampled at the "
+        f"{time.monotonic() - started:.0f} s). Machine: {machine()}; load average "
+        f"{load_start} at the start, {', '.join(f'{x:.2f}' for x in os.getloadavg())} at "
+        "the end. Each row: one 10-minute window sampled at the "
         "trace's full rate, a fixed pool of the default replica, SLO TTFT 2 s / TBT 0.1 s. "
         "Attainment in %. The simulations are seeded and deterministic.\n",
     ]

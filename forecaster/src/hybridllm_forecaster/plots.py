@@ -101,7 +101,7 @@ def _timeline(res: EvalResult, path: Path, title: str, zoom: bool) -> Path:
     ax.set_ylabel("replicas paid for")
     ax.legend(loc="upper left", fontsize=8)
     ax = axes[2]
-    for fam in ("hpa", "predictive", "predictive+floor"):
+    for fam in ("hpa", "predictive", "predictive+floor", "oracle"):
         r = res.test_result(fam)
         k = max(1, len(r.attainment) // 400)
         att = np.convolve(r.attainment, np.ones(k) / k, "same")
