@@ -44,13 +44,20 @@ def _gather_blocks(
     token_valid: torch.Tensor,  # [num_seqs, num_table_blocks * block_size] bool
 ) -> torch.Tensor:  # [num_seqs, num_kv_heads, num_table_blocks * block_size, head_dim] float32
     """Whole blocks, read only where needed (other table entries may hold -1 or garbage);
-    invalid token rows are zeroed, since stale cache memory may hold NaN and 0 * NaN = NaN."""
+    invalid token rows are zeroed, since stale cache memory may hold NaN and 0 * NaN = NaN.
+
+    Only the invalid rows are written (``index_fill_`` over their flat indices): in decode
+    they are a block's unfilled tail and table padding, a small share of the gathered keys,
+    so this costs far less than a masked pass over every key (measured: a fifth of a
+    batch-32 decode step's CPU time went to that pass)."""
     num_table_blocks = block_needed.shape[1]
     table = block_tables[:, :num_table_blocks].long()
     table = torch.where(block_needed, table, torch.zeros_like(table))
     blocks = cache[table].float()  # [num_seqs, num_table_blocks, block_size, Hkv, D], a copy
     tokens = blocks.flatten(1, 2)  # [num_seqs, T, num_kv_heads, head_dim]
-    tokens.masked_fill_(~token_valid[:, :, None, None], 0.0)
+    invalid = (~token_valid).flatten().nonzero().squeeze(1)
+    if invalid.numel():
+        tokens.view(-1, tokens.shape[2] * tokens.shape[3]).index_fill_(0, invalid, 0.0)
     return tokens.transpose(1, 2)
 
 
