@@ -146,3 +146,69 @@ def test_prefill_process_killed_decode_prefills_locally(
     assert _ask(url, PROMPTS[0], stream=False) == expected[PROMPTS[0]]
     assert _metric(url, "hybridllm_prefills_total", where="local", outcome="ok") >= 1
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_gateway_rides_out_a_dead_decode_worker(
+    real_model_dir: Path, expected: dict[str, str], tmp_path: Path
+) -> None:
+    """Gateway -> two decode workers -> one prefill worker; one decode worker is killed.
+
+    Requests that were sent to the dead worker fail before their first byte (connection
+    refused or reset), which is the retryable failure the gateway acts on: it retries them
+    on the other decode worker and ejects the dead one, so the client sees only answers.
+    """
+    import json
+
+    kv_port = _free_port()
+    model = ["--model", str(real_model_dir)]
+    procs = []
+    try:
+        prefill, _ = _start([*model, "--role", "prefill", "--kv-port", str(kv_port)],
+                            tmp_path / "prefill.log")  # fmt: skip
+        procs.append(prefill)
+        decode_args = [*model, "--role", "decode", "--prefill-url", f"tcp://127.0.0.1:{kv_port}",
+                       "--local-prefill-threshold", "0"]  # fmt: skip
+        decodes = [_start(decode_args, tmp_path / f"decode-{i}.log") for i in range(2)]
+        procs += [p for p, _ in decodes]
+        routing = {
+            "service": "demo", "namespace": "test", "model": "smollm2", "revision": "v1",
+            "policy": "cloud-only",
+            "edgeLimits": {"maxPromptTokens": 2048, "maxOutputTokens": 512, "maxQueueDepth": 8},
+            "sessionAffinity": {"enabled": False, "header": "x-session-id"},
+            "cascade": {"enabled": False, "minMeanLogprob": -1.5},
+            "rateLimits": {"requestsPerMinute": 100_000, "tokensPerMinute": 100_000_000},
+            "tiers": {"cloud": {"backends": [
+                {"url": url, "revision": "v1", "weight": 100} for _, url in decodes]}},
+        }  # fmt: skip
+        config = tmp_path / "routing.json"
+        config.write_text(json.dumps(routing))
+        port = _free_port()
+        cmd = [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config", str(config),
+               "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+        gateway = subprocess.Popen(
+            cmd, stdout=(tmp_path / "gateway.log").open("wb"), stderr=subprocess.STDOUT
+        )
+        procs.append(gateway)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert gateway.poll() is None, (tmp_path / "gateway.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "gateway not healthy"
+            time.sleep(0.2)
+        for i, prompt in enumerate(PROMPTS):
+            assert _ask(url, prompt, stream=bool(i % 2)) == expected[prompt]
+        decodes[0][0].send_signal(signal.SIGKILL)
+        decodes[0][0].wait(timeout=30)
+        for i, prompt in enumerate(PROMPTS * 2):  # every request, whichever worker it picks
+            assert _ask(url, prompt, stream=bool(i % 2)) == expected[prompt]
+        assert _metric(decodes[1][1], "hybridllm_prefills_total", where="remote", outcome="ok") >= 4
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
