@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import types
+import typing
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
+
+import pydantic
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,51 @@ def run_standalone(
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     return int(args.func(args))
+
+
+SettingsT = TypeVar("SettingsT", bound=pydantic.BaseModel)
+
+
+def add_settings_flags(
+    parser: argparse.ArgumentParser, model: type[pydantic.BaseModel], env_prefix: str
+) -> None:
+    """One flag per field of a settings model (``max_num_seqs`` -> ``--max-num-seqs``).
+
+    Every flag defaults to None, so a flag left out falls back to the environment
+    (``{env_prefix}MAX_NUM_SEQS``) and then to the field's default: pydantic-settings'
+    precedence. Booleans get ``--x/--no-x``, Literals become choices.
+    """
+    for name, field in model.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        union = typing.get_origin(ann) in (typing.Union, types.UnionType)
+        base = args[0] if union and args else ann
+        help_text = f"{field.description} (env {env_prefix}{name.upper()}, default {field.default})"
+        if base is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif typing.get_origin(base) is typing.Literal:
+            parser.add_argument(flag, choices=typing.get_args(base), default=None, help=help_text)
+        else:
+            conv: Any = base if base in (int, float) else str
+            parser.add_argument(flag, type=conv, default=None, help=help_text)
+
+
+def settings_from_args(args: argparse.Namespace, model: type[SettingsT]) -> SettingsT:
+    """The settings model from the flags that were given (raises pydantic.ValidationError)."""
+    given = {k: v for k, v in vars(args).items() if k in model.model_fields and v is not None}
+    return model(**given)
+
+
+def report_invalid(prog: str, exc: pydantic.ValidationError) -> int:
+    """Prints each validation error as ``prog: field: message``; returns exit code 2."""
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        print(f"{prog}: {where + ': ' if where else ''}{msg}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

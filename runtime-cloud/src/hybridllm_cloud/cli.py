@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,33 +20,8 @@ from hybridllm_common import cli as common_cli
 log = logging.getLogger(__name__)
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    for name, field in config_mod.ServeSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        ann = field.annotation
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        base = args[0] if isinstance(ann, types.UnionType) and args else ann
-        help_text = (
-            f"{field.description} (env HYBRIDLLM_CLOUD_{name.upper()}, default {field.default})"
-        )
-        if base is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif typing.get_origin(base) is typing.Literal:
-            parser.add_argument(flag, choices=typing.get_args(base), default=None, help=help_text)
-        else:
-            conv: Any = base if base in (int, float) else str
-            parser.add_argument(flag, type=conv, default=None, help=help_text)
-
-
 def settings_from_args(args: argparse.Namespace) -> config_mod.ServeSettings:
-    given = {
-        k: v
-        for k, v in vars(args).items()
-        if k in config_mod.ServeSettings.model_fields and v is not None
-    }
-    return config_mod.ServeSettings(**given)
+    return common_cli.settings_from_args(args, config_mod.ServeSettings)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -59,11 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except pydantic.ValidationError as exc:
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"])
-            msg = str(err["msg"]).removeprefix("Value error, ")
-            print(f"hybridllm-cloud serve: {where + ': ' if where else ''}{msg}", file=sys.stderr)
-        return 2
+        return common_cli.report_invalid("hybridllm-cloud serve", exc)
     if settings.torch_threads is not None:
         import torch
 
@@ -75,7 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_serve(subparsers: Any) -> None:
     serve = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
-    _add_setting_flags(serve)
+    common_cli.add_settings_flags(serve, config_mod.ServeSettings, "HYBRIDLLM_CLOUD_")
     serve.set_defaults(func=_serve)
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from typing import Any
+
+import pydantic
 
 from hybridllm_common import cli as common_cli
 from hybridllm_edge import config
@@ -20,34 +20,8 @@ from hybridllm_edge import config
 log = logging.getLogger(__name__)
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    for name, field in config.EdgeSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        ann = field.annotation
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        union = typing.get_origin(ann) in (typing.Union, types.UnionType)
-        base = args[0] if union and args else ann
-        help_text = (
-            f"{field.description} (env HYBRIDLLM_EDGE_{name.upper()}, default {field.default})"
-        )
-        if base is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif typing.get_origin(base) is typing.Literal:
-            parser.add_argument(flag, choices=typing.get_args(base), default=None, help=help_text)
-        else:
-            conv: Any = base if base in (int, float) else str
-            parser.add_argument(flag, type=conv, default=None, help=help_text)
-
-
 def settings_from_args(args: argparse.Namespace) -> config.EdgeSettings:
-    given = {
-        k: v
-        for k, v in vars(args).items()
-        if k in config.EdgeSettings.model_fields and v is not None
-    }
-    return config.EdgeSettings(**given)
+    return common_cli.settings_from_args(args, config.EdgeSettings)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -55,7 +29,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from hybridllm_edge.server import app as app_mod
 
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except pydantic.ValidationError as exc:
+        return common_cli.report_invalid("hybridllm-edge serve", exc)
     try:
         settings.store_target()
     except ValueError as exc:
@@ -68,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_serve(subparsers: Any) -> None:
     serve = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
-    _add_setting_flags(serve)
+    common_cli.add_settings_flags(serve, config.EdgeSettings, "HYBRIDLLM_EDGE_")
     serve.set_defaults(func=_serve)
 
 
