@@ -247,7 +247,12 @@ def _simulate_part(
     initial = pool.replicas_for(float(work[lo]), 0.7)
     if part_stream is not None:
         return des.simulate_des(part_stream, pool, policy, initial_replicas=initial)
-    return fluid.simulate_fluid(part_demand, pool, policy, initial_replicas=initial)
+    sigma = 1.0  # rate-only traces: the ServeGen sampler's spread of prompt lengths
+    if stream is not None and stream.num_requests > 1:
+        sigma = float(np.std(np.log(np.maximum(stream.input_tokens, 1))))
+    return fluid.simulate_fluid(
+        part_demand, pool, policy, initial_replicas=initial, prompt_sigma=sigma
+    )
 
 
 def _fine_work(stream: RequestStream, pool: PoolConfig, step: float, duration: float) -> np.ndarray:

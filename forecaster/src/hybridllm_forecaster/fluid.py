@@ -64,7 +64,10 @@ def simulate_fluid(
     policy: Policy,
     *,
     initial_replicas: int | None = None,
+    prompt_sigma: float = 1.0,
 ) -> SimResult:
+    """`prompt_sigma`: log-normal spread of prompt lengths (1.0, the ServeGen sampler's;
+    `evaluate` passes the measured one when the trace has requests)."""
     dt = pool.control_interval_s
     s = step_series(demand, dt)
     rate, tin, tout, cv = s["req_per_s"], s["input_tok_per_s"], s["output_tok_per_s"], s["cv"]
@@ -124,8 +127,9 @@ def simulate_fluid(
         delay = 0.5 * (backlog + new_backlog) / ready if ready > 0 else math.inf
         backlog = new_backlog
         p_ttft, p_tbt = _step_attainment(
-            delay, cv[k], rate[k], tin[k], tout[k], ready, pool, max_batch, do_prefill, do_decode
-        )
+            delay, cv[k], rate[k], tin[k], tout[k], ready, pool, max_batch, do_prefill, do_decode,
+            prompt_sigma,
+        )  # fmt: skip
         out_prov[k], out_ready[k], out_att[k] = provisioned, ready, p_ttft * p_tbt
         n_total += n
         ok_total += n * p_ttft * p_tbt
@@ -172,7 +176,6 @@ def backlog_in_flight(
 KINGMAN_K = 0.3
 KINGMAN_A = 1.0
 THIN_POWER = 0.75
-PROMPT_SIGMA = 1.0  # log-normal spread of prompt lengths (the ServeGen sampler's)
 TBT_BIAS = 0.08  # of the TBT SLO: the fluid's mean step is that much above the DES's
 TBT_SPREAD = 0.05  # of the TBT SLO: standard deviation of per-request mean TBT
 _Z = np.array([-2.0, -1.5, -1.15, -0.85, -0.6, -0.35, -0.12, 0.12, 0.35, 0.6, 0.85, 1.15,
@@ -185,7 +188,7 @@ def _phi(z: float) -> float:
 
 def _step_attainment(
     delay: float, cv: float, rate: float, tin: float, tout: float, ready: int,
-    pool: PoolConfig, max_batch: int, do_prefill: bool, do_decode: bool,
+    pool: PoolConfig, max_batch: int, do_prefill: bool, do_decode: bool, sigma: float = 1.0,
 ) -> tuple[float, float]:  # fmt: skip
     """Share of a step's requests within the TTFT SLO, and within the TBT SLO.
 
@@ -224,11 +227,11 @@ def _step_attainment(
             p_ttft = 0.0
         else:
             ca2 = 1.0 + (cv * cv - 1.0) / ready**THIN_POWER
-            cs2 = math.exp(PROMPT_SIGMA**2) - 1.0
+            cs2 = math.exp(sigma**2) - 1.0
             wq = KINGMAN_K * rho**KINGMAN_A / (1.0 - rho) * (ca2 + cs2) / 2.0 * s_eff
-            mu = math.log(s_eff) - PROMPT_SIGMA**2 / 2.0
-            within = _phi((math.log(x) - mu) / PROMPT_SIGMA)  # the prefill alone fits
-            s = np.exp(mu + PROMPT_SIGMA * _Z)
+            mu = math.log(s_eff) - sigma**2 / 2.0
+            within = _phi((math.log(x) - mu) / sigma) if sigma > 0 else float(s_eff <= x)
+            s = np.exp(mu + sigma * _Z)
             s = s[s < x]
             waited_ok = float(np.mean(1.0 - np.exp(-(x - s) * rho / wq))) if len(s) else 0.0
             p_ttft = within * ((1.0 - rho) + rho * waited_ok) if wq > 0 else within
