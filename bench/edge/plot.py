@@ -76,6 +76,13 @@ HIT_ROWS = {
 }
 
 
+def _files(report: dict[str, Any]) -> str:
+    ours, peer = Path(report["gguf"]).name, Path(report.get("peer_gguf", report["gguf"])).name
+    if ours == peer:
+        return f"`{ours}`, the same file for both"
+    return f"ours `{ours}`, peer `{peer}`; single stream: `{ours}` on both sides"
+
+
 def write_markdown(report: dict[str, Any], path: Path) -> None:
     m, s, c = report["machine"], report["single_stream"], report["cache"]
     lines = [
@@ -90,7 +97,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"Ours: `{report['ours_command']}`  ",
         f"Peer: `{report['peer_command']}`  ",
         f"Model: SmolLM2-135M-Instruct {report.get('weights', 'Q4_1')} "
-        f"(`{Path(report['gguf']).name}`, the same file for both), {report['threads']} "
+        f"({_files(report)}), {report['threads']} "
         f"CPU thread(s) for both, greedy, max_tokens {report['max_tokens']}.",
         "",
         "## Single stream (decode tokens/s, median of alternating repeats)",

@@ -16,7 +16,10 @@ same number of CPU threads:
 
 ``--weights`` picks the GGUF both servers load (default the shipped Q4_1; ``q8_0``,
 ``q4_0``, ``f16``: see ``bench/edge/weights.py`` and ``bench/edge/scaling.py`` for why the
-weight type decides how much batching can gain on a CPU).
+weight type decides how much batching can gain on a CPU). ``--ours-weights`` gives our
+server another file than the peer's (each server on the weights it serves fastest: a
+one-at-a-time server wants the fastest batch-1 kernel, a batched one the kernel that
+batches); the single-stream comparison then uses our file on both sides.
 
 ``llama_cpp.server`` needs the ``server`` extra's packages that the workspace does not lock
 (sse-starlette, starlette-context); ``--peer-deps`` points at a folder holding them
@@ -188,6 +191,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="default bench/results/edge[-WEIGHTS]")
     parser.add_argument("--weights", choices=weights.CHOICES, default="q4_1",
                         help="GGUF both servers load (bench/edge/weights.py)")  # fmt: skip
+    parser.add_argument("--ours-weights", choices=weights.CHOICES,
+                        help="another GGUF for our server (default: --weights)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
@@ -199,17 +204,23 @@ def main() -> int:
 
     if args.out is None:
         suffix = "" if args.weights == "q4_1" else f"-{args.weights}"
+        if args.ours_weights and args.ours_weights != args.weights:
+            suffix += f"-ours-{args.ours_weights}"
         args.out = ROOT / f"bench/results/edge{suffix}"
-    gguf = str(weights.resolve(args.weights))
+    gguf = peer_gguf = str(weights.resolve(args.weights))
+    label = args.weights.upper()
+    if args.ours_weights and args.ours_weights != args.weights:
+        gguf = str(weights.resolve(args.ours_weights))
+        label = f"{args.ours_weights.upper()} (ours) vs {label} (peer)"
     report: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "gguf": gguf,
-                              "weights": args.weights.upper(), "threads": args.threads,
+                              "peer_gguf": peer_gguf, "weights": label, "threads": args.threads,
                               "max_tokens": args.max_tokens}  # fmt: skip
 
     ours_port, peer_port = free_port(), free_port()
     ours_cmd = [sys.executable, "-m", "hybridllm_edge.cli", "serve", "--model", gguf, "--parallel", "8",
                 "--threads", str(args.threads), "--max-model-len", "1024", "--port", str(ours_port),
                 "--host", "127.0.0.1"]  # fmt: skip
-    peer_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "2048",
+    peer_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", peer_gguf, "--n_ctx", "2048",
                 "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
                 "--port", str(peer_port), "--host", "127.0.0.1"]  # fmt: skip
     peer_env = {**os.environ, "PYTHONPATH": args.peer_deps}
