@@ -48,7 +48,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 async def load(
-    url: str, concurrency: int, duration: float, tokens: int, rate: float
+    url: str, concurrency: int, duration: float, tokens: int, rate: float, timeout_s: float = 30.0
 ) -> dict[str, Any]:
     import aiohttp
 
@@ -62,7 +62,7 @@ async def load(
     e2e: list[float] = []
     errors = 0
     conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=60)  # a request slower than this is an error
+    timeout = aiohttp.ClientTimeout(total=timeout_s)  # a request slower than this is an error
     t0 = time.perf_counter()
     window_start = t0 + period
     window_end = window_start + duration
@@ -121,6 +121,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--duration", type=float, required=True)
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--rate", type=float, required=True)
+    p.add_argument("--timeout", type=float, default=30.0, help="per request, seconds")
     a = p.parse_args(argv)
     try:
         import uvloop
@@ -128,7 +129,9 @@ def main(argv: list[str]) -> None:
         uvloop.install()
     except ImportError:
         print("uvloop missing: load generator on asyncio", file=sys.stderr)
-    print(json.dumps(asyncio.run(load(a.url, a.concurrency, a.duration, a.tokens, a.rate))))
+    print(
+        json.dumps(asyncio.run(load(a.url, a.concurrency, a.duration, a.tokens, a.rate, a.timeout)))
+    )
 
 
 if __name__ == "__main__":

@@ -136,16 +136,23 @@ def session_cpu_s(sid: int) -> float:
     return ticks / TICK
 
 
-def runq_wait_s(pids: list[int]) -> float:
-    """Seconds the threads of ``pids`` spent runnable but waiting for a CPU (schedstat)."""
-    ns = 0
+def runq_wait_s(pids: list[int]) -> dict[int, float]:
+    """Seconds each of ``pids`` (all its threads) spent runnable but waiting for a CPU."""
+    out: dict[int, float] = {}
     for pid in pids:
+        ns = 0
         for task in Path(f"/proc/{pid}/task").glob("*"):
             try:
                 ns += int((task / "schedstat").read_text().split()[1])
             except (OSError, IndexError, ValueError):
                 continue  # the thread ended between listing and reading
-    return ns / 1e9
+        out[pid] = ns / 1e9
+    return out
+
+
+def runq_delta_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """Run-queue wait between two readings, over the processes alive at both."""
+    return sum(after[pid] - before[pid] for pid in after if pid in before)
 
 
 def session_pids(sid: int) -> list[int]:

@@ -63,12 +63,24 @@ def ms(x: float | None) -> str:
 
 def goals(summary: dict[str, Any], levels: list[int]) -> list[str]:
     out = []
-    g = summary.get(str(GOAL_LEVEL), {}).get("gateway")
+    row = summary.get(str(GOAL_LEVEL), {})
+    g = row.get("gateway")
     if g is not None and g.get("added_ttft_p99") is not None:
         met = g["added_ttft_p99"] <= P99_GOAL_S
         out.append(f"- p99 added TTFT at {GOAL_LEVEL} concurrent streams: {ms(g['added_ttft_p99'])} ms "
                    f"(goal <= 2 ms): **{'met' if met else 'NOT met'}**; added end-to-end p99 "
-                   f"{ms(g.get('added_e2e_p99'))} ms.")  # fmt: skip
+                   f"{ms(g.get('added_e2e_p99'))} ms; the gateway's own code (in-gateway histogram) "
+                   f"p50 / p99 <= {ms(g.get('inner_p50'))} / {ms(g.get('inner_p99'))} ms.")  # fmt: skip
+        null = row.get("nullproxy")
+        if null is not None:
+            out.append(f"- The floor, a bare TCP relay in its own process (no HTTP work at all), added "
+                       f"{ms(null.get('added_ttft_p99'))} ms at p99 in the same run: the cost of one more "
+                       "process hop on this machine, before any gateway logic.")  # fmt: skip
+        old = row.get("gateway-aiohttp")
+        if old is not None and old.get("proxy_cpu_ms_per_req") and g.get("proxy_cpu_ms_per_req"):
+            out.append(f"- Gateway CPU per request: {g['proxy_cpu_ms_per_req']:.2f} ms with the raw relay, "
+                       f"{old['proxy_cpu_ms_per_req']:.2f} ms with aiohttp's client on the stream path "
+                       f"(p99 added {ms(old.get('added_ttft_p99'))} ms).")  # fmt: skip
     ratios = []
     for c in levels:
         gw = summary[str(c)].get("gateway", {})
@@ -99,7 +111,8 @@ def write(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int],
         f"Backend: the fixed-rate token server, {args.tokens} tokens per stream at {args.rate:g} "
         f"tokens/s per stream ({period:g} s per stream, first token at once). Load generator in its "
         f"own process: C streams in flight, started evenly over {period:g} s, requests sent in a "
-        f"{args.duration:g} s window recorded; median of {args.repeats} repeats, targets alternating. "
+        f"{args.duration:g} s window recorded (a request over {args.timeout:g} s is an error); "
+        f"median of {args.repeats} repeats, targets alternating. "
         f"Gateway worker processes: {args.workers}.", "",
         "Added = the target's percentile minus direct's, same repeat and concurrency. In-gateway: "
         "the gateway's own `hybridllm_gateway_added_latency_seconds` histogram (bucket upper "
@@ -144,22 +157,25 @@ def plot(summary: dict[str, Any], levels: list[int], path: Path, args: argparse.
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = list(summary[str(levels[0])])
+    colors = {"direct": "tab:blue", "gateway": "tab:orange", "gateway-aiohttp": "tab:green",
+              "nullproxy": "tab:grey", "litellm": "tab:red"}  # fmt: skip
     for name in names:
-        a.plot(levels, [summary[str(n)][name]["rps"] for n in levels], marker="o", label=name)
+        kw = {"marker": "o", "label": name, "color": colors.get(name)}
+        a.plot(levels, [summary[str(n)][name]["rps"] for n in levels], **kw)
         if name != "direct":
             added = [summary[str(n)][name].get("added_ttft_p99") for n in levels]
-            b.plot(levels, [1000 * x if x is not None else float("nan") for x in added], marker="o", label=name)  # fmt: skip
-        cpu = [summary[str(n)][name]["cores"].get("proxy") for n in levels]
-        if name != "direct":
-            c.plot(levels, [x if x is not None else float("nan") for x in cpu], marker="o", label=f"{name} process")  # fmt: skip
-    c.plot(levels, [summary[str(n)]["direct"]["cores"]["backend"] for n in levels], marker="s", ls="--", label="backend (direct)")  # fmt: skip
-    c.plot(levels, [summary[str(n)]["direct"]["cores"]["loadgen"] for n in levels], marker="s", ls=":", label="load generator (direct)")  # fmt: skip
+            b.plot(levels, [1000 * x if x is not None else float("nan") for x in added], **kw)
+            cpu = [summary[str(n)][name]["cores"].get("proxy") for n in levels]
+            c.plot(levels, [x if x is not None else float("nan") for x in cpu], **{**kw, "label": f"{name} process"})  # fmt: skip
+    c.plot(levels, [summary[str(n)]["direct"]["cores"]["backend"] for n in levels], marker="s", ls="--", color="tab:purple", label="backend (direct)")  # fmt: skip
+    c.plot(levels, [summary[str(n)]["direct"]["cores"]["loadgen"] for n in levels], marker="s", ls=":", color="tab:brown", label="load generator (direct)")  # fmt: skip
     b.axhline(2.0, color="grey", ls="--", lw=1, label="goal at 256: 2 ms")
     a.set(
         xscale="log", xlabel="concurrent streams", ylabel="completed requests/s", title="Throughput"
     )
-    b.set(xscale="log", yscale="symlog", xlabel="concurrent streams", ylabel="ms",
+    b.set(xscale="log", yscale="symlog", xlabel="concurrent streams", ylabel="ms (symlog)",
           title="Added TTFT p99 vs direct (median of repeats)")  # fmt: skip
+    b.set_ylim(bottom=0)
     c.set(
         xscale="log",
         xlabel="concurrent streams",
@@ -174,3 +190,13 @@ def plot(summary: dict[str, Any], levels: list[int], path: Path, args: argparse.
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":  # re-render the report from a saved JSON: report.py PATH.json
+    import sys
+
+    saved = json.loads(Path(sys.argv[1]).read_text())
+    args = argparse.Namespace(**saved["args"])
+    raw = {t: {int(c): cells for c, cells in per.items()} for t, per in saved["raw"].items()}
+    loads = (saved["load_average"]["before"], saved["load_average"]["after"])
+    write(raw, sorted({c for per in raw.values() for c in per}), args, saved["command"], loads)

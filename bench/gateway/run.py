@@ -44,12 +44,14 @@ LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 
 def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -> dict[str, Any]:
     cmd = [sys.executable, str(LOADGEN), "--url", url, "--concurrency", str(c),
-           "--duration", str(args.duration), "--tokens", str(args.tokens), "--rate", str(args.rate)]  # fmt: skip
+           "--duration", str(args.duration), "--tokens", str(args.tokens), "--rate", str(args.rate), "--timeout", str(args.timeout)]  # fmt: skip
     cpu0 = {name: procs.session_cpu_s(sid) for name, sid in sids.items()}
     pids = {name: procs.session_pids(sid) for name, sid in sids.items()}
     wait0 = {name: procs.runq_wait_s(p) for name, p in pids.items()}
     busy0, t0 = procs.machine_busy_s(), time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 4 + 180)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=args.duration * 4 + args.timeout + 120
+    )
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
@@ -60,7 +62,7 @@ def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -
     cell["cores"]["loadgen"] = cell["loadgen_cpu_s"] / wall
     cell["cores"]["machine"] = (procs.machine_busy_s() - busy0) / wall
     # run-queue wait: share of the cell each process was runnable but had no CPU
-    cell["runq"] = {name: (procs.runq_wait_s(p) - wait0[name]) / wall for name, p in pids.items()}
+    cell["runq"] = {name: procs.runq_delta_s(wait0[name], procs.runq_wait_s(p)) / wall for name, p in pids.items()}  # fmt: skip
     cell["runq"]["loadgen"] = cell["loadgen_runq_s"] / wall
     return cell
 
@@ -125,7 +127,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--concurrency", default="1,64,256,1000")
-    p.add_argument("--duration", type=float, default=10.0, help="measurement window, seconds")
+    p.add_argument("--duration", type=float, default=6.0, help="measurement window, seconds")
+    p.add_argument("--timeout", type=float, default=30.0, help="per request; slower is an error")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     p.add_argument("--rate", type=float, default=32.0, help="tokens per second per stream")
@@ -147,7 +150,7 @@ def main() -> None:
     load_before = procs.load_average()
     try:
         urls, sids = start_servers(args, tmp, running)
-        warm = argparse.Namespace(duration=1.0, tokens=4, rate=args.rate)
+        warm = argparse.Namespace(duration=1.0, tokens=4, rate=args.rate, timeout=args.timeout)
         for url in urls.values():  # connection pools and imports
             run_cell(url, 8, warm, {})
         raw: dict[str, dict[int, list[dict[str, Any]]]] = {t: {c: [] for c in levels} for t in urls}

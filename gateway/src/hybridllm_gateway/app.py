@@ -198,7 +198,7 @@ async def _handle(
     features = classifier_mod.extract(body)
     state.limiter.admit(key_name, features.prompt_tokens)
     route = router.choose(routing, pools, state.classifier, features, explicit)
-    request["route_reason"] = route.reason
+    request[router.ROUTE_REASON] = route.reason
     state.metrics.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
     key = _affinity_key(state, request, body)
     stream = bool(body.get("stream"))
@@ -219,7 +219,7 @@ async def _handle(
             content_type="application/json",
             headers={
                 "x-hybridllm-tier": outcome.tier,
-                "x-hybridllm-route": request["route_reason"],
+                "x-hybridllm-route": request[router.ROUTE_REASON],
             },
         )
         tokens = proxy.usage_tokens(outcome.body)

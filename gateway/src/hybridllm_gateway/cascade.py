@@ -80,7 +80,7 @@ async def run(
         log.info("edge answer carries no confidence signal; keeping it")
     elif confidence < threshold:
         metrics.cascades.inc()
-        request["route_reason"] = "cascade"
+        request[router.ROUTE_REASON] = "cascade"
         metrics.decisions.labels(tier="cloud", reason="cascade").inc()
         _, cloud = await forwarder.forward(
             request, path, json.dumps(body).encode(), ("cloud",), key, False, t_start

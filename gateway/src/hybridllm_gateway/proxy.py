@@ -26,7 +26,7 @@ from aiohttp import web
 from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import metrics as metrics_mod
-from hybridllm_gateway import relay
+from hybridllm_gateway import relay, router
 from hybridllm_gateway.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class Forwarder:
                 "content-type": "text/event-stream",
                 "cache-control": "no-cache",
                 "x-hybridllm-tier": replica.tier,
-                "x-hybridllm-route": request.get("route_reason", ""),
+                "x-hybridllm-route": request.get(router.ROUTE_REASON, ""),
             },
         )
         completed = False
@@ -333,7 +333,7 @@ class Forwarder:
                 "content-type": "text/event-stream",
                 "cache-control": "no-cache",
                 "x-hybridllm-tier": replica.tier,
-                "x-hybridllm-route": request.get("route_reason", ""),
+                "x-hybridllm-route": request.get(router.ROUTE_REASON, ""),
             },
         )
         out.enable_chunked_encoding()

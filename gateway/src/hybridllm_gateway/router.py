@@ -23,12 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aiohttp import web
+
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import classifier as classifier_mod
 from hybridllm_gateway import config as config_mod
 
 TIER_HEADER = "x-hybridllm-tier"
 TIERS = ("edge", "cloud")
+
+ROUTE_REASON = web.RequestKey("route_reason", str)  # the reason label, per request
 
 
 @dataclass(frozen=True)
