@@ -59,3 +59,11 @@ GATEWAY_UPSTREAM_LATENCY_SECONDS = "hybridllm_gateway_upstream_latency_seconds"
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+
+# Gateway only (hybridllm_gateway.metrics)
+GATEWAY_ADDED_LATENCY_SECONDS = "hybridllm_gateway_added_latency_seconds"  # time in gateway code
+GATEWAY_UPSTREAM_ERRORS_TOTAL = "hybridllm_gateway_upstream_errors_total"  # labels: tier, kind
+GATEWAY_EJECTIONS_TOTAL = "hybridllm_gateway_ejections_total"  # label: tier
+GATEWAY_CONFIG_RELOADS_TOTAL = "hybridllm_gateway_config_reloads_total"
+GATEWAY_OUTSTANDING_REQUESTS = "hybridllm_gateway_outstanding_requests"  # gauge; label: tier
+GATEWAY_CASCADES_TOTAL = "hybridllm_gateway_cascades_total"

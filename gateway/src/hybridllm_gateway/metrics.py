@@ -1,8 +1,7 @@
 """The gateway's Prometheus metrics, one registry per process (no module-level state).
 
-Names come from ``hybridllm_common.metrics`` where it has them; the gateway-only ones
-(added latency, upstream errors, ejections, reloads) are defined here with the same
-prefix and units. Added latency is the time a request spends in the gateway itself:
+All names come from ``hybridllm_common.metrics`` (its gateway sections); the aliases
+below keep this module's short names. Added latency is the time a request spends in the gateway itself:
 from the moment its body is read to the moment the upstream request is sent, plus the
 time between the first upstream byte and its write to the client. Its buckets start at
 50 microseconds, where the runtimes' latency buckets would show nothing.
@@ -14,12 +13,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hybridllm_common import metrics as names
 
-ADDED_LATENCY_SECONDS = "hybridllm_gateway_added_latency_seconds"
-UPSTREAM_ERRORS_TOTAL = "hybridllm_gateway_upstream_errors_total"
-EJECTIONS_TOTAL = "hybridllm_gateway_ejections_total"
-RELOADS_TOTAL = "hybridllm_gateway_config_reloads_total"
-OUTSTANDING = "hybridllm_gateway_outstanding_requests"
-CASCADES_TOTAL = "hybridllm_gateway_cascades_total"
+ADDED_LATENCY_SECONDS = names.GATEWAY_ADDED_LATENCY_SECONDS
+UPSTREAM_ERRORS_TOTAL = names.GATEWAY_UPSTREAM_ERRORS_TOTAL
+EJECTIONS_TOTAL = names.GATEWAY_EJECTIONS_TOTAL
+RELOADS_TOTAL = names.GATEWAY_CONFIG_RELOADS_TOTAL
+OUTSTANDING = names.GATEWAY_OUTSTANDING_REQUESTS
+CASCADES_TOTAL = names.GATEWAY_CASCADES_TOTAL
 
 ADDED_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
