@@ -4,11 +4,13 @@ An attempt fails when the connection cannot be made, the upstream answers 5xx, o
 sends no first byte within ``first_byte_timeout_s``; then the replica is charged a failure
 (see the balancer's ejection) and the next replica is tried, in this tier and then in the
 route's next tier, up to ``max_attempts``. Once the first byte is in hand the answer is
-committed: a stream is relayed chunk by chunk, each write awaiting the client's socket
-(backpressure: a slow client slows the upstream read, nothing piles up in the gateway);
-a 4xx is passed through as the runtime wrote it. A client that goes away cancels the
-handler (aiohttp ``handler_cancellation``) or fails the next write; either way the
-upstream response is closed, not drained, so the runtime sees the disconnect and stops
+committed. Streams from plain-http replicas take the raw path (``relay.py``: upstream
+bytes written to the client from the upstream's ``data_received``, reading paused while
+the client's socket is full); others, and non-streaming answers, go through aiohttp's
+client (``iter_any`` and ``write``, whose drain also gives backpressure). A 4xx is passed
+through as the runtime wrote it. A client that goes away cancels the handler (aiohttp
+``handler_cancellation``) or is seen closed at the next write; either way the upstream
+connection is closed, not drained, so the runtime sees the disconnect and stops
 generating.
 """
 
