@@ -275,3 +275,34 @@ def test_a_client_that_stops_reading_pauses_the_upstream(tmp_path: Path) -> None
         writer.close()
 
     served(tmp_path, upstream, client)
+
+
+def test_a_pooled_connection_closed_while_idle_is_retried_without_blame(tmp_path: Path) -> None:
+    """The upstream drops a kept-alive connection as the next request arrives on it."""
+    wire = chunked(EVENTS)
+    connections = 0
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + wire)
+        await writer.drain()
+        await read_request(reader)  # a second request on this connection: hang up on it
+        writer.close()
+
+    async def client(url: str) -> None:
+        for _ in range(2):
+            head, body = await exchange(url)
+            assert head.startswith(b"HTTP/1.1 200")
+            assert body == b"".join(EVENTS)
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        metrics = (await reader.read()).decode()
+        writer.close()
+        assert connections == 2  # the second request went out again on a fresh connection
+        assert "hybridllm_gateway_upstream_errors_total{" not in metrics
+        assert 'hybridllm_gateway_requests_total{code="200",tier="cloud"} 2.0' in metrics
+
+    served(tmp_path, upstream, client)
