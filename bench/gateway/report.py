@@ -44,6 +44,7 @@ def summarise(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int]
                         for x, d in zip(cells, direct, strict=True)
                     ]
                     r[f"added_{q}"] = median(diffs)
+                    r[f"added_{q}_repeats"] = diffs
                 r["rps_vs_direct"] = (
                     r["rps"] / row["direct"]["rps"] if row["direct"]["rps"] else None
                 )
@@ -67,8 +68,12 @@ def goals(summary: dict[str, Any], levels: list[int]) -> list[str]:
     g = row.get("gateway")
     if g is not None and g.get("added_ttft_p99") is not None:
         met = g["added_ttft_p99"] <= P99_GOAL_S
-        out.append(f"- p99 added TTFT at {GOAL_LEVEL} concurrent streams: {ms(g['added_ttft_p99'])} ms "
-                   f"(goal <= 2 ms): **{'met' if met else 'NOT met'}**; added end-to-end p99 "
+        per = g.get("added_ttft_p99_repeats", [])
+        within = sum(1 for x in per if x is not None and x <= P99_GOAL_S)
+        out.append(f"- p99 added TTFT at {GOAL_LEVEL} concurrent streams, median of repeats: "
+                   f"{ms(g['added_ttft_p99'])} ms (goal <= 2 ms): **{'met' if met else 'NOT met'}** in this "
+                   f"run's median; per repeat {', '.join(ms(x) for x in per)} ms ({within} of {len(per)} "
+                   "within the goal); added end-to-end p99 "
                    f"{ms(g.get('added_e2e_p99'))} ms; the gateway's own code (in-gateway histogram) "
                    f"p50 / p99 <= {ms(g.get('inner_p50'))} / {ms(g.get('inner_p99'))} ms.")  # fmt: skip
         null = row.get("nullproxy")
