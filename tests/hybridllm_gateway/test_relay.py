@@ -89,7 +89,9 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length)
 
 
-async def start_gateway(tmp_path: Path, upstream_port: int) -> tuple[web.AppRunner, str]:
+async def start_gateway(
+    tmp_path: Path, upstream_port: int, stream_relay: str = "raw"
+) -> tuple[web.AppRunner, str]:
     routing = {
         "model": "smollm2",
         "policy": "cloud-only",
@@ -97,7 +99,9 @@ async def start_gateway(tmp_path: Path, upstream_port: int) -> tuple[web.AppRunn
         "tiers": {"cloud": {"backends": [{"url": f"http://127.0.0.1:{upstream_port}"}]}},
     }
     (tmp_path / "routing.json").write_text(json.dumps(routing))
-    settings = config.GatewaySettings(config=tmp_path / "routing.json", first_byte_timeout_s=10)
+    settings = config.GatewaySettings(
+        config=tmp_path / "routing.json", first_byte_timeout_s=10, stream_relay=stream_relay
+    )
     runner = web.AppRunner(app_mod.create_app(settings), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -106,12 +110,18 @@ async def start_gateway(tmp_path: Path, upstream_port: int) -> tuple[web.AppRunn
     return runner, f"http://127.0.0.1:{port}"
 
 
-def served(tmp_path: Path, upstream: Upstream, client: Callable[[str], Awaitable[None]]) -> None:
+def served(
+    tmp_path: Path,
+    upstream: Upstream,
+    client: Callable[[str], Awaitable[None]],
+    stream_relay: str = "raw",
+) -> None:
     """Runs ``client(gateway_url)`` against a gateway in front of ``upstream``, then stops both."""
 
     async def main() -> None:
         server = await asyncio.start_server(upstream, "127.0.0.1", 0)
-        runner, url = await start_gateway(tmp_path, server.sockets[0].getsockname()[1])
+        port = server.sockets[0].getsockname()[1]
+        runner, url = await start_gateway(tmp_path, port, stream_relay)
         try:
             await asyncio.wait_for(client(url), timeout=60)
         finally:
@@ -172,7 +182,10 @@ def test_content_length_upstream_is_reframed_for_the_client(tmp_path: Path) -> N
     served(tmp_path, upstream, client)
 
 
-def test_chunked_upstream_with_split_frames_arrives_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stream_relay", ["raw", "aiohttp"])
+def test_chunked_upstream_with_split_frames_arrives_whole(
+    tmp_path: Path, stream_relay: str
+) -> None:
     wire = chunked(EVENTS, b"x-trailer: 1\r\n")
 
     async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -187,7 +200,7 @@ def test_chunked_upstream_with_split_frames_arrives_whole(tmp_path: Path) -> Non
         _, body = await exchange(url)
         assert body == b"".join(EVENTS)
 
-    served(tmp_path, upstream, client)
+    served(tmp_path, upstream, client, stream_relay)
 
 
 def test_close_delimited_upstream_ends_the_stream_at_close(tmp_path: Path) -> None:
