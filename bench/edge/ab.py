@@ -5,22 +5,41 @@
 The ``--before`` commit's ``runtime-edge/src`` is checked out into a temporary git
 worktree and put first on that server's PYTHONPATH; the other server runs the working
 tree. Both use the same GGUF, threads and slots; rounds alternate before/after.
+``--lengths 16 48 96`` gives the requests different ``max_tokens`` (client c's request i
+gets ``lengths[(3 c + i) % len]``), so slots are freed and refilled out of order as in real
+traffic; without it every request asks for ``--max-tokens``.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import weights
-from run import ROOT, free_port, load_test, machine, start, stop
+from run import PROMPTS, ROOT, completion, free_port, load_test, machine, start, stop
+
+
+def mixed_load(base: str, clients: int, per_client: int, lengths: list[int]) -> dict[str, float]:
+    def client(c: int) -> int:
+        return sum(
+            int(completion(base, PROMPTS[(c + i) % len(PROMPTS)],
+                           lengths[(3 * c + i) % len(lengths)])["tokens"])
+            for i in range(per_client)
+        )  # fmt: skip
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        tokens = sum(pool.map(client, range(clients)))
+    return {"tokens_per_s": tokens / (time.perf_counter() - t0), "output_tokens": tokens}
 
 
 def main() -> int:
@@ -32,6 +51,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--lengths", type=int, nargs="+", help="mixed max_tokens per request")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/edge-ab.json")
     args = parser.parse_args()
 
@@ -40,7 +60,8 @@ def main() -> int:
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.before],
                    check=True, capture_output=True)  # fmt: skip
     report = {"machine": machine(), "command": " ".join(sys.argv), "gguf": gguf,
-              "before": args.before, "clients": args.clients, "max_tokens": args.max_tokens}  # fmt: skip
+              "before": args.before, "clients": args.clients, "max_tokens": args.max_tokens,
+              "lengths": args.lengths, "per_client": args.per_client}  # fmt: skip
     procs = []
     try:
         bases = {}
@@ -57,7 +78,10 @@ def main() -> int:
         runs: dict[str, list[float]] = {"before": [], "after": []}
         for r in range(args.rounds):
             for name, base in bases.items():
-                res = load_test(base, args.clients, args.per_client, args.max_tokens)
+                if args.lengths:
+                    res = mixed_load(base, args.clients, args.per_client, args.lengths)
+                else:
+                    res = load_test(base, args.clients, args.per_client, args.max_tokens)
                 runs[name].append(res["tokens_per_s"])
                 print(f"round {r} {name}: {res['tokens_per_s']:.1f} tok/s", flush=True)
     finally:
