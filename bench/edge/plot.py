@@ -111,7 +111,12 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         "",
         f"Medians over {report.get('rounds', 1)} rounds; each round measures ours then the peer at each "
         "level (both servers up, idle one costs no CPU). Each client sends "
-        "its requests one after another, non-streamed.",
+        f"its {report.get('per_client', 2)} requests one after another, non-streamed"
+        + (
+            f", max_tokens {' / '.join(map(str, report['lengths']))} by request (mixed lengths)."
+            if report.get("lengths")
+            else "."
+        ),
         "",
         "| clients | ours tok/s | peer tok/s | throughput ratio (goal >= 2 at 8) | ours p95 s | peer p95 s | p95 ratio |",
         "|---|---|---|---|---|---|---|",

@@ -163,11 +163,17 @@ def in_process_decode(llm: Any, prompt: str, max_tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def load_test(base: str, clients: int, per_client: int, max_tokens: int) -> dict[str, float]:
+def load_test(
+    base: str, clients: int, per_client: int, max_tokens: int, lengths: list[int] | None = None
+) -> dict[str, float]:
+    """Closed loop; with ``lengths`` client c's request i asks ``lengths[(3c + i) % len]`` tokens."""
+
     def client(c: int) -> list[dict[str, float]]:
         return [
-            completion(base, PROMPTS[(c + i) % len(PROMPTS)], max_tokens) for i in range(per_client)
-        ]
+            completion(base, PROMPTS[(c + i) % len(PROMPTS)],
+                       lengths[(3 * c + i) % len(lengths)] if lengths else max_tokens)
+            for i in range(per_client)
+        ]  # fmt: skip
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
@@ -200,12 +206,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating ours/peer rounds")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--peer-deps", default="/tmp/llama_server_deps")
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help="mixed max_tokens per request in the load tests")  # fmt: skip
     args = parser.parse_args()
 
     if args.out is None:
         suffix = "" if args.weights == "q4_1" else f"-{args.weights}"
         if args.ours_weights and args.ours_weights != args.weights:
             suffix += f"-ours-{args.ours_weights}"
+        if args.lengths:
+            suffix += "-mixed"
         args.out = ROOT / f"bench/results/edge{suffix}"
     gguf = peer_gguf = str(weights.resolve(args.weights))
     label = args.weights.upper()
@@ -214,7 +224,8 @@ def main() -> int:
         label = f"{args.ours_weights.upper()} (ours) vs {label} (peer)"
     report: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "gguf": gguf,
                               "peer_gguf": peer_gguf, "weights": label, "threads": args.threads,
-                              "max_tokens": args.max_tokens}  # fmt: skip
+                              "max_tokens": args.max_tokens, "lengths": args.lengths,
+                              "per_client": args.per_client}  # fmt: skip
 
     ours_port, peer_port = free_port(), free_port()
     ours_cmd = [sys.executable, "-m", "hybridllm_edge.cli", "serve", "--model", gguf, "--parallel", "8",
@@ -251,8 +262,8 @@ def main() -> int:
         for r in range(args.rounds):
             for c in args.concurrency:
                 print(f"round {r}: {c} clients", flush=True)
-                o = load_test(ours_base, c, args.per_client, args.max_tokens)
-                p = load_test(peer_base, c, args.per_client, args.max_tokens)
+                o = load_test(ours_base, c, args.per_client, args.max_tokens, args.lengths)
+                p = load_test(peer_base, c, args.per_client, args.max_tokens, args.lengths)
                 rounds.setdefault(c, []).append((o, p))
         print("cache", flush=True)
         report["cache"] = cache_hit.measure(ours_base, ours_port, free_port(), 200)
