@@ -199,15 +199,7 @@ class Forwarder:
         outcome: Outcome,
     ) -> web.StreamResponse:
         t_first = time.perf_counter()
-        out = web.StreamResponse(
-            status=200,
-            headers={
-                "content-type": "text/event-stream",
-                "cache-control": "no-cache",
-                "x-hybridllm-tier": replica.tier,
-                "x-hybridllm-route": request.get(router.ROUTE_REASON, ""),
-            },
-        )
+        out = _sse_response(request, replica)
         completed = False
         try:
             await out.prepare(request)
@@ -329,15 +321,7 @@ class Forwarder:
         outcome: Outcome,
     ) -> web.StreamResponse:
         t_first = time.perf_counter()
-        out = web.StreamResponse(
-            status=200,
-            headers={
-                "content-type": "text/event-stream",
-                "cache-control": "no-cache",
-                "x-hybridllm-tier": replica.tier,
-                "x-hybridllm-route": request.get(router.ROUTE_REASON, ""),
-            },
-        )
+        out = _sse_response(request, replica)
         out.enable_chunked_encoding()
         down = request.transport
         framed = conn.scanner is not None  # upstream chunks pass through as framed
@@ -424,3 +408,16 @@ def usage_tokens(body: bytes | None) -> int:
         log.debug("answer has no readable usage: %s", exc)
         return 0
     return int(usage.get("completion_tokens") or 0)
+
+
+def _sse_response(request: web.Request, replica: balancer_mod.Replica) -> web.StreamResponse:
+    """The client-side response of a stream, tagged with where it was routed."""
+    return web.StreamResponse(
+        status=200,
+        headers={
+            "content-type": "text/event-stream",
+            "cache-control": "no-cache",
+            "x-hybridllm-tier": replica.tier,
+            "x-hybridllm-route": request.get(router.ROUTE_REASON, ""),
+        },
+    )
