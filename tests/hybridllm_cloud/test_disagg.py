@@ -121,7 +121,6 @@ def make_decode(
             num_kv_blocks=192,
             block_size=4,
             max_model_len=256,
-            role="decode",
             local_prefill_threshold=kw.pop("threshold", 0),
         ),
     )

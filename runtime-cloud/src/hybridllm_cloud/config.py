@@ -121,6 +121,5 @@ class ServeSettings(BaseSettings):
             device=self.device,
             quantization=self.quantization,
             gpu_memory_fraction=self.gpu_memory_fraction,
-            role=self.role,
             local_prefill_threshold=self.local_prefill_threshold,
         )

@@ -7,7 +7,8 @@ detokenised text, and end the request through the scheduler like an abort; while
 request runs, the last ``len(longest stop) - 1`` characters are held back so a stream
 never shows the beginning of a stop string.
 
-Roles (``EngineConfig.role``) are one engine with two extra seams, not separate engines:
+Roles (``--role``) are one engine with two extra seams, not separate engines; the server
+wires them (``server/app.py``):
 
 - ``decode``: ``connector`` (a ``disagg.connector.RemotePrefillClient``) is asked to fill the
   blocks of every ``KVLoad`` the scheduler emits; it reports back from its own thread
@@ -71,7 +72,6 @@ class EngineConfig:
     device: str = "cpu"
     quantization: str = "none"  # none | w8a16
     gpu_memory_fraction: float = 0.9  # CUDA: weights + KV cache share of the GPU
-    role: str = "monolithic"  # monolithic | prefill | decode
     local_prefill_threshold: int = 256  # decode role: uncached prompt tokens kept local
 
 
