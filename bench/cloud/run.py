@@ -236,7 +236,8 @@ def plot(report: dict, out: Path) -> None:
 
     fixed = [r for r in report["sweep"] if r["variant"] == "fixed"]
     cs = [r["concurrency"] for r in fixed]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    caching = "prefix" in report and "mooncake" in report
+    fig, ax = plt.subplots(1, 3 if caching else 2, figsize=(15 if caching else 10, 4.5))
     ax[0].plot(cs, [r["ours"]["tok_s"] for r in fixed], "o-", label="ours (continuous batching)")
     ax[0].plot(
         cs, [r["hf_static"]["tok_s"] for r in fixed], "s--", label="HF generate (static batch)"
@@ -252,6 +253,13 @@ def plot(report: dict, out: Path) -> None:
         xlabel="concurrent requests", ylabel="seconds", xscale="log", title="Time to first token"
     )
     ax[1].legend()
+    if not caching:
+        fig.suptitle(
+            f"hybridllm cloud engine, SmolLM2-135M fp32 on CPU — {report['machine']}", fontsize=9
+        )
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        return
     pre, moon = report["prefix"], report["mooncake"]
     labels = ["shared system\nprompt TTFT", "mooncake\nTTFT"]
     on = [pre["on"]["median_ttft_s"], moon["on"]["median_ttft_s"]]
@@ -269,7 +277,7 @@ def plot(report: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def render_markdown(report: dict) -> str:
+def render_markdown(report: dict, out_name: str = "cloud") -> str:
     lines = [
         "# Cloud engine benchmark (CPU)",
         "",
@@ -295,6 +303,8 @@ def render_markdown(report: dict) -> str:
             f"{'' if seq is None else f'{seq:.2f}x'} | {r['ours']['p95_ttft_s']:.2f} | "
             f"{r['hf_static']['p95_ttft_s']:.2f} |"
         )
+    if "prefix" not in report or "mooncake" not in report:
+        return "\n".join([*lines, "", f"![plot]({out_name}.png)", ""])
     pre, moon = report["prefix"], report["mooncake"]
     lines += [
         "",
@@ -334,7 +344,7 @@ def render_markdown(report: dict) -> str:
         f"Best possible hit rate on this replay (unbounded cache, whole-prefix chains):"
         f" {moon['best_possible_hit_rate']:.1%}.",
         "",
-        "![plot](cloud.png)",
+        f"![plot]({out_name}.png)",
         "",
     ]
     return "\n".join(lines)
@@ -366,6 +376,11 @@ def main() -> int:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
+        "--parts",
+        default="sweep,prefix,mooncake",
+        help="comma-separated parts to run (sweep, prefix, mooncake)",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -378,7 +393,7 @@ def main() -> int:
     out = Path(args.out)
     if args.render_only:
         report = json.loads(out.with_suffix(".json").read_text())
-        out.with_suffix(".md").write_text(render_markdown(report))
+        out.with_suffix(".md").write_text(render_markdown(report, out.name))
         plot(report, out.with_suffix(".png"))
         return 0
     torch.manual_seed(0)
@@ -407,12 +422,15 @@ def main() -> int:
         report["sweep"] = rows
     else:
         report["sweep"] = sweep(path, hf, args)
-    report["prefix"] = prefix_sharing(path, args)
-    report["mooncake"] = mooncake(path, args)
+    parts = set(args.parts.split(","))
+    if "prefix" in parts:
+        report["prefix"] = prefix_sharing(path, args)
+    if "mooncake" in parts:
+        report["mooncake"] = mooncake(path, args)
     report["elapsed_s"] = time.time() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    out.with_suffix(".md").write_text(render_markdown(report))
+    out.with_suffix(".md").write_text(render_markdown(report, out.name))
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out}.json / .png in {report['elapsed_s']:.0f}s")
     return 0
