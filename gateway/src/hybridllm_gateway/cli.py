@@ -43,12 +43,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> config_mod.GatewaySettings:
-    given = {
-        k: v
-        for k, v in vars(args).items()
-        if k in config_mod.GatewaySettings.model_fields and v is not None
-    }
-    return config_mod.GatewaySettings(**given)
+    return common_cli.settings_from_args(args, config_mod.GatewaySettings)
 
 
 def run_worker(settings: config_mod.GatewaySettings, reuse_port: bool) -> None:
