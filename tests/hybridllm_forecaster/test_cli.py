@@ -25,7 +25,14 @@ def test_eval_on_an_unseen_trace_writes_report_and_plots(tmp_path, traces, capsy
     )
     data = json.loads((out / "results.json").read_text())
     policies = {row["policy"] for row in data["policies"]}
-    assert policies == {"hpa", "keda-queue", "predictive", "predictive+floor", "oracle"}
+    assert policies == {
+        "hpa",
+        "hpa-tuned",
+        "keda-queue",
+        "predictive",
+        "predictive+floor",
+        "oracle",
+    }
     assert all(0.0 <= row["slo_attainment"] <= 1.0 for row in data["policies"])
     assert {row["model"].rstrip(" *") for row in data["forecasts"]} >= {"last", "gbm"}
     for name in ("timeline.png", "timeline_zoom.png", "frontier.png", "forecast_errors.png"):

@@ -1,21 +1,25 @@
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from hybridllm_forecaster import evaluate
+from hybridllm_forecaster.capacity import DEFAULT_POOLS
 from hybridllm_forecaster.simresult import SimResult
+from hybridllm_forecaster.stream import DemandSeries
 
 
 def run(slo: float, hours: float) -> SimResult:
     return SimResult("p", "fluid", 100.0, slo, slo, 1.0, hours, 3600.0)
 
 
-def test_window_choice_takes_the_cheapest_sweep_reaching_the_reference():
-    options = {
-        0.0: [(0.7, run(0.95, 12.0)), (0.8, run(0.90, 10.0))],
-        300.0: [(0.7, run(0.97, 13.0)), (0.8, run(0.93, 11.0))],
-    }
-    assert evaluate._choose_window(options, 0.92) == 300.0  # 11 h vs 12 h
-    assert evaluate._choose_window(options, 0.90) == 0.0  # 10 h vs 11 h
-    assert evaluate._choose_window(options, 0.99) == 300.0  # neither: the best attainment
+def test_attainment_at_a_cost_interpolates_and_extrapolates_along_the_sweep():
+    sweep = [(0.65, run(0.96, 14.0)), (0.75, run(0.92, 12.0)), (0.85, run(0.80, 10.0))]
+    assert evaluate.attainment_at(sweep, 13.0) == pytest.approx(0.94)
+    assert evaluate.attainment_at(sweep, 11.0) == pytest.approx(0.86)
+    # outside the sweep: the line through the two nearest settings
+    assert evaluate.attainment_at(sweep, 15.0) == pytest.approx(0.98)
+    assert evaluate.attainment_at(sweep, 9.0) == pytest.approx(0.74)
 
 
 def test_settings_chosen_on_training_reach_the_reference_most_cheaply():
@@ -24,3 +28,46 @@ def test_settings_chosen_on_training_reach_the_reference_most_cheaply():
         "predictive": [(0.7, run(0.95, 12.5)), (0.75, run(0.93, 11.5)), (0.8, run(0.88, 10.0))],
     }
     assert evaluate._choose_settings(train) == {"hpa": 0.7, "predictive": 0.75}
+
+
+def test_policy_horizon_is_the_bin_that_holds_now_plus_lead():
+    # fluid: the current 600 s bin is known 30 s in, so a 615 s lead reaches 1 bin ahead
+    assert evaluate.policy_horizon(615.0, 600.0, 30.0) == 1
+    assert evaluate.policy_horizon(195.0, 600.0, 30.0) == 1
+    assert evaluate.policy_horizon(1215.0, 600.0, 30.0) == 2
+    # per request: a bin counts once complete, so the lead is counted from its end
+    assert evaluate.policy_horizon(195.0, 10.0, 10.0) == 20
+    assert evaluate.policy_horizon(600.0, 600.0, 600.0) == 1
+
+
+def _bursty_demand(seed: int, test_scale: float = 1.0) -> DemandSeries:
+    """16 hours of 10-minute bins: an 8-hour wave with clients switching on and off."""
+    rng = np.random.default_rng(seed)
+    n = 96
+    i = np.arange(n)
+    rate = 150.0 * (1.5 + np.sin(2 * np.pi * i / 48)) * np.exp(rng.normal(0, 0.1, n))
+    rate += 120.0 * (rng.random(n) < 0.15)
+    rate[n // 2 :] *= test_scale
+    return DemandSeries(600.0, rate, rate * 1500.0, rate * 300.0, np.full(n, 1.5), "synthetic")
+
+
+@pytest.mark.slow
+def test_knobs_and_targets_are_chosen_on_the_training_part_only():
+    """Changing the test half changes no choice; every choice is one of the offered knobs."""
+    pool = DEFAULT_POOLS["monolithic"]
+    cfg = evaluate.EvalConfig(pool=pool, simulator="fluid", model="last")
+    a = evaluate.evaluate(_bursty_demand(1), None, cfg)
+    b = evaluate.evaluate(_bursty_demand(1, test_scale=1.6), None, cfg)
+    assert a.chosen == b.chosen
+    assert a.down_windows == b.down_windows
+    assert a.quantiles == b.quantiles
+    assert a.knob_scores == b.knob_scores
+    assert set(a.down_windows) == set(evaluate.TUNED_FAMILIES)
+    assert set(a.down_windows.values()) <= set(evaluate.DOWN_WINDOWS)
+    assert set(a.quantiles) == set(evaluate.QUANTILE_FAMILIES)
+    assert set(a.quantiles.values()) <= set(cfg.upper_qs)
+    # the chosen knob is the best scored one
+    for fam, scores in a.knob_scores.items():
+        assert len(scores) == (9 if fam in evaluate.QUANTILE_FAMILIES else 3)
+    # and the test half was simulated at the chosen knobs (it differs between the runs)
+    assert a.test_result("predictive").replica_hours != b.test_result("predictive").replica_hours

@@ -144,12 +144,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return 2
     cfg = evaluate.EvalConfig(pool=pool, train_frac=args.train_frac, model=args.model,
                               simulator=args.simulator)  # fmt: skip
-    num_steps = (
-        sum(len(s) for s in evaluate.SWEEPS.values()) * 2
-        + sum(len(evaluate.SWEEPS[f]) for f in evaluate.FORECAST_FAMILIES)
-        * (len(evaluate.PREDICTIVE_DOWN_WINDOWS) - 1)
-        + len(evaluate.forecast.MODELS)
-    )
+    num_steps = evaluate.num_progress_steps(cfg)
     with Progress(transient=True) as bar:
         task = bar.add_task("evaluating", total=num_steps)
 

@@ -1,7 +1,10 @@
 """Forecast accuracy per horizon: WAPE of the median, pinball loss of both quantiles, coverage.
 
 Pinball losses are divided by the mean actual value, so they read like WAPE (a share of
-demand) and compare across traces of any scale.
+demand) and compare across traces of any scale. ``wape_moves`` is the WAPE over the
+origins where demand moved by more than `MOVE` (20%) from the last observed bin by the
+target bin: the ramps and jumps a scaler has to anticipate, where the last value is
+wrong by construction (selected on the outcome, so read it only model against model).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ class HorizonScore:
     pinball_upper: float
     coverage_upper: float  # share of actuals at or below the upper forecast
     num_points: int
+    wape_moves: float = float("nan")  # WAPE where demand moved > MOVE from the last value
+    num_moves: int = 0
+
+
+MOVE = 0.2
 
 
 def wape(actual: np.ndarray, pred: np.ndarray) -> float:
@@ -47,6 +55,7 @@ def score(y: np.ndarray, fc: Forecast, start: int, horizons: list[int]) -> list[
         actual = y[origins + h]
         p50 = fc.p50[origins, h - 1]
         up = fc.upper[origins, h - 1]
+        moved = np.abs(actual - y[origins]) > MOVE * np.abs(y[origins])
         out.append(
             HorizonScore(
                 model=fc.name,
@@ -56,6 +65,8 @@ def score(y: np.ndarray, fc: Forecast, start: int, horizons: list[int]) -> list[
                 pinball_upper=pinball(actual, up, fc.upper_q),
                 coverage_upper=float(np.mean(actual <= up + 1e-12)),
                 num_points=len(origins),
+                wape_moves=wape(actual[moved], p50[moved]) if moved.any() else float("nan"),
+                num_moves=int(moved.sum()),
             )
         )
     return out

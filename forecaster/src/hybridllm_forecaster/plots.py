@@ -23,6 +23,7 @@ from hybridllm_forecaster.evaluate import EvalResult
 
 COLOURS = {
     "hpa": "tab:red",
+    "hpa-tuned": "tab:brown",
     "keda-queue": "tab:orange",
     "predictive": "tab:blue",
     "predictive+floor": "tab:green",

@@ -131,10 +131,15 @@ class Hpa(Policy):
     name = "hpa"
 
     def __init__(
-        self, pool: PoolConfig, target_utilisation: float = 0.7, metric: MetricView | None = None
+        self,
+        pool: PoolConfig,
+        target_utilisation: float = 0.7,
+        metric: MetricView | None = None,
+        *,
+        down_window_s: float = HPA_DOWN_WINDOW_S,
     ) -> None:
         self.target = target_utilisation
-        self.behaviour = HpaBehaviour(pool)
+        self.behaviour = HpaBehaviour(pool, down_window_s=down_window_s)
         self.metric = metric if metric is not None else MetricView()
 
     def decide(self, obs: Observation) -> int:

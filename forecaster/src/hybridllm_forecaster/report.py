@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from hybridllm_forecaster import policies
-from hybridllm_forecaster.evaluate import EvalResult
+from hybridllm_forecaster.evaluate import COARSE_TARGETS, EvalResult
 
-FAMILIES = ("hpa", "keda-queue", "predictive", "predictive+floor", "oracle")
+FAMILIES = ("hpa", "hpa-tuned", "keda-queue", "predictive", "predictive+floor", "oracle")
 
 
 def forecast_rows(res: EvalResult) -> list[dict[str, Any]]:
@@ -24,7 +24,10 @@ def forecast_rows(res: EvalResult) -> list[dict[str, Any]]:
             "model": s.model + (" *" if s.model == res.chosen_model else ""),
             "horizon_min": s.horizon * res.demand.bin_s / 60,
             "scale_up_horizon": s.horizon == res.scale_up_h,
+            "policy_horizon": s.horizon == res.policy_h,
             "wape": s.wape,
+            "wape_moves": s.wape_moves,
+            "moves": s.num_moves,
             "pinball_p50": s.pinball_50,
             f"pinball_p{round(100 * res.forecasts[s.model].upper_q)}": s.pinball_upper,
             "coverage_upper": s.coverage_upper,
@@ -44,6 +47,7 @@ def policy_rows(res: EvalResult) -> list[dict[str, Any]]:
             "scale_down_window_s": res.down_windows.get(
                 fam, policies.HPA_DOWN_WINDOW_S if fam in ("hpa", "keda-queue") else 0.0
             ),
+            "plans_for": f"P{round(100 * res.quantiles[fam])}" if fam in res.quantiles else "",
             "slo_attainment": r.slo_attainment,
             "ttft_attainment": r.ttft_attainment,
             "tbt_attainment": r.tbt_attainment,
@@ -81,6 +85,7 @@ def cost_at_attainment(res: EvalResult, family: str, attainment: float) -> float
 def verdict(res: EvalResult) -> dict[str, Any]:
     hpa = res.test_result("hpa")
     out: dict[str, Any] = {"reference": f"hpa at target utilisation {res.chosen['hpa']:g}"}
+    tuned_at_equal = attainment_at_cost(res, "hpa-tuned", hpa.replica_hours)
     for fam in ("predictive", "predictive+floor", "oracle"):
         r = res.test_result(fam)
         ratio = r.replica_hours / hpa.replica_hours
@@ -89,6 +94,8 @@ def verdict(res: EvalResult) -> dict[str, Any]:
             "cost_ratio": ratio,
             "slo_points": 100 * (r.slo_attainment - hpa.slo_attainment),
             "slo_points_at_equal_cost": 100 * (at_equal - hpa.slo_attainment),
+            # against the HPA given the same scale-down window choice, at the same cost
+            "slo_points_at_equal_cost_vs_hpa_tuned": 100 * (at_equal - tuned_at_equal),
             "cost_ratio_at_equal_slo": cost_at_attainment(res, fam, hpa.slo_attainment)
             / hpa.replica_hours,
             "goal_met": bool(
@@ -98,11 +105,19 @@ def verdict(res: EvalResult) -> dict[str, Any]:
         }
     scores = {(s.model, s.horizon): s.wape for s in res.scores}
     h = res.scale_up_h
+    moves = {(s.model, s.horizon): s.wape_moves for s in res.scores}
+    hp = res.policy_h
     out["forecast"] = {
         "horizon_min": h * res.demand.bin_s / 60,
         "chosen_model": res.chosen_model,
         "wape_chosen": scores.get((res.chosen_model, h)),
         "wape_last_value": scores.get(("last", h)),
+        "wape_gbm": scores.get(("gbm", h)),
+        "policy_horizon_min": hp * res.demand.bin_s / 60,
+        "wape_gbm_policy_horizon": scores.get(("gbm", hp)),
+        "wape_last_policy_horizon": scores.get(("last", hp)),
+        "wape_moves_gbm": moves.get(("gbm", h)),
+        "wape_moves_last": moves.get(("last", h)),
     }
     return out
 
@@ -167,10 +182,20 @@ def write(res: EvalResult, out_dir: Path, header: str, plots: list[Path]) -> Pat
             for fam, runs in res.train_runs.items()
         },
     }
+    knobs = [
+        {"family": fam, "knobs": k, "train_slo_at_reference_cost": v}
+        for fam, scores in res.knob_scores.items()
+        for k, v in scores.items()
+    ]
+    data["knobs_train"] = knobs
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=_json_default))
     md = [f"# Forecast evaluation\n\n{header}\n", "## Forecasts (test period)\n",
           markdown_table(forecast_rows(res)), "\n## Policies (test period)\n",
-          markdown_table(policy_rows(res)), "\n## Verdict\n", "```json",
+          markdown_table(policy_rows(res)),
+          "\n## Knobs chosen on the training period\n\nSLO attainment at the reference "
+          "HPA's training replica-hours, interpolated along targets "
+          f"{', '.join(f'{t:g}' for t in COARSE_TARGETS)}; the best of each family is used.\n",
+          markdown_table(knobs), "\n## Verdict\n", "```json",
           json.dumps(verdict(res), indent=2, default=_json_default), "```\n",
           "## Plots\n"]  # fmt: skip
     md += [f"![{p.stem}]({p.name})\n" for p in plots]
