@@ -14,7 +14,7 @@ import pytest
 
 from hybridllm_models import convert, fileinfo, store, uri
 
-GGUF_TARGETS = ["gguf", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]
+GGUF_TARGETS = ["gguf", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "gguf-q4_0"]
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +61,8 @@ def test_f16_weights_match_the_dequantized_source(gguf_paths: dict[str, Path]) -
 
 
 @pytest.mark.parametrize(
-    ("target", "ftype"), [("gguf-f16", "F16"), ("gguf-q8_0", "Q8_0"), ("gguf-q4_k_m", "Q4_K_M")]
+    ("target", "ftype"),
+    [("gguf-f16", "F16"), ("gguf-q8_0", "Q8_0"), ("gguf-q4_k_m", "Q4_K_M"), ("gguf-q4_0", "Q4_0")],
 )
 def test_file_type_and_parameter_count(
     gguf_paths: dict[str, Path], target: str, ftype: str

@@ -202,6 +202,7 @@ class EdgeQuantization(StrEnum):
     f16 = "f16"
     q8_0 = "q8_0"
     q4_k_m = "q4_k_m"
+    q4_0 = "q4_0"
     q4_1 = "q4_1"
     fp32 = "fp32"
     int8 = "int8"
@@ -214,6 +215,7 @@ EDGE_RUNTIME_QUANTIZATIONS: dict[EdgeRuntime, frozenset[EdgeQuantization]] = {
             EdgeQuantization.f16,
             EdgeQuantization.q8_0,
             EdgeQuantization.q4_k_m,
+            EdgeQuantization.q4_0,
             EdgeQuantization.q4_1,
         }
     ),
@@ -255,7 +257,7 @@ class EdgeTierSpec(_Model):
     )
     quantization: EdgeQuantization = Field(
         default=EdgeQuantization.q4_k_m,
-        description="Weight precision: f16, q8_0, q4_k_m, q4_1 (llamacpp); fp32, int8 (onnx).",
+        description="Weight precision: f16, q8_0, q4_k_m, q4_0, q4_1 (llamacpp); fp32, int8 (onnx).",
     )
     parallel: int = Field(
         default=4, ge=1, le=256, description="Requests decoded together per replica."

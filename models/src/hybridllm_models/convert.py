@@ -4,7 +4,7 @@ Targets form a small tree rooted at the pulled source::
 
     source (GGUF Q4_1, or an HF folder)
       -> hf (fp32 safetensors)          -> hf-bf16
-                                        -> gguf-f16 -> gguf-q8_0, gguf-q4_k_m
+                                        -> gguf-f16 -> gguf-q8_0, gguf-q4_k_m, gguf-q4_0
                                         -> onnx (fp32, past key/values) -> onnx-int8
     gguf = the source GGUF as shipped (gguf-f16 when the source is an HF folder)
 
@@ -26,7 +26,17 @@ from hybridllm_models.store import Artifact, Built
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("hf", "hf-bf16", "gguf", "gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "onnx", "onnx-int8")
+TARGETS = (
+    "hf",
+    "hf-bf16",
+    "gguf",
+    "gguf-f16",
+    "gguf-q8_0",
+    "gguf-q4_k_m",
+    "gguf-q4_0",
+    "onnx",
+    "onnx-int8",
+)
 
 Recipe = Callable[[Path, Path, Progress], Built]
 
@@ -84,6 +94,7 @@ RECIPES: dict[str, tuple[str, Recipe]] = {
     "gguf-f16": ("hf", _hf_to_gguf_f16),
     "gguf-q8_0": ("gguf-f16", _quantize("Q8_0")),
     "gguf-q4_k_m": ("gguf-f16", _quantize("Q4_K_M")),
+    "gguf-q4_0": ("gguf-f16", _quantize("Q4_0")),
     "onnx": ("hf", _hf_to_onnx),
     "onnx-int8": ("onnx", _onnx_to_int8),
 }

@@ -6,7 +6,7 @@ CONTROL, other added tokens USER_DEFINED), the chat template is copied, Q and K 
 permuted to GGML's interleaved RoPE layout (the inverse of what ``gguf_to_hf`` undoes),
 1-D tensors stay f32 and matrices become f16, as llama.cpp's own converter does.
 
-Q8_0 and Q4_K_M come from that f16 file through llama.cpp's ``llama_model_quantize`` (the
+Q8_0, Q4_K_M and Q4_0 come from that f16 file through llama.cpp's ``llama_model_quantize`` (the
 low-level binding of llama-cpp-python), so the quantized bytes are exactly llama.cpp's.
 K-quants need rows that are multiples of 256; SmolLM2's hidden size 576 is not, so
 llama.cpp falls back to other types for those tensors (it logs which) — that is its
@@ -183,7 +183,7 @@ def _stderr_to(path: Path) -> Iterator[None]:
 
 
 def quantize(f16_path: Path, out_path: Path, ftype: str, progress: Progress) -> int:
-    """Quantize an f16 GGUF with llama.cpp (``Q8_0`` or ``Q4_K_M``); return the parameter count."""
+    """Quantize an f16 GGUF with llama.cpp (``Q8_0``, ``Q4_K_M`` or ``Q4_0``); return the parameter count."""
     import ctypes
 
     import llama_cpp

