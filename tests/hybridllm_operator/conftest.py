@@ -79,6 +79,14 @@ def kube(k8s_cluster: Any) -> Kube:
     kube.run("apply", "--server-side", "-f", str(ROOT / "crds"))
     for crd_name in ("llmservices.hybridllm.io", "edgefleets.hybridllm.io"):
         kube.run("wait", "--for=condition=Established", f"crd/{crd_name}", "--timeout=60s")
+        # Established is not the end: the API server publishes the CRD's OpenAPI schema a
+        # moment later, and until then `kubectl explain` cannot find the resource.
+        kube.eventually(
+            lambda crd=crd_name: (
+                kube.run("explain", crd.split(".")[0], check=False).returncode == 0
+            ),
+            what=f"the OpenAPI schema of {crd_name}",
+        )
     return kube
 
 
