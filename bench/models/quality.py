@@ -3,7 +3,7 @@
     uv run python bench/models/quality.py            # writes bench/results/models.{md,json,png}
 
 For each format/precision (torch fp32 and bf16 through transformers; GGUF f16, Q8_0,
-Q4_K_M and the shipped Q4_1 through llama-cpp-python; ONNX fp32 and int8 through
+Q4_K_M, Q4_0 and the shipped Q4_1 through llama-cpp-python; ONNX fp32 and int8 through
 onnxruntime) it measures:
 
 - perplexity on bench/data/perplexity.txt (non-overlapping 512-token windows, the same
@@ -155,6 +155,7 @@ FORMATS: list[tuple[str, str, Any]] = [
     ("GGUF f16", "gguf-f16", LlamaCppBackend),
     ("GGUF Q8_0", "gguf-q8_0", LlamaCppBackend),
     ("GGUF Q4_K_M", "gguf-q4_k_m", LlamaCppBackend),
+    ("GGUF Q4_0", "gguf-q4_0", LlamaCppBackend),
     ("GGUF Q4_1 (shipped)", "gguf", LlamaCppBackend),
     ("ONNX fp32", "onnx", OnnxBackend),
     ("ONNX int8", "onnx-int8", OnnxBackend),
