@@ -49,11 +49,27 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], path: str, timeout_s: float
     raise TimeoutError(f"{url} not up after {timeout_s} s")
 
 
-def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cpus: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """Starts a server in its own session; ``cpus`` pins it (and its children) to those CPUs."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(
         cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        start_new_session=True,
+        start_new_session=True, preexec_fn=pin,
     )  # fmt: skip
+
+
+def cpu_sets(layout: str) -> dict[str, set[int] | None]:
+    """CPUs per role. ``shared``: every process may run anywhere (the scheduler decides).
+    ``split``: the proxy under test gets the last CPU to itself, the load generator and the
+    backend share the others, as a gateway pod with its own CPU request would run."""
+    if layout == "shared":
+        return {"proxy": None, "client": None}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--cpu-layout split needs at least 2 CPUs")
+    return {"proxy": {cpus[-1]}, "client": set(cpus[:-1])}
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -118,7 +118,14 @@ def write(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int],
         f"own process: C streams in flight, started evenly over {period:g} s, requests sent in a "
         f"{args.duration:g} s window recorded (a request over {args.timeout:g} s is an error); "
         f"median of {args.repeats} repeats, targets alternating. "
-        f"Gateway worker processes: {args.workers}.", "",
+        f"Gateway worker processes: {args.workers}. CPU layout: "
+        + (
+            "split (the proxy under test pinned alone to the last CPU, the load generator and "
+            "the backend to the others; direct runs with the same pinning)."
+            if getattr(args, "cpu_layout", "shared") == "split"
+            else "shared (no pinning: every process competes for both cores)."
+        ),
+        "",
         "Added = the target's percentile minus direct's, same repeat and concurrency. In-gateway: "
         "the gateway's own `hybridllm_gateway_added_latency_seconds` histogram (bucket upper "
         "bounds). Cores = CPU seconds / wall seconds of each process over the cell (loadgen, "

@@ -39,11 +39,12 @@ import report
 from loadgen import KEY
 
 ROOT = Path(__file__).resolve().parents[2]
+TASKSET: list[str] = []  # the load generator's CPU pinning (``--cpu-layout``)
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 
 
 def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -> dict[str, Any]:
-    cmd = [sys.executable, str(LOADGEN), "--url", url, "--concurrency", str(c),
+    cmd = [*TASKSET, sys.executable, str(LOADGEN), "--url", url, "--concurrency", str(c),
            "--duration", str(args.duration), "--tokens", str(args.tokens), "--rate", str(args.rate), "--timeout", str(args.timeout)]  # fmt: skip
     cpu0 = {name: procs.session_cpu_s(sid) for name, sid in sids.items()}
     pids = {name: procs.session_pids(sid) for name, sid in sids.items()}
@@ -69,10 +70,13 @@ def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -
 
 def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tuple[dict[str, str], dict[str, int]]:  # fmt: skip
     py = sys.executable
+    cpus = procs.cpu_sets(args.cpu_layout)
+    if cpus["client"]:
+        TASKSET[:] = ["taskset", "-c", ",".join(map(str, sorted(cpus["client"])))]
     bport = procs.free_port()
     backend = f"http://127.0.0.1:{bport}"
     running.append(procs.start([py, "-m", "hybridllm_gateway.tokenserver", "--port", str(bport),
-                                "--rate", str(args.rate), "--id", "backend"], tmp / "backend.log"))  # fmt: skip
+                                "--rate", str(args.rate), "--id", "backend"], tmp / "backend.log", cpus=cpus["client"]))  # fmt: skip
     procs.wait_up(backend, running[-1], "/health")
     urls, sids = {"direct": backend}, {"backend": running[-1].pid}
     routing = {"model": "smollm2", "policy": "cloud-only",
@@ -87,14 +91,14 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
         running.append(procs.start([py, "-m", "hybridllm_gateway.cli", "serve", "--config",
                                     str(tmp / "routing.json"), "--port", str(gport), "--host", "127.0.0.1",
                                     "--workers", str(args.workers), "--api-keys-file", str(tmp / "keys"),
-                                    "--stream-relay", relay], tmp / f"{name}.log"))  # fmt: skip
+                                    "--stream-relay", relay], tmp / f"{name}.log", cpus=cpus["proxy"]))  # fmt: skip
         urls[name] = f"http://127.0.0.1:{gport}"
         sids[name] = running[-1].pid
         procs.wait_up(urls[name], running[-1], "/health")
     if "nullproxy" in args.targets:
         nport = procs.free_port()
         running.append(procs.start([py, str(Path(__file__).resolve().parent / "nullproxy.py"), "--port", str(nport),
-                                    "--backend", f"127.0.0.1:{bport}"], tmp / "nullproxy.log"))  # fmt: skip
+                                    "--backend", f"127.0.0.1:{bport}"], tmp / "nullproxy.log", cpus=cpus["proxy"]))  # fmt: skip
         urls["nullproxy"] = f"http://127.0.0.1:{nport}"
         sids["nullproxy"] = running[-1].pid
         procs.wait_up(urls["nullproxy"], running[-1], "/health")
@@ -108,7 +112,7 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
         )
         running.append(procs.start([args.litellm, "--config", str(tmp / "litellm.yaml"), "--port", str(lport),
                                     "--host", "127.0.0.1", "--num_workers", str(args.workers)],
-                                   tmp / "litellm.log", {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}))  # fmt: skip
+                                   tmp / "litellm.log", {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}, cpus["proxy"]))  # fmt: skip
         urls["litellm"] = f"http://127.0.0.1:{lport}"
         sids["litellm"] = running[-1].pid
         procs.wait_up(urls["litellm"], running[-1], "/health/liveliness", timeout_s=240)
@@ -138,6 +142,13 @@ def main() -> None:
         default="direct,nullproxy,gateway,gateway-aiohttp,litellm",
         help="direct; nullproxy (a bare TCP relay, the floor); gateway (raw stream relay); "
         "gateway-aiohttp (the same gateway, streams through aiohttp's client); litellm",
+    )
+    p.add_argument(
+        "--cpu-layout",
+        choices=("shared", "split"),
+        default="shared",
+        help="shared: no pinning; split: the proxy under test alone on the last CPU, load "
+        "generator and backend on the others (direct runs with the same pinning)",
     )
     p.add_argument("--litellm", default="", help="path of the litellm CLI (a separate venv)")
     p.add_argument("--profile", type=float, default=0.0, help="py-spy seconds (0: none)")
