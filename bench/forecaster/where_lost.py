@@ -4,8 +4,8 @@ Run from the repository root after `run.py servegen` (about 1 minute on 2 cores)
 
     uv run python bench/forecaster/where_lost.py
 
-A diagnostic of the test half, after the fact (it chooses nothing): the HPA, predictive
-and the oracle are re-simulated at the settings `eval` chose on the training half (read
+A diagnostic of the test half, after the fact (it chooses nothing): the HPA, predictive,
+predictive+floor and the oracle are re-simulated at the settings `eval` chose on the training half (read
 from each case's results.json), and every request that misses the SLO is charged to
 its 10-minute bin, classified by how demand moved from the previous bin (a jump up of
 more than 20%, up 5-20%, within 5%, down). Writes
@@ -57,7 +57,7 @@ def main() -> int:
                       f"lost in '{c}' bins ({100 * share[c]:.0f}% of requests)"
                       for c, _, _ in CLASSES) + " |",
                   "|---|---|" + "---|" * len(CLASSES)]  # fmt: skip
-        for fam in ("hpa", "predictive", "oracle"):
+        for fam in ("hpa", "predictive", "predictive+floor", "oracle"):
             p = pol[fam]
             q = float(p["plans_for"][1:]) / 100 if p.get("plans_for") else 0.9
             spec = forecast.ForecastSpec(
