@@ -69,3 +69,31 @@ def test_metrics_values():
     assert metrics.wape(actual, pred) == pytest.approx(4.0 / 40.0)
     # q=0.9: under-forecast costs 0.9 per unit, over-forecast 0.1 per unit
     assert metrics.pinball(actual, pred, 0.9) == pytest.approx((0.9 * 2 + 0.1 * 2) / 3 / (40 / 3))
+
+
+def test_ratio_model_anticipates_a_daily_ramp_the_last_value_misses():
+    """A sharp morning ramp (x2.5 within 30 minutes) at the same time every day, on top of
+    noise: on the bins where demand moves > 20% the gbm must be far better than the last
+    value (it knows from yesterday's ratio and the time of day that the ramp is due)."""
+    rng = np.random.default_rng(1)
+    days = 8
+    i = np.arange(days * PERIOD)
+    tod = i % PERIOD
+    level = np.where((tod >= 54) & (tod < 120), 250.0, 100.0)
+    level = np.where((tod >= 51) & (tod < 54), 100.0 + 50.0 * (tod - 50), level)  # the ramp
+    y = level * np.exp(rng.normal(0, 0.04, len(i)))
+    split = 5 * PERIOD
+    spec = forecast.ForecastSpec(bin_s=BIN_S, horizon=2, train_until=split, refit_every=PERIOD)
+    gbm = {s.horizon: s for s in metrics.score(y, forecast.run_model("gbm", y, spec), split, [1])}
+    last = {s.horizon: s for s in metrics.score(y, forecast.run_model("last", y, spec), split, [1])}
+    assert last[1].num_moves >= 3 * (days - 5)  # the ramp's bins (and the evening drop)
+    assert gbm[1].wape_moves < 0.3 * last[1].wape_moves
+    assert gbm[1].wape <= last[1].wape
+
+
+def test_wape_on_moves_counts_only_bins_that_moved():
+    y = np.array([100.0, 100.0, 150.0, 150.0, 100.0, 105.0])
+    fc = forecast.run_model("last", y, forecast.ForecastSpec(bin_s=BIN_S, horizon=1, min_train=2))
+    s = metrics.score(y, fc, 1, [1])[0]
+    assert s.num_moves == 2  # 100 -> 150 and 150 -> 100; 100 -> 105 is within 20%
+    assert s.wape_moves == pytest.approx((50 + 50) / (150 + 100))

@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 DAY_S = 86_400.0
 MODELS = ("last", "seasonal", "holt-winters", "gbm")
+# smallest leaf of the gbm's trees: a ramp that comes at the same time every day is 2-3
+# bins a day, 10-15 examples in a week; leaves of 40 averaged it away (a synthetic daily
+# ramp: 27% WAPE on the bins that moved, vs 4% with 10); on ServeGen's training half
+# 10 is as good as 40 (P90 pinball 0.0241 vs 0.0250 on its last third)
+GBM_MIN_LEAF = 10
 
 
 @dataclass(frozen=True)
@@ -261,7 +266,7 @@ def _gbm(y: np.ndarray, spec: ForecastSpec) -> Forecast:
         for q, dest in ((0.5, p50), (spec.upper_q, upper)):
             model = HistGradientBoostingRegressor(
                 loss="quantile", quantile=q, max_iter=100, learning_rate=0.05,
-                max_leaf_nodes=7, min_samples_leaf=40, random_state=0,
+                max_leaf_nodes=7, min_samples_leaf=GBM_MIN_LEAF, random_state=0,
             )  # fmt: skip
             with threadpool_limits(1):  # small data: threads cost more than they give
                 model.fit(x_train, y_train)
