@@ -39,12 +39,13 @@ import report
 from loadgen import KEY
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKSET: list[str] = []  # the load generator's CPU pinning (``--cpu-layout``)
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 
 
 def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -> dict[str, Any]:
-    cmd = [*TASKSET, sys.executable, str(LOADGEN), "--url", url, "--concurrency", str(c),
+    client = procs.cpu_sets(args.cpu_layout)["client"]
+    pin = ["taskset", "-c", ",".join(map(str, sorted(client)))] if client else []
+    cmd = [*pin, sys.executable, str(LOADGEN), "--url", url, "--concurrency", str(c),
            "--duration", str(args.duration), "--tokens", str(args.tokens), "--rate", str(args.rate), "--timeout", str(args.timeout)]  # fmt: skip
     cpu0 = {name: procs.session_cpu_s(sid) for name, sid in sids.items()}
     pids = {name: procs.session_pids(sid) for name, sid in sids.items()}
@@ -71,8 +72,6 @@ def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -
 def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tuple[dict[str, str], dict[str, int]]:  # fmt: skip
     py = sys.executable
     cpus = procs.cpu_sets(args.cpu_layout)
-    if cpus["client"]:
-        TASKSET[:] = ["taskset", "-c", ",".join(map(str, sorted(cpus["client"])))]
     bport = procs.free_port()
     backend = f"http://127.0.0.1:{bport}"
     running.append(procs.start([py, "-m", "hybridllm_gateway.tokenserver", "--port", str(bport),
@@ -161,7 +160,8 @@ def main() -> None:
     load_before = procs.load_average()
     try:
         urls, sids = start_servers(args, tmp, running)
-        warm = argparse.Namespace(duration=1.0, tokens=4, rate=args.rate, timeout=args.timeout)
+        warm = argparse.Namespace(duration=1.0, tokens=4, rate=args.rate, timeout=args.timeout,
+                                  cpu_layout=args.cpu_layout)  # fmt: skip
         for url in urls.values():  # connection pools and imports
             run_cell(url, 8, warm, {})
         raw: dict[str, dict[int, list[dict[str, Any]]]] = {t: {c: [] for c in levels} for t in urls}
