@@ -61,15 +61,20 @@ def start(
 
 
 def cpu_sets(layout: str) -> dict[str, set[int] | None]:
-    """CPUs per role. ``shared``: every process may run anywhere (the scheduler decides).
-    ``split``: the proxy under test gets the last CPU to itself, the load generator and the
-    backend share the others, as a gateway pod with its own CPU request would run."""
+    """CPUs per role (``proxy``: the target under test, ``backend``, ``client``: the load
+    generator). ``shared``: every process may run anywhere (the scheduler decides).
+    ``split``: the proxy gets the last CPU to itself, the load generator and the backend
+    share the others, as a gateway pod with its own CPU request would run. ``client``: the
+    load generator gets the first CPU to itself (it then measures without waiting for a
+    CPU), the backend and the proxy share the others."""
     if layout == "shared":
-        return {"proxy": None, "client": None}
+        return {"proxy": None, "backend": None, "client": None}
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        raise SystemExit("--cpu-layout split needs at least 2 CPUs")
-    return {"proxy": {cpus[-1]}, "client": set(cpus[:-1])}
+        raise SystemExit(f"--cpu-layout {layout} needs at least 2 CPUs")
+    if layout == "split":
+        return {"proxy": {cpus[-1]}, "backend": set(cpus[:-1]), "client": set(cpus[:-1])}
+    return {"proxy": set(cpus[1:]), "backend": set(cpus[1:]), "client": {cpus[0]}}
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

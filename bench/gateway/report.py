@@ -119,11 +119,14 @@ def write(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int],
         f"{args.duration:g} s window recorded (a request over {args.timeout:g} s is an error); "
         f"median of {args.repeats} repeats, targets alternating. "
         f"Gateway worker processes: {args.workers}. CPU layout: "
-        + (
-            "split (the proxy under test pinned alone to the last CPU, the load generator and "
-            "the backend to the others; direct runs with the same pinning)."
-            if getattr(args, "cpu_layout", "shared") == "split"
-            else "shared (no pinning: every process competes for both cores)."
+        + {
+            "split": "split (the proxy under test pinned alone to the last CPU, the load "
+            "generator and the backend to the others; direct runs with the same pinning).",
+            "client": "client (the load generator pinned alone to the first CPU, the backend "
+            "and the proxy under test to the others; direct runs with the same pinning).",
+        }.get(
+            getattr(args, "cpu_layout", "shared"),
+            "shared (no pinning: every process competes for both cores).",
         ),
         "",
         "Added = the target's percentile minus direct's, same repeat and concurrency. In-gateway: "

@@ -75,7 +75,7 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
     bport = procs.free_port()
     backend = f"http://127.0.0.1:{bport}"
     running.append(procs.start([py, "-m", "hybridllm_gateway.tokenserver", "--port", str(bport),
-                                "--rate", str(args.rate), "--id", "backend"], tmp / "backend.log", cpus=cpus["client"]))  # fmt: skip
+                                "--rate", str(args.rate), "--id", "backend"], tmp / "backend.log", cpus=cpus["backend"]))  # fmt: skip
     procs.wait_up(backend, running[-1], "/health")
     urls, sids = {"direct": backend}, {"backend": running[-1].pid}
     routing = {"model": "smollm2", "policy": "cloud-only",
@@ -144,10 +144,11 @@ def main() -> None:
     )
     p.add_argument(
         "--cpu-layout",
-        choices=("shared", "split"),
+        choices=("shared", "split", "client"),
         default="shared",
         help="shared: no pinning; split: the proxy under test alone on the last CPU, load "
-        "generator and backend on the others (direct runs with the same pinning)",
+        "generator and backend on the others; client: the load generator alone on the first "
+        "CPU, backend and proxy on the others (direct runs with the same pinning)",
     )
     p.add_argument("--litellm", default="", help="path of the litellm CLI (a separate venv)")
     p.add_argument("--profile", type=float, default=0.0, help="py-spy seconds (0: none)")
