@@ -13,7 +13,7 @@ of C fixed-length streams offers C / stream-length requests per second whatever 
 CPU seconds of every process (load generator, backend, proxy) and of the whole machine
 are recorded per cell, so a reader sees where the cores went.
 
-    flock /tmp/hybridllm-bench.lock nice -n 10 uv run --no-sync python bench/gateway/run.py \
+    flock /tmp/hybridllm-bench.lock uv run --no-sync python bench/gateway/run.py \
         --litellm /tmp/litellm-venv/bin/litellm
 
 Writes ``bench/results/<out>.json``, ``<out>.md`` and ``<out>.png`` (``--out gateway``).
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -153,6 +154,7 @@ def main() -> None:
     p.add_argument("--litellm", default="", help="path of the litellm CLI (a separate venv)")
     p.add_argument("--profile", type=float, default=0.0, help="py-spy seconds (0: none)")
     p.add_argument("--out", default="gateway")
+    p.add_argument("--note", default="", help="a line for the report (e.g. what else ran)")
     args = p.parse_args()
     args.targets = args.targets.split(",")
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -189,12 +191,14 @@ def main() -> None:
                     print(f"rep {rep} c={c:5d} {name:8s} rps={cell['rps']:8.1f} "
                           f"ttft p50={1000 * (cell['ttft_p50'] or 0):7.2f} ms "
                           f"p99={1000 * (cell['ttft_p99'] or 0):7.2f} ms "
+                          f"(app {1000 * (cell['app_ttft_p99'] or 0):7.2f} ms) "
                           f"e2e p99={1000 * (cell['e2e_p99'] or 0):7.1f} ms errors={cell['errors']} cores: {cores}",
                           flush=True)  # fmt: skip
     finally:
         for proc in reversed(running):
             procs.stop(proc)
-    cmd = "flock /tmp/hybridllm-bench.lock nice -n 10 uv run --no-sync python bench/gateway/run.py " + " ".join(sys.argv[1:])  # fmt: skip
+    nice = f"nice -n {os.nice(0)} " if os.nice(0) else ""
+    cmd = f"flock /tmp/hybridllm-bench.lock {nice}uv run --no-sync python bench/gateway/run.py " + " ".join(sys.argv[1:])  # fmt: skip
     report.write(raw, levels, args, cmd, (load_before, procs.load_average()))
 
 

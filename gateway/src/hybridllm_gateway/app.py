@@ -18,6 +18,7 @@ client's bytes go upstream as they came.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -287,6 +288,13 @@ async def _startup(app: web.Application) -> None:
     )
     state.watchers = _watchers(state)
     state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]
+    # Everything alive now (modules, the classifier, the app, the event loop's and the
+    # server's own objects) lives as long as the process: collected once, then out of the
+    # collector's sight, so a collection walks only request objects. Without this, the
+    # first full collection under load walked the whole startup heap (a 15 ms pause at
+    # 256 streams, measured with gc.callbacks).
+    gc.collect()
+    gc.freeze()
 
 
 async def _cleanup(app: web.Application) -> None:

@@ -10,7 +10,6 @@ kernel spreads connections): state is per process, as it is per gateway replica.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import multiprocessing
@@ -58,9 +57,6 @@ def run_worker(settings: config_mod.GatewaySettings, reuse_port: bool) -> None:
     except ImportError:
         log.warning("uvloop not installed; running on the default asyncio loop (slower)")
     app = app_mod.create_app(settings)
-    # Everything alive now (modules, the classifier, the app) lives as long as the
-    # process: out of the collector's sight, so a collection walks only request objects.
-    gc.freeze()
     web.run_app(
         app,
         host=settings.host,
