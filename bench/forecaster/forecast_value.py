@@ -15,6 +15,13 @@ window), and the best quantile's attainment at the reference HPA's replica-hours
 (interpolated) is compared with the HPA's (target 0.7, 300 s window). The result says
 how far from the required forecast quality ours is, in WAPE at the horizon the policy
 reads. Writes bench/results/forecaster/forecast-value.md and .png.
+
+    uv run python bench/forecaster/forecast_value.py --test-half
+
+runs the same on the test half, as a diagnostic after the fact (it chooses nothing that
+`eval` uses, like `where_lost.py`): how good a forecast the test half would have needed
+for +5 points, and what the oracle-like perfect forecast gives there. Writes
+forecast-value-test.md and .png.
 """
 
 from __future__ import annotations
@@ -54,12 +61,15 @@ def blended(work: np.ndarray, a: float, spec: forecast.ForecastSpec) -> forecast
     return forecast._with_empirical_upper(f"blend {a:g}", work, p50, spec)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     os.chdir(ROOT)
+    part = "test" if "--test-half" in argv else "train"
+    out = OUT.with_name(OUT.name + "-test") if part == "test" else OUT
     started = time.monotonic()
     load_start = "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
     demand, _ = loaders.load_demand(TRACE, loaders.detect_format(TRACE))
     split = demand.num_bins // 2
+    lo, hi = (0, split) if part == "train" else (split, demand.num_bins)
     rows: list[dict[str, object]] = []
     for cold in (180.0, 600.0):
         pool = DEFAULT_POOLS["monolithic"].with_(cold_start_s=cold)
@@ -72,7 +82,7 @@ def main() -> int:
             upper: np.ndarray, family: str, u: float, window: float, pool=pool, work=work
         ) -> SimResult:
             return evaluate._simulate_part(
-                demand, None, work, upper, pool, family, u, split, "train", "fluid", window
+                demand, None, work, upper, pool, family, u, split, part, "fluid", window
             )  # fmt: skip
 
         ref = sim(np.zeros((demand.num_bins, horizon)), "hpa", 0.7, 300.0)
@@ -100,7 +110,7 @@ def main() -> int:
                 ups[q] = fc.upper
             ups[0.5] = fc.p50
             candidates.append((model, float("nan"), ups, fc.p50))
-        origins = np.arange(0, split - hp)
+        origins = np.arange(lo, hi - hp)
         for name, a, ups, p50 in candidates:
             w = metrics.wape(work[origins + hp], p50[origins, hp - 1])
             best_q, best = 0.0, -np.inf
@@ -113,14 +123,15 @@ def main() -> int:
             print(f"  {name}: WAPE {100 * w:.1f}% -> {pts:+.1f} points (P{100 * best_q:g})")
             rows.append({"cold_s": cold, "forecast": name, "a": a, "wape": w,
                          "points": pts, "q": best_q, "horizon_min": hp * demand.bin_s / 60})  # fmt: skip
-    write(rows, f"{load_start} at the start, load average "
+    write(rows, part, out, f"{load_start} at the start, load average "
           + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " at the end",
           time.monotonic() - started)  # fmt: skip
     return 0
 
 
-def write(rows: list[dict[str, object]], load: str, wall_s: float) -> None:
-    OUT.parent.mkdir(parents=True, exist_ok=True)
+def write(rows: list[dict[str, object]], part: str, out: Path, load: str, wall_s: float) -> None:
+    half = "training half" if part == "train" else "test half, a diagnostic after the fact"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for cold, colour in ((180.0, "tab:blue"), (600.0, "tab:red")):
         sel = [r for r in rows if r["cold_s"] == cold]
@@ -135,20 +146,23 @@ def write(rows: list[dict[str, object]], load: str, wall_s: float) -> None:
                             xytext=(4, -10), textcoords="offset points")  # fmt: skip
     ax.axhline(5.0, color="gray", ls="--", lw=1, label="goal: +5 points at the HPA's cost")
     ax.axhline(0.0, color="black", lw=0.5)
-    ax.set_xlabel("forecast WAPE 10 min ahead, training half (%)")
+    ax.set_xlabel(f"forecast WAPE 10 min ahead, {part} half (%)")
     ax.set_ylabel("SLO points vs HPA at the HPA's replica-hours")
-    ax.set_title("ServeGen m-large (training half): what a better forecast would buy")
+    ax.set_title(f"ServeGen m-large ({part} half): what a better forecast would buy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(OUT.with_suffix(".png"), dpi=110)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(fig)
     lines = [
-        "# How good must the forecast be? (ServeGen m-large, training half)\n",
+        f"# How good must the forecast be? (ServeGen m-large, {half})\n",
         f"Machine: {machine()}; {load}; ran {wall_s:.0f} s. Command: "
-        "`uv run python bench/forecaster/forecast_value.py`. Peer: the HPA at target 0.7 with "
+        "`uv run python bench/forecaster/forecast_value.py"
+        + (" --test-half" if part == "test" else "")
+        + "`. Peer: the HPA at target 0.7 with "
         "the 300 s scale-down window, simulated in the same run on the same half. See the "
-        "module docstring for the method; only the training half is read.\n",
+        "module docstring for the method; only the "
+        + ("training half is read.\n" if part == "train" else "test half is simulated.\n"),
         "| cold start | forecast | WAPE at the horizon the policy reads | "
         "SLO points at the HPA's cost (best of P50/P75/P90) | quantile |",
         "|---|---|---|---|---|",
@@ -156,10 +170,10 @@ def write(rows: list[dict[str, object]], load: str, wall_s: float) -> None:
     for r in rows:
         lines.append(f"| {r['cold_s']:g} s | {r['forecast']} | {100 * r['wape']:.1f}% at "
                      f"{r['horizon_min']:g} min | {r['points']:+.1f} | P{100 * r['q']:g} |")  # fmt: skip
-    lines.append(f"\n![forecast value]({OUT.name}.png)\n")
-    OUT.with_suffix(".md").write_text("\n".join(lines))
-    print(f"wrote {OUT.with_suffix('.md')}")
+    lines.append(f"\n![forecast value]({out.name}.png)\n")
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print(f"wrote {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -25,6 +25,31 @@ def test_knob_score_interpolates_inside_the_sweep_and_never_extrapolates():
     assert too_dear < worst_reaching
 
 
+def test_a_knob_that_never_reaches_the_reference_attainment_is_not_chosen():
+    """Only P50 runs as cheaply as the reference (at 1% attainment); P90 is dearer but
+    reaches the reference's 44% at some target, so P90 is chosen; among knobs that all
+    reach (or all miss), the best score at the reference's cost wins."""
+    ref = run(0.44, 1.9)
+    p50 = [(0.6, run(0.01, 2.0)), (0.9, run(0.007, 1.5))]
+    p90 = [(0.6, run(0.78, 180.0)), (0.9, run(0.75, 120.0))]
+    scores = {
+        (0.5, 0.0): evaluate.attainment_at(p50, ref.replica_hours),
+        (0.9, 900.0): evaluate.attainment_at(p90, ref.replica_hours),
+    }
+    reaches = {
+        (0.5, 0.0): evaluate.reaches_attainment(p50, ref.slo_attainment),
+        (0.9, 900.0): evaluate.reaches_attainment(p90, ref.slo_attainment),
+    }
+    assert scores[(0.5, 0.0)] > scores[(0.9, 900.0)]  # the score alone would pick P50
+    assert reaches == {(0.5, 0.0): False, (0.9, 900.0): True}
+    assert evaluate.choose_knob(scores, reaches) == (0.9, 900.0)
+    both = dict.fromkeys(scores, True)
+    assert evaluate.choose_knob(scores, both) == (0.5, 0.0)
+    # ties: the shorter window, then the higher quantile
+    tie = {(0.5, 300.0): 0.9, (0.75, 0.0): 0.9, (0.9, 0.0): 0.9}
+    assert evaluate.choose_knob(tie, dict.fromkeys(tie, True)) == (0.9, 0.0)
+
+
 def test_settings_chosen_on_training_reach_the_reference_most_cheaply():
     train = {
         "hpa": [(0.6, run(0.96, 14.0)), (0.7, run(0.92, 12.0))],

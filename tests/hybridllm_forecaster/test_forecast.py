@@ -87,7 +87,8 @@ def test_ratio_model_anticipates_a_daily_ramp_the_last_value_misses():
     gbm = {s.horizon: s for s in metrics.score(y, forecast.run_model("gbm", y, spec), split, [1])}
     last = {s.horizon: s for s in metrics.score(y, forecast.run_model("last", y, spec), split, [1])}
     assert last[1].num_moves >= 3 * (days - 5)  # the ramp's bins (and the evening drop)
-    assert gbm[1].wape_moves < 0.75 * last[1].wape_moves  # 0.61x with leaves of 40
+    # 0.09x with the default leaves of 10; leaves of 40 averaged the ramp away (0.61x)
+    assert gbm[1].wape_moves < 0.3 * last[1].wape_moves
     assert gbm[1].wape <= last[1].wape
 
 

@@ -13,8 +13,9 @@
    attainment at the reference's training replica-hours (interpolated along a coarse
    sweep of targets, `COARSE_TARGETS`): the scale-down window (`DOWN_WINDOWS`) and, for
    predictive and predictive+floor, the forecast quantile they plan for
-   (`UPPER_QUANTILES`). `hpa-tuned` is the same HPA given the same window choice, so
-   that predictive is also compared with a reactive peer tuned over the same knob.
+   (`UPPER_QUANTILES`); knobs whose sweep never reaches the HPA's training
+   attainment rank last (`choose_knob`). `hpa-tuned` is the same HPA given the same
+   window choice, so that predictive is also compared with a reactive peer tuned over the same knob.
    Then every family keeps the cheapest target utilisation that reaches the HPA's
    training attainment. Those settings are run on the test part; only test numbers are
    reported as results (the test sweeps over targets serve the equal-cost comparison).
@@ -172,11 +173,13 @@ def evaluate(
     for family in TUNED_FAMILIES:
         qs = cfg.upper_qs if family in QUANTILE_FAMILIES else (cfg.upper_q,)
         scores: dict[tuple[float, float], float] = {}
+        reaches: dict[tuple[float, float], bool] = {}
         for q in qs:
             for window in DOWN_WINDOWS:
                 coarse = [(s, run("train", family, s, window, q)) for s in COARSE_TARGETS]
                 scores[(q, window)] = attainment_at(coarse, ref.replica_hours)
-        q, window = max(scores, key=lambda k: (scores[k], -k[1], k[0]))
+                reaches[(q, window)] = reaches_attainment(coarse, ref.slo_attainment)
+        q, window = choose_knob(scores, reaches)
         log.info("%s: knobs chosen on the training part: P%g, window %g s", family, 100 * q, window)
         result.down_windows[family] = window
         if family in QUANTILE_FAMILIES:
@@ -223,6 +226,27 @@ def attainment_at(runs: list[tuple[float, SimResult]], hours: float) -> float:
     if hours > xs[-1]:
         return float(ys[-1])
     return float(np.interp(hours, xs, ys))
+
+
+def reaches_attainment(runs: list[tuple[float, SimResult]], attainment: float) -> bool:
+    """Whether some setting of a knob's sweep reaches the reference's attainment."""
+    return any(r.slo_attainment >= attainment for _, r in runs)
+
+
+def choose_knob(
+    scores: dict[tuple[float, float], float], reaches: dict[tuple[float, float], bool]
+) -> tuple[float, float]:
+    """The (quantile, window) knob to use: the best score among the knobs that reach.
+
+    Knobs whose sweep reaches the reference's attainment rank above those that do not,
+    whatever their score at the reference's cost: the target chosen next is the cheapest
+    one that reaches the reference's attainment, so a knob that never does would run
+    below it. (On the one-hour Azure code trace, P50 without a window was the only knob whose sweep was as
+    cheap as the HPA, at 0.7% attainment on training against the HPA's 44%, and it
+    scored above knobs at 75% that were dearer than the sweep: it was chosen and held
+    4.6% on test.) Ties go to the shorter window, then the higher quantile.
+    """
+    return max(scores, key=lambda k: (reaches[k], scores[k], -k[1], k[0]))
 
 
 def _pick_model(work: np.ndarray, fcs: dict[str, forecast.Forecast], split: int, h: int) -> str:
