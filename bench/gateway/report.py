@@ -87,6 +87,14 @@ def goals(summary: dict[str, Any], levels: list[int]) -> list[str]:
                        f"{ms(null.get('added_ttft_p99'))} ms at p99 (app clock "
                        f"{ms(null.get('added_app_ttft_p99'))} ms) in the same run: the cost of one more "
                        "process hop on this machine, before any gateway logic.")  # fmt: skip
+        for name, what in (("go-http", "A native HTTP reverse proxy (Go's httputil.ReverseProxy)"),
+                           ("go-tcp", "A bare TCP relay in Go")):  # fmt: skip
+            peer = row.get(name)
+            if peer is not None:
+                out.append(f"- {what} added {ms(peer.get('added_ttft_p99'))} ms at p99 (per repeat "
+                           f"{', '.join(ms(x) for x in peer.get('added_ttft_p99_repeats', []))} ms) "
+                           f"and used {peer['proxy_cpu_ms_per_req'] or 0:.2f} ms of CPU per request: "
+                           "what moving the hot path out of Python would buy here.")  # fmt: skip
         old = row.get("gateway-aiohttp")
         if old is not None and old.get("proxy_cpu_ms_per_req") and g.get("proxy_cpu_ms_per_req"):
             out.append(f"- Gateway CPU per request: {g['proxy_cpu_ms_per_req']:.2f} ms with the raw relay, "
@@ -184,7 +192,8 @@ def plot(summary: dict[str, Any], levels: list[int], path: Path, args: argparse.
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = list(summary[str(levels[0])])
     colors = {"direct": "tab:blue", "gateway": "tab:orange", "gateway-aiohttp": "tab:green",
-              "nullproxy": "tab:grey", "litellm": "tab:red"}  # fmt: skip
+              "nullproxy": "tab:grey", "litellm": "tab:red", "go-http": "tab:cyan",
+              "go-tcp": "tab:olive"}  # fmt: skip
     for name in names:
         kw = {"marker": "o", "label": name, "color": colors.get(name)}
         a.plot(levels, [summary[str(n)][name]["rps"] for n in levels], **kw)

@@ -102,6 +102,15 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
         urls["nullproxy"] = f"http://127.0.0.1:{nport}"
         sids["nullproxy"] = running[-1].pid
         procs.wait_up(urls["nullproxy"], running[-1], "/health")
+    for name, mode in (("go-http", "http"), ("go-tcp", "tcp")):
+        if name not in args.targets:
+            continue
+        port = procs.free_port()
+        running.append(procs.start([str(goproxy()), "-mode", mode, "-listen", f"127.0.0.1:{port}",
+                                    "-backend", f"127.0.0.1:{bport}"], tmp / f"{name}.log", cpus=cpus["proxy"]))  # fmt: skip
+        urls[name] = f"http://127.0.0.1:{port}"
+        sids[name] = running[-1].pid
+        procs.wait_up(urls[name], running[-1], "/health")
     if args.litellm and "litellm" in args.targets:
         lport = procs.free_port()
         (tmp / "litellm.yaml").write_text(
@@ -117,6 +126,17 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
         sids["litellm"] = running[-1].pid
         procs.wait_up(urls["litellm"], running[-1], "/health/liveliness", timeout_s=240)
     return urls, sids
+
+
+def goproxy() -> Path:
+    """Builds the native peers (``goproxy/``, standard library only) into the cache."""
+    out = Path.home() / ".cache" / "hybridllm" / "bench" / "goproxy"
+    src = Path(__file__).resolve().parent / "goproxy"
+    try:
+        subprocess.run(["go", "build", "-o", str(out), "."], cwd=src, check=True)
+    except FileNotFoundError:
+        raise SystemExit("the go-http / go-tcp targets need Go on PATH (go build)") from None
+    return out
 
 
 def profile(pid: int, seconds: float, path: Path) -> subprocess.Popen[bytes]:
@@ -140,8 +160,10 @@ def main() -> None:
     p.add_argument(
         "--targets",
         default="direct,nullproxy,gateway,gateway-aiohttp,litellm",
-        help="direct; nullproxy (a bare TCP relay, the floor); gateway (raw stream relay); "
-        "gateway-aiohttp (the same gateway, streams through aiohttp's client); litellm",
+        help="direct; nullproxy (a bare TCP relay in Python, the floor for a Python process); "
+        "gateway (raw stream relay); gateway-aiohttp (the same gateway, streams through "
+        "aiohttp's client); litellm; go-http (Go's httputil.ReverseProxy: a native HTTP "
+        "proxy) and go-tcp (a bare TCP relay in Go), what a native hot path would cost",
     )
     p.add_argument(
         "--cpu-layout",

@@ -1,0 +1,3 @@
+module hybridllm.dev/bench/goproxy
+
+go 1.26
