@@ -55,6 +55,16 @@ CASES: dict[str, list[str]] = {
 }  # fmt: skip
 
 
+DIAGNOSTICS = (
+    ("forecast-value.md", "how good a forecast must be for +5 points (training half)"),
+    ("forecast-value-test.md", "the same on the test half, after the fact (chooses nothing)"),
+    ("where-lost.md", "where each policy loses SLO: at jumps or in steady bins (test half)"),
+    ("client-forecast.md", "per-client regularity and per-client forecasts (training half)"),
+    ("min-leaf.md", "the gbm's leaf size, chosen on the training halves"),
+    ("fluid-calibration.md", "the fluid simulator against the per-request one"),
+)
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -191,6 +201,8 @@ def write_summary(rows: list[tuple[str, str, dict]], load: str) -> None:
     )
     lines.append("\nCommands:\n")
     lines += [f"- `{name}`: `{cmd}`" for name, cmd, _ in rows]
+    lines += ["\nDiagnostics (each file names the command that wrote it):\n"]
+    lines += [f"- `{OUT / f}`: {what}" for f, what in DIAGNOSTICS]
     Path("bench/results/forecaster.md").write_text("\n".join(lines) + "\n")
     print("wrote bench/results/forecaster.md")
 
