@@ -41,10 +41,10 @@ MODELS = ("last", "seasonal", "holt-winters", "gbm")
 # smallest leaf of the gbm's trees. A ramp that comes at the same time every day is 2-3
 # bins a day, 10-15 examples in a week, and leaves of 40 average part of it away: on a
 # synthetic daily ramp the WAPE on the bins that moved is 27% (last value 43%), 4% with
-# leaves of 10. Chosen among 5/10/20/40 on the training halves of the development traces
-# only (bench/forecaster/choose_min_leaf.py, results/forecaster/min-leaf.md): 10 has the
-# lowest P90 pinball over the last value's (geometric mean over traces), and beats 40 on
-# both ServeGen cases, by 1-2%.
+# leaves of 10. Chosen among 5/10/20/40 on the training halves of the development
+# traces only (bench/forecaster/choose_min_leaf.py, bench/results/forecaster/min-leaf.md):
+# 10 has the lowest P90 pinball over the last value's (geometric mean over traces), and
+# beats 40 on both ServeGen cases, by 1-2%.
 GBM_MIN_LEAF = 10
 
 
