@@ -102,11 +102,11 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
         urls["nullproxy"] = f"http://127.0.0.1:{nport}"
         sids["nullproxy"] = running[-1].pid
         procs.wait_up(urls["nullproxy"], running[-1], "/health")
-    for name, mode in (("go-http", "http"), ("go-tcp", "tcp")):
-        if name not in args.targets:
-            continue
+    native = [(n, m) for n, m in (("go-http", "http"), ("go-tcp", "tcp")) if n in args.targets]
+    binary = goproxy() if native else None
+    for name, mode in native:
         port = procs.free_port()
-        running.append(procs.start([str(goproxy()), "-mode", mode, "-listen", f"127.0.0.1:{port}",
+        running.append(procs.start([str(binary), "-mode", mode, "-listen", f"127.0.0.1:{port}",
                                     "-backend", f"127.0.0.1:{bport}"], tmp / f"{name}.log", cpus=cpus["proxy"]))  # fmt: skip
         urls[name] = f"http://127.0.0.1:{port}"
         sids[name] = running[-1].pid

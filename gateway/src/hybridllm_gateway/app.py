@@ -290,9 +290,8 @@ async def _startup(app: web.Application) -> None:
     state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]
     # Everything alive now (modules, the classifier, the app, the event loop's and the
     # server's own objects) lives as long as the process: collected once, then out of the
-    # collector's sight, so a collection walks only request objects. Without this, the
-    # first full collection under load walked the whole startup heap (a 15 ms pause at
-    # 256 streams, measured with gc.callbacks).
+    # collector's sight, so a full collection walks only request objects. (In steady
+    # state at 256 streams collections are rare either way: bench/gateway/diagnostics.py.)
     gc.collect()
     gc.freeze()
 
