@@ -61,3 +61,35 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = previous
+
+
+@pytest.fixture(scope="session")
+def broken_int8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the store's onnx-int8 artifact whose block scales were shuffled.
+
+    The kind of damage hashes cannot see (a quantizer writing wrong scales, or kernels that
+    compute something else on this CPU): the graph loads and runs, the manifest is the
+    original's (its reference outputs included), and the answers are wrong on every CPU.
+    """
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from hybridllm_models import convert, manifest, uri
+
+    source = convert.ensure(uri.DEFAULT_URI, "onnx-int8")
+    broken = tmp_path_factory.mktemp("broken") / "onnx-int8"
+    shutil.copytree(source, broken)
+    model = onnx.load(str(broken / "model.onnx"))
+    rng = np.random.default_rng(0)
+    scales = {i for n in model.graph.node if n.op_type == "MatMulNBits" for i in n.input[2:3]}
+    for tensor in model.graph.initializer:
+        if tensor.name in scales:
+            values = numpy_helper.to_array(tensor).copy()
+            rng.shuffle(values.reshape(-1))
+            tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+    onnx.save(model, str(broken / "model.onnx"))
+    assert manifest.read(broken).reference is not None
+    return broken

@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
@@ -65,4 +66,13 @@ def llamacpp_server() -> Iterator[Running]:
 @pytest.fixture(scope="session")
 def onnx_server() -> Iterator[Running]:
     settings = config.EdgeSettings(backend="onnx", parallel=4, max_model_len=256, threads=1)
+    yield from serve(settings)
+
+
+@pytest.fixture
+def broken_onnx_server(broken_int8_dir: Path) -> Iterator[Running]:
+    """An edge server given an int8 export with wrong scales (see tests/conftest.py)."""
+    settings = config.EdgeSettings(
+        model=str(broken_int8_dir), backend="onnx", quantization="int8", threads=1, parallel=1
+    )
     yield from serve(settings)

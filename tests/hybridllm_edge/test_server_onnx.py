@@ -6,8 +6,12 @@ import concurrent.futures
 import threading
 from pathlib import Path
 
+import httpx
+import openai
+import pytest
+
 from hybridllm_edge import backends, config, engine, sampling
-from hybridllm_models import onnx_runner
+from hybridllm_models import onnx_runner, quality
 
 BYPASS = {"x-hybridllm-cache": "bypass"}
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Who wrote Hamlet?"]
@@ -91,3 +95,26 @@ def test_onnx_int8_backend_decodes() -> None:
         eng.shutdown()
     assert outputs[-1].num_output_tokens == len(outputs) <= 6
     assert outputs[-1].text.strip()
+
+
+def test_a_variant_that_fails_its_quality_check_is_not_served(broken_int8_dir: Path) -> None:
+    settings = config.EdgeSettings(
+        model=str(broken_int8_dir), backend="onnx", quantization="int8", threads=1, parallel=1
+    )
+    with pytest.raises(quality.QualityError, match="failed its quality check: KL divergence"):
+        backends.load(settings)
+
+
+def test_the_server_stays_up_and_says_why_it_refuses_to_serve(broken_onnx_server) -> None:
+    health = httpx.get(f"{broken_onnx_server.base_url}/health", timeout=30)
+    assert health.status_code == 503
+    error = health.json()["error"]
+    assert error["code"] == "model_not_ready"
+    assert "failed its quality check: KL divergence" in error["message"]
+    assert "x the limit of 0.03" in error["message"]
+    with pytest.raises(openai.APIStatusError) as caught:
+        broken_onnx_server.client().chat.completions.create(
+            model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert caught.value.status_code == 503
+    assert "failed its quality check" in caught.value.message

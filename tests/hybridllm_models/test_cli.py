@@ -29,7 +29,8 @@ def test_pull_list_verify(
     stored.write_bytes(bytes(data))
     assert cli.main(["model", "verify", "tiny"]) == 1
     captured = capsys.readouterr()
-    assert "CORRUPT" in captured.out
+    assert "FAILED: " in captured.out
+    assert "sha256" in captured.out
     assert "--force" in captured.err
 
 

@@ -131,12 +131,26 @@ def _verify(args: argparse.Namespace) -> int:
     with rich_progress() as progress:
         results = [(a, store.Store().verify(a, progress)) for a in found]
     for artifact, problems in results:
-        state = "ok" if not problems else "CORRUPT: " + "; ".join(problems)
+        if not problems and not args.hash_only:
+            problems = _quality_problems(artifact)
+        state = "ok" if not problems else "FAILED: " + "; ".join(problems)
         print(f"{summary(artifact)}  {state}")
         num_bad += bool(problems)
     if num_bad:
-        print(f"{num_bad} artifact(s) corrupt; rebuild them with --force", file=sys.stderr)
+        print(f"{num_bad} artifact(s) failed; rebuild them with convert --force", file=sys.stderr)
     return 1 if num_bad else 0
+
+
+def _quality_problems(artifact: store.Artifact) -> list[str]:
+    from hybridllm_models import quality, verify
+
+    try:
+        result = verify.check_quality(artifact)
+    except quality.QualityError as exc:
+        return [str(exc)]
+    if result is not None:
+        print(f"  quality: {result.describe()}", file=sys.stderr)
+    return []
 
 
 def _run(func: Any) -> Any:
@@ -182,8 +196,17 @@ def register(subparsers: Any) -> None:
 
     for name, func, help_text in (
         ("list", _list, "list stored artifacts"),
-        ("verify", _verify, "re-hash stored artifacts against their manifests"),
+        (
+            "verify",
+            _verify,
+            "re-hash stored artifacts against their manifests and run each converted "
+            "artifact on fixed prompts against its fp32 reference outputs",
+        ),
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("selector", nargs="?", help="NAME[/REVISION[/ARTIFACT]] prefix")
+        if name == "verify":
+            sub.add_argument(
+                "--hash-only", action="store_true", help="re-hash only; skip the quality check"
+            )
         sub.set_defaults(func=_run(func))

@@ -8,19 +8,23 @@ Targets form a small tree rooted at the pulled source::
                                         -> onnx (fp32, past key/values) -> onnx-int8
     gguf = the source GGUF as shipped (gguf-f16 when the source is an HF folder)
 
-Each target is built once per (source sha256, target): its manifest records the source's
-sha256 and ``Store.build_artifact`` reuses it while that matches, so a second ``ensure`` or
-``hybridllm model convert`` returns at once. Conversion modules import torch, transformers,
+Each target is built once per (source sha256, target, recipe version): its manifest records
+the source's sha256 and the recipe (``RECIPE_VERSIONS``), and ``Store.build_artifact``
+reuses it while both match, so a second ``ensure`` or ``hybridllm model convert`` returns at
+once, and a store built by an older recipe is rebuilt. Every conversion also stores the
+fp32 model's reference outputs on fixed prompts (``hybridllm_models.quality``), which
+runtimes and ``verify`` compare their own outputs against. Conversion modules import torch, transformers,
 onnx and llama_cpp lazily; the store does not need them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridllm_models import errors, store, uri
+from hybridllm_models import errors, quality, store, uri
 from hybridllm_models.progress import NULL, Progress
 from hybridllm_models.store import Artifact, Built
 
@@ -87,6 +91,44 @@ def _onnx_to_int8(parent: Path, out: Path, progress: Progress) -> Built:
     return Built("onnx", "int8", num_params, ".")
 
 
+# Bump a target's version when its recipe changes what it writes: stores rebuild it.
+# onnx-int8/2: weight-only int8 (MatMulNBits, fp32 activations) instead of dynamic u8 x s8,
+# which saturates on x86 CPUs without VNNI (see onnx_export.quantize_int8).
+RECIPE_VERSIONS: dict[str, int] = {
+    "hf": 2,
+    "hf-bf16": 2,
+    "gguf-f16": 2,
+    "gguf-q8_0": 2,
+    "gguf-q4_k_m": 2,
+    "gguf-q4_0": 2,
+    "onnx": 2,
+    "onnx-int8": 3,
+}
+
+
+def recipe_id(target: str) -> str:
+    return f"{target}/{RECIPE_VERSIONS[target]}"
+
+
+def fp32_reference(hf_dir: Path, quantization: str, progress: Progress) -> quality.Reference:
+    """The fp32 model's outputs on the quality prompts, with the tolerance of a variant."""
+    import tokenizers
+
+    from hybridllm_models import onnx_export
+
+    advance = progress.task("fp32 reference outputs", len(quality.PROMPTS))
+    tokenizer = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    prompts = [tokenizer.encode(p, add_special_tokens=False).ids for p in quality.PROMPTS]
+    run = onnx_export.torch_logits_fn(hf_dir)
+    logits = []
+    for ids in prompts:
+        logits.append(run(ids))
+        advance(1)
+    return quality.make_reference(
+        prompts, logits, quantization, computed_with="hybridllm plain-torch decoder, fp32"
+    )
+
+
 # target -> (parent target, recipe taking the parent's primary path)
 RECIPES: dict[str, tuple[str, Recipe]] = {
     "hf": (store.SOURCE, _gguf_to_hf),
@@ -133,14 +175,24 @@ def _ensure(
         return source
     parent_target, recipe = RECIPES[target]
     parent = _ensure(model_store, source, parent_target, False, progress)
+    # The fp32 root every reference is computed from: the artifact itself when it is `hf`.
+    hf = None if target == "hf" else _ensure(model_store, source, "hf", False, progress)
+
+    def build(staging: Path) -> Built:
+        built = recipe(parent.primary_path, staging, progress)
+        hf_dir = staging if hf is None else hf.primary_path
+        reference = fp32_reference(hf_dir, built.quantization, progress)
+        return dataclasses.replace(built, reference=reference)
+
     log.debug("building %s from %s", target, parent.path)
     return model_store.build_artifact(
         source.manifest.name,
         source.manifest.revision,
         target,
-        lambda staging: recipe(parent.primary_path, staging, progress),
+        build,
         source_uri=source.manifest.source_uri,
         derived_from_sha256=source.content_sha256,
+        recipe=recipe_id(target),
         force=force,
         progress=progress,
     )

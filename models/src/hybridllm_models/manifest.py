@@ -18,6 +18,8 @@ from typing import Literal
 
 import pydantic
 
+from hybridllm_models import quality
+
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
 _CHUNK = 4 << 20
@@ -49,6 +51,16 @@ class Manifest(pydantic.BaseModel):
     )
     created_at: str = ""
     tool: str = ""
+    recipe: str = pydantic.Field(
+        "",
+        description="the conversion recipe and its version (e.g. 'onnx-int8/2 ...'); an "
+        "artifact built by another version of its recipe is rebuilt",
+    )
+    reference: quality.Reference | None = pydantic.Field(
+        None,
+        description="fp32 reference outputs on fixed prompts and this variant's tolerance; "
+        "runtimes and `verify` compare their own outputs against them",
+    )
 
     def file(self, rel: str) -> FileEntry:
         for entry in self.files:

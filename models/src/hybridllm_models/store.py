@@ -32,7 +32,7 @@ from pathlib import Path
 
 import filelock
 
-from hybridllm_models import errors, manifest, sources, uri
+from hybridllm_models import errors, manifest, quality, sources, uri
 from hybridllm_models.manifest import Manifest
 from hybridllm_models.progress import NULL, Progress
 
@@ -57,6 +57,7 @@ class Built:
     quantization: str
     parameter_count: int
     primary: str
+    reference: quality.Reference | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,7 @@ class Store:
         *,
         source_uri: str,
         derived_from_sha256: str = "",
+        recipe: str = "",
         force: bool = False,
         check: Callable[[Artifact], None] | None = None,
         progress: Progress = NULL,
@@ -124,7 +126,8 @@ class Store:
         """Return the artifact, building it under its lock if absent, stale or forced.
 
         ``check`` runs on the finished staging directory before it is published; it raises
-        to refuse it (e.g. a sha256 the caller expected), leaving the store as it was.
+        to refuse it (e.g. a sha256 the caller expected), leaving the store as it was. An
+        artifact built from another source, or by another ``recipe`` (version), is rebuilt.
         """
         final = self.artifact_dir(name, revision, artifact)
         lock = self.lock(name, revision, artifact)
@@ -136,9 +139,17 @@ class Store:
         try:
             existing = self.load(name, revision, artifact)
             if existing is not None and not force:
-                if existing.manifest.derived_from_sha256 == derived_from_sha256:
+                if existing.manifest.derived_from_sha256 != derived_from_sha256:
+                    log.info("%s was built from another source; rebuilding", final)
+                elif existing.manifest.recipe != recipe:
+                    log.warning(
+                        "%s was built by recipe %r, not %r; rebuilding",
+                        final,
+                        existing.manifest.recipe,
+                        recipe,
+                    )
+                else:
                     return existing
-                log.info("%s was built from another source; rebuilding", final)
             self._remove_staging(final)
             staging = final.parent / f".tmp-{artifact}-{uuid.uuid4().hex[:12]}"
             staging.mkdir()
@@ -159,6 +170,8 @@ class Store:
                     derived_from_sha256=derived_from_sha256,
                     created_at=datetime.datetime.now(datetime.UTC).isoformat(),
                     tool="hybridllm-models",
+                    recipe=recipe,
+                    reference=built.reference,
                 )
                 if check is not None:
                     check(Artifact(staging, record))

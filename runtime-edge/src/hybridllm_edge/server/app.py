@@ -24,6 +24,7 @@ from hybridllm_common import openai_protocol as oai
 from hybridllm_edge import backends, cache, config, engine, prompting
 from hybridllm_edge.server import metrics as server_metrics
 from hybridllm_edge.server import serving
+from hybridllm_models import quality
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,15 @@ def create_app(settings: config.EdgeSettings, ready_engine: engine.Engine | None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         eng = ready_engine
         if eng is None:
-            backend = await asyncio.to_thread(backends.load, settings)
+            try:
+                backend = await asyncio.to_thread(backends.load, settings)
+            except quality.QualityError as exc:
+                # Serve nothing, but stay up and say why: /health answers 503 with the
+                # reason (a crash loop would hide it behind restarts).
+                log.error("refusing to serve: %s", exc)
+                app.state.not_ready_reason = str(exc)
+                yield
+                return
             eng = engine.Engine(backend, settings.max_num_batched_tokens)
         eng.on_step = app.state.metrics.on_step
         info = eng.info
@@ -72,6 +81,7 @@ def create_app(settings: config.EdgeSettings, ready_engine: engine.Engine | None
     app = FastAPI(title="hybridllm edge runtime", lifespan=lifespan)
     app.state.settings = settings
     app.state.ready = False
+    app.state.not_ready_reason = "model is loading"
     app.state.metrics = server_metrics.ServerMetrics()
     app.state.model_name = served_name(settings)
     app.state.cache = (
@@ -101,7 +111,7 @@ def create_app(settings: config.EdgeSettings, ready_engine: engine.Engine | None
     @app.get("/health")
     async def health() -> Response:
         if not app.state.ready:
-            return error_response(oai.MODEL_NOT_READY, "model is loading")
+            return error_response(oai.MODEL_NOT_READY, app.state.not_ready_reason)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -45,7 +45,7 @@ class Serving(responses.ResponseShapes):
 
     def _check_ready(self, model: str) -> None:
         if not self.app.state.ready:
-            raise self.error(oai.MODEL_NOT_READY, "model is loading")
+            raise self.error(oai.MODEL_NOT_READY, self.app.state.not_ready_reason)
         if model and model != self.app.state.model_name:
             raise self.error(oai.MODEL_NOT_FOUND, f"model {model!r} is not served here", "model")
 
