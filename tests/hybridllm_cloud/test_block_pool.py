@@ -26,6 +26,34 @@ def test_hash_chain_depends_on_parent() -> None:
     assert a == block_pool.hash_request_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4)
 
 
+def test_hashes_are_sha256_chained_from_the_salt() -> None:
+    import hashlib
+
+    import numpy as np
+
+    a = block_pool.hash_request_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    root = hashlib.sha256(b"hybridllm-prefix-cache-v1\0").digest()
+    first = hashlib.sha256(root + np.asarray([1, 2, 3, 4], "<i4").tobytes()).digest()
+    assert a[0] == first
+    assert a[1] == hashlib.sha256(first + np.asarray([5, 6, 7, 8], "<i4").tobytes()).digest()
+    salted = block_pool.hash_request_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, cache_salt="tenant-b")
+    assert not set(a) & set(salted)
+    # Python's hash of a tuple collides where the chain must not: hash(-1) == hash(-2).
+    assert block_pool.hash_request_blocks([-1], 1) != block_pool.hash_request_blocks([-2], 1)
+
+
+def test_prefix_blocks_are_shared_only_within_one_salt() -> None:
+    _pool, kv = make_manager()
+    a = Request("a", list(range(10)), SamplingParams(max_tokens=8, cache_salt="tenant-a"))
+    kv.allocate(a, 10, [])
+    other = Request("b", list(range(10)), SamplingParams(max_tokens=8, cache_salt="tenant-b"))
+    assert kv.get_computed_blocks(other) == ([], 0)
+    same = Request("c", list(range(10)), SamplingParams(max_tokens=8, cache_salt="tenant-a"))
+    blocks, hit = kv.get_computed_blocks(same)
+    assert [b.block_id for b in blocks] == [0, 1]
+    assert hit == 8
+
+
 def test_allocate_takes_blocks_from_front_of_free_queue() -> None:
     pool, kv = make_manager()
     req = make_request("a", list(range(10)))  # 3 blocks: 4 + 4 + 2

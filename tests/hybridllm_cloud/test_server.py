@@ -236,3 +236,97 @@ def test_real_model_served_to_openai_client(real_model_dir: Path) -> None:
             temperature=0,
         )
         assert "Paris" in (resp.choices[0].message.content or "")
+
+
+def test_a_token_id_outside_the_vocabulary_fails_only_its_own_request(
+    server: tuple[str, object], client: openai.OpenAI
+) -> None:
+    """Once answered 500 'engine step failed' and cut every stream running beside it."""
+    _url, app = server
+    vocab = app.state.engine.engine.model.config.vocab_size  # type: ignore[attr-defined]
+    stream = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    first = next(iter(stream))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=[1, vocab + 5, 2], max_tokens=2)
+    assert caught.value.body["code"] == "invalid_parameter"  # type: ignore[index]
+    assert caught.value.body["param"] == "prompt"  # type: ignore[index]
+    assert f"token id {vocab + 5} is outside the vocabulary [0, {vocab})" in caught.value.message
+    rest = list(stream)
+    assert rest[-1].choices[0].finish_reason == "length"
+    text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+    alone = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=24, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert text == alone.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"no_such_option": 1}, "no_such_option"),
+    ],
+)
+def test_parameters_nothing_implements_are_refused_by_name(
+    client: openai.OpenAI, extra: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_body=extra,
+        )  # fmt: skip
+    assert caught.value.body["param"] == param  # type: ignore[index]
+    assert param in caught.value.message
+
+
+def test_no_op_values_sdks_send_by_default_are_accepted(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        presence_penalty=0, frequency_penalty=0, response_format={"type": "text"}, tools=[],
+    )  # fmt: skip
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(
+    server: tuple[str, object],
+) -> None:
+    url, _ = server
+    missing = httpx.get(url + "/v1/nope", timeout=10)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
+    assert "/v1/nope" in missing.json()["error"]["message"]
+    wrong = httpx.get(url + "/v1/chat/completions", timeout=10)
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_an_internal_error_answers_a_request_id_not_the_exception_text(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = config_mod.ServeSettings(model=str(tiny_model_dir), served_model_name="tiny")
+    engine = llm_engine.LLMEngine.from_path(
+        tiny_model_dir, llm_engine.EngineConfig(num_kv_blocks=64, block_size=4, max_model_len=64)
+    )
+    app = app_mod.create_app(settings, engine)
+
+    @app.get("/explode")
+    async def explode() -> None:
+        raise RuntimeError("secret path /var/lib/tenant-a/prompt.txt")
+
+    with serve(app) as url:
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        resp = httpx.get(url + "/explode", headers={"x-request-id": "req-abc"}, timeout=10)
+    assert resp.status_code == 500
+    error = resp.json()["error"]
+    assert error["code"] == "internal_error"
+    assert "req-abc" in error["message"]
+    assert "secret" not in resp.text
+    assert any("req-abc" in r.getMessage() and r.exc_info for r in caplog.records)

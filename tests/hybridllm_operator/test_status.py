@@ -18,9 +18,15 @@ def deployment(component: str, replicas: int, ready: int, revision: str | None =
     if revision:
         labels[builders.LABEL_REVISION] = revision
     return {
-        "metadata": {"labels": labels},
+        "metadata": {"labels": labels, "generation": 1},
         "spec": {"replicas": replicas},
-        "status": {"readyReplicas": ready},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+        },
     }
 
 
@@ -91,3 +97,33 @@ def test_invalid_status_keeps_pools_and_says_why() -> None:
     assert cond["Ready"].status is crd.ConditionStatus.false
     assert result.pools["edge"].ready_replicas == 1
     assert result.observed_generation == 2
+
+
+def test_a_pool_rolling_out_a_new_revision_is_not_ready_and_keeps_the_old_revision() -> None:
+    """readyReplicas counts the old pods during a rollout: readiness must not trust it alone."""
+    rolling = deployment("monolithic", 2, 2)  # labelled v2, two old pods still ready
+    rolling["metadata"]["generation"] = 2
+    rolling["status"].update(updatedReplicas=1, replicas=3, availableReplicas=2)
+    deps = [deployment("edge", 1, 1), rolling, deployment("gateway", 2, 2, None)]
+    previous = {"currentRevision": "v1"}
+    result = status.build_status(service(), 4, deps, previous)
+    ready = conditions(result)["Ready"]
+    assert ready.status is crd.ConditionStatus.false
+    assert "monolithic rolling out (the new spec is not observed yet)" in ready.message
+    assert result.current_revision == "v1"
+
+    rolling["status"]["observedGeneration"] = 2
+    result = status.build_status(service(), 4, deps, previous)
+    assert "monolithic rolling out (1 of 2 replicas updated)" in conditions(result)["Ready"].message
+    rolling["status"].update(updatedReplicas=2)
+    result = status.build_status(service(), 4, deps, previous)
+    assert "1 old replicas pending termination" in conditions(result)["Ready"].message
+    rolling["status"].update(replicas=2, availableReplicas=1)
+    result = status.build_status(service(), 4, deps, previous)
+    assert "1 of 2 updated replicas available" in conditions(result)["Ready"].message
+    assert result.current_revision == "v1"
+
+    rolling["status"].update(availableReplicas=2)
+    result = status.build_status(service(), 4, deps, previous)
+    assert conditions(result)["Ready"].status is crd.ConditionStatus.true
+    assert result.current_revision == "v2"

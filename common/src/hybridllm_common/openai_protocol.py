@@ -23,6 +23,8 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_PARAMETER = "invalid_parameter"
 INVALID_REQUEST = "invalid_request"
 MODEL_NOT_FOUND = "model_not_found"
+NOT_FOUND = "not_found"
+METHOD_NOT_ALLOWED = "method_not_allowed"
 SERVER_OVERLOADED = "server_overloaded"
 MODEL_NOT_READY = "model_not_ready"
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
@@ -38,6 +40,8 @@ ERROR_STATUS: dict[str, int] = {
     CONTENT_FILTERED: 400,
     UNAUTHORIZED: 401,
     MODEL_NOT_FOUND: 404,
+    NOT_FOUND: 404,
+    METHOD_NOT_ALLOWED: 405,
     RATE_LIMIT_EXCEEDED: 429,
     INTERNAL_ERROR: 500,
     UPSTREAM_UNAVAILABLE: 502,
@@ -49,6 +53,7 @@ ERROR_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     502: "server_error",
@@ -128,6 +133,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     # hybridllm extension: "interactive" (default) or "batch" scheduling class.
     priority: Literal["interactive", "batch"] = "interactive"
+    # Extension (vLLM's name): prefix-cache partition. Requests share cached KV blocks (and
+    # edge cached answers) only with requests of the same salt; the gateway sets it to the
+    # tenant (the API key's name) when keys are configured, overriding the client's.
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -194,6 +194,10 @@ async def _handle(
     changed = suffix is not None
     if changed:
         body["model"] = model
+    if state.keys.hashes is not None and body.get("cache_salt") != key_name:
+        # One prefix-cache partition per tenant: a client cannot pick another's salt.
+        body["cache_salt"] = key_name
+        changed = True
     if state.filter.apply(body):
         changed = True
     features = classifier_mod.extract(body)

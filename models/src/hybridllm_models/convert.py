@@ -92,8 +92,8 @@ def _onnx_to_int8(parent: Path, out: Path, progress: Progress) -> Built:
 
 
 # Bump a target's version when its recipe changes what it writes: stores rebuild it.
-# onnx-int8/2: weight-only int8 (MatMulNBits, fp32 activations) instead of dynamic u8 x s8,
-# which saturates on x86 CPUs without VNNI (see onnx_export.quantize_int8).
+# onnx-int8/4: weight-only int8 (MatMulNBits, blocks of 128, int8 compute) instead of
+# dynamic u8 x s8, which saturates on x86 CPUs without VNNI (see onnx_export.quantize_int8).
 RECIPE_VERSIONS: dict[str, int] = {
     "hf": 2,
     "hf-bf16": 2,
@@ -102,7 +102,7 @@ RECIPE_VERSIONS: dict[str, int] = {
     "gguf-q4_k_m": 2,
     "gguf-q4_0": 2,
     "onnx": 2,
-    "onnx-int8": 3,
+    "onnx-int8": 4,
 }
 
 

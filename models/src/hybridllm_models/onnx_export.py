@@ -22,16 +22,16 @@ quantizes the largest matmul.
 
 int8: weight-only block quantization, ``MatMulNBits`` with ``bits=8``: every MatMul whose
 second input is a constant (the projections and the lm_head) gets symmetric int8 weights
-with one fp32 scale per block of 32 along K; ``accuracy_level=4`` lets onnxruntime compute
-it with int8 activations quantized per block of 32 at run time. Why not
-``quantize_dynamic`` (u8 activations per tensor x s8 weights, ``MatMulInteger``), the
-recipe before: on x86 CPUs without VNNI onnxruntime multiplies with ``vpmaddubsw``, whose
-16-bit pair sums saturate, and the model answered nonsense (top-1 agreement 0% with fp32
-on an AMD EPYC with AVX2); onnxruntime's fixes for that (7-bit weights with
-``reduce_range``, or u8 weights) still quantize activations per tensor and lose a lot
-(KL 0.49 nats, 70% top-1). Weight-only with fp32 compute is the most exact but ran at
-0.6 tokens/s here (no fused 8-bit fp32 kernel); per-block int8 compute keeps the
-accuracy (KL 0.003, 94% top-1) at 2x the speed of u8 x u8. Measured side by side with
+with one fp32 scale per block of 128 along K; ``accuracy_level=4`` lets onnxruntime compute
+it with int8 activations quantized per block at run time. Why not ``quantize_dynamic``
+(u8 activations per tensor x s8 weights, ``MatMulInteger``), the recipe before: on x86 CPUs
+without VNNI onnxruntime multiplies with ``vpmaddubsw``, whose 16-bit pair sums saturate,
+and the model answered nonsense (top-1 agreement 0% with fp32 on an AMD EPYC with AVX2);
+onnxruntime's fixes for that (7-bit weights with ``reduce_range``, or u8 weights) still
+quantize activations per tensor and lose a lot (perplexity +72%). Weight-only with fp32
+compute is the most exact but has no fused 8-bit kernel (0.07x fp32's speed); per-block
+int8 compute keeps perplexity within 1.6% of fp32 at 2.3x its decode speed. Blocks of 32
+are a little more exact (+0.9%) and 20% slower. Measured side by side with
 ``bench/models/int8_options.py``. Every artifact is also checked at load on the CPU that
 runs it (``hybridllm_models.quality``), so a CPU whose kernels misbehave is caught there.
 """
@@ -266,7 +266,7 @@ def quantize_weight_only(
 
 
 # The onnx-int8 recipe (see the module docstring and bench/results/models-int8-options.md).
-INT8_BLOCK_SIZE = 32
+INT8_BLOCK_SIZE = 128
 INT8_ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations, quantized per block
 
 

@@ -66,4 +66,4 @@ def check_quality(artifact: store.Artifact) -> quality.Result | None:
         return None
     m = artifact.manifest
     what = f"{m.name}/{m.revision}/{m.artifact} ({m.format} {m.quantization})"
-    return quality.check(reference, logits_fn(artifact), what)
+    return quality.check(reference, logits_fn(artifact), what, m.artifact)

@@ -40,12 +40,20 @@ def register_crds(subparsers: Any) -> None:
     generate.set_defaults(func=_crds_generate)
 
 
+def watched_namespaces(flag: str | None) -> list[str]:
+    """``--namespace``, else ``HYBRIDLLM_OPERATOR_NAMESPACE``; empty: every namespace."""
+    from hybridllm_operator.settings import OperatorSettings
+
+    namespace = flag or OperatorSettings().namespace
+    return [namespace] if namespace else []
+
+
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
     from hybridllm_operator import handlers  # registers the handlers
 
-    namespaces = [args.namespace] if args.namespace else []
+    namespaces = watched_namespaces(args.namespace)
     kopf.run(
         standalone=True,
         namespaces=namespaces,
@@ -61,7 +69,10 @@ def register_operator(subparsers: Any) -> None:
     parser = subparsers.add_parser("operator", help="run the Kubernetes operator")
     sub = parser.add_subparsers(dest="operator_command", required=True, metavar="ACTION")
     run = sub.add_parser("run", help="reconcile LLMServices in the current kubeconfig's cluster")
-    run.add_argument("--namespace", help="watch only this namespace (default: all)")
+    run.add_argument(
+        "--namespace",
+        help="watch only this namespace (default: HYBRIDLLM_OPERATOR_NAMESPACE, else all)",
+    )
     run.add_argument(
         "--liveness",
         default=None,

@@ -1,5 +1,11 @@
 """Status from what exists: pool replicas read from the Deployments, and the three conditions.
 
+A pool is ready the way ``kubectl rollout status`` decides it, not from ``readyReplicas``
+alone (which still counts the old revision's pods while a new one rolls out): the
+Deployment controller has observed the current spec (``observedGeneration``), every
+replica is updated, no old replica is left, and every updated replica is available. So
+``Ready`` and the revision column change only when the new pods serve.
+
 Pure functions over plain dicts, so the rules are tested without a cluster. A
 condition's ``lastTransitionTime`` moves only when its status changes, so a status that
 has not changed patches to the same bytes and writes nothing.
@@ -19,6 +25,37 @@ CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
 
 def now() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def rollout_pending(deployment: Mapping[str, Any]) -> str | None:
+    """Why the Deployment's rollout is not complete (``kubectl rollout status``); None if done."""
+    generation = (deployment.get("metadata") or {}).get("generation") or 0
+    status = deployment.get("status") or {}
+    if (status.get("observedGeneration") or 0) < generation:
+        return "the new spec is not observed yet"
+    want = (deployment.get("spec") or {}).get("replicas", 1)
+    updated = status.get("updatedReplicas") or 0
+    if updated < want:
+        return f"{updated} of {want} replicas updated"
+    total = status.get("replicas") or 0
+    if total > updated:
+        return f"{total - updated} old replicas pending termination"
+    available = status.get("availableReplicas") or 0
+    if available < updated:
+        return f"{available} of {updated} updated replicas available"
+    return None
+
+
+def rollouts_pending(deployments: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Component -> why its rollout is not complete, for the pools still rolling out."""
+    out = {}
+    for deployment in deployments:
+        labels = deployment.get("metadata", {}).get("labels") or {}
+        component = labels.get(builders.LABEL_COMPONENT)
+        pending = rollout_pending(deployment)
+        if component is not None and pending is not None:
+            out[component] = pending
+    return out
 
 
 def pool_statuses(deployments: Iterable[Mapping[str, Any]]) -> dict[str, crd.PoolStatus]:
@@ -83,13 +120,17 @@ def build_status(
 ) -> crd.LLMServiceStatus:
     """The whole status: pools, ready/desired summaries, conditions and endpoints."""
     old = _old_conditions(previous)
+    deployments = list(deployments)
     pools = pool_statuses(deployments)
+    pending = rollouts_pending(deployments)
     wanted = [p.component for p in builders.pools(service)]
     missing = [c for c in wanted if c not in pools]
     lagging = [
         f"{c} {pools[c].ready_replicas}/{pools[c].desired_replicas}"
+        if pools[c].ready_replicas < pools[c].desired_replicas
+        else f"{c} rolling out ({pending[c]})"
         for c in wanted
-        if c in pools and pools[c].ready_replicas < pools[c].desired_replicas
+        if c in pools and (pools[c].ready_replicas < pools[c].desired_replicas or c in pending)
     ]
     stale = [c for c in wanted if c in pools and pools[c].revision not in (None, service.revision)]
     ready = not missing and not lagging
@@ -116,9 +157,10 @@ def build_status(
         _condition(old, "Degraded", False, "AsExpected", "", generation),
     ]
     revisions = {p.revision for c, p in pools.items() if c != "gateway" and p.revision}
+    rolled_out = not [c for c in pools if c != "gateway" and c in pending]
     current = (
         service.revision
-        if revisions == {service.revision}
+        if revisions == {service.revision} and rolled_out
         else (previous or {}).get("currentRevision")
     )
     return crd.LLMServiceStatus(

@@ -257,6 +257,7 @@ class RemotePrefillClient:
                 "top_k": p.top_k,
                 "seed": p.seed,
                 "logprobs": p.logprobs,
+                "cache_salt": p.cache_salt,
             },
             "layout": self.layout,
         }

@@ -186,6 +186,7 @@ class KVServer:
                 seed=None if s.get("seed") is None else int(s["seed"]),
                 ignore_eos=True,
                 logprobs=None if s.get("logprobs") is None else int(s["logprobs"]),
+                cache_salt=str(s.get("cache_salt") or ""),
             )
             priority = Priority(int(req.get("priority", 0)))
         except (KeyError, TypeError, ValueError) as exc:

@@ -15,28 +15,44 @@ Design (vLLM v1 ``BlockPool``):
   remote prefill like any other and registers their hashes once the K/V has arrived
   (``KVCacheManager.register_computed``).
 
-Hashes are Python ``hash`` of ``(parent_hash, tuple(token_ids))``: ints and tuples of ints
-hash the same in every process (PYTHONHASHSEED only salts str/bytes), so a prefill and a
-decode process agree on them.
+Hashes are a SHA-256 chain: a block's hash is the digest of its parent's hash and its own
+token ids (little-endian int32), and the first block's parent is the digest of the
+request's ``cache_salt``. A cache hit trusts the hash alone, so it must not collide: with
+Python's 64-bit ``hash`` a tenant could craft a prompt whose blocks collide with another
+tenant's and read their K/V (vLLM's advisory GHSA-rm76-4mrf-v9r8 moved to SHA-256 for the
+same reason). The salt partitions the cache: requests share blocks only when their salts
+(the gateway sets one per tenant) and their whole prefixes are equal. The digests are the
+same in every process, so a prefill and a decode process agree on them.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-NONE_HASH = 0
+import numpy as np
+
+BlockHash = bytes  # 32-byte SHA-256 digest
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    return hash((NONE_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+def root_hash(cache_salt: str = "") -> BlockHash:
+    """The parent of a request's first block: the cache partition its salt names."""
+    return hashlib.sha256(b"hybridllm-prefix-cache-v1\0" + cache_salt.encode()).digest()
 
 
-def hash_request_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    tokens = np.asarray(token_ids, dtype="<i4").tobytes()  # the same bytes on every machine
+    return hashlib.sha256(parent_hash + tokens).digest()
+
+
+def hash_request_blocks(
+    token_ids: Sequence[int], block_size: int, cache_salt: str = ""
+) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids``."""
-    hashes: list[int] = []
-    parent: int | None = None
+    hashes: list[BlockHash] = []
+    parent = root_hash(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
@@ -47,7 +63,7 @@ def hash_request_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 class BlockPool:
@@ -75,7 +91,7 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         if not self.enable_caching:
             return None
         return self.cached_blocks.get(block_hash)
@@ -107,7 +123,7 @@ class BlockPool:
             self.num_evictions += 1
         block.block_hash = None
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Registers a full, computed block under its hash (first writer wins)."""
         if not self.enable_caching or block.block_hash is not None:
             return

@@ -23,7 +23,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.req_to_blocks: dict[str, list[block_pool.KVBlock]] = {}
-        self.req_to_block_hashes: dict[str, list[int]] = {}
+        self.req_to_block_hashes: dict[str, list[block_pool.BlockHash]] = {}
         self.req_to_num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
         self.num_query_tokens = 0
@@ -32,14 +32,17 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_hashes(self, request: Request) -> list[int]:
+    def _block_hashes(self, request: Request) -> list[block_pool.BlockHash]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         while len(hashes) < num_full:
             start = len(hashes) * self.block_size
             tokens = request.token_slice(start, start + self.block_size)
-            hashes.append(block_pool.hash_block_tokens(hashes[-1] if hashes else None, tokens))
+            parent = (
+                hashes[-1] if hashes else block_pool.root_hash(request.sampling_params.cache_salt)
+            )
+            hashes.append(block_pool.hash_block_tokens(parent, tokens))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[block_pool.KVBlock], int]:

@@ -54,6 +54,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
+    cache_salt: str = ""  # prefix-cache partition: blocks are shared only within one salt
 
     @property
     def greedy(self) -> bool:

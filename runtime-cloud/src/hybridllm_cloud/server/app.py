@@ -17,7 +17,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -26,6 +25,7 @@ from hybridllm_cloud.disagg import connector, prefill_server, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
 from hybridllm_cloud.server import metrics as server_metrics
 from hybridllm_cloud.server import serving
+from hybridllm_common import http_errors
 from hybridllm_common import openai_protocol as oai
 
 log = logging.getLogger(__name__)
@@ -34,11 +34,7 @@ log = logging.getLogger(__name__)
 APIError = oai.APIError
 
 
-def error_response(
-    code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    status, body = oai.make_error(code, message, param)
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+error_response = http_errors.error_response
 
 
 def resolve_model_path(model: str) -> Path:
@@ -142,23 +138,7 @@ def create_app(
     app.state.metrics = server_metrics.ServerMetrics()
     app.state.model_name = served_name(settings)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        app.state.metrics.rejected.labels(code=exc.code).inc()
-        return error_response(exc.code, exc.message, exc.param, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = oai.validation_error_param(tuple(first.get("loc", ())))
-        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        app.state.metrics.rejected.labels(code=oai.INVALID_PARAMETER).inc()
-        return error_response(oai.INVALID_PARAMETER, msg, param)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return error_response(oai.INTERNAL_ERROR, f"internal error: {exc}")
+    http_errors.install(app, lambda code: app.state.metrics.rejected.labels(code=code).inc())
 
     @app.get("/health")
     async def health() -> Response:

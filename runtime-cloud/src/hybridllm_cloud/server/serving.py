@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridllm_cloud.engine.llm_engine import RequestOutput
 from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_common import admission
 from hybridllm_common import openai_protocol as oai
 
 Item = tuple[int, RequestOutput | BaseException]
@@ -42,6 +43,7 @@ class Serving:
         self.tokenizer = self.engine.engine.tokenizer
         self.metrics = app.state.metrics
         self.max_len: int = self.engine.engine.info.max_model_len
+        self.vocab_size: int = self.engine.engine.model.config.vocab_size
 
     # --- admission ------------------------------------------------------------------------
 
@@ -57,24 +59,9 @@ class Serving:
         prompt_len: int,
         logprobs: int | None,
     ) -> SamplingParams:
-        if prompt_len >= self.max_len:
-            raise self.error(
-                oai.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt of {prompt_len} tokens exceeds the context length {self.max_len}",
-                "messages" if isinstance(body, oai.ChatCompletionRequest) else "prompt",
-            )
-        max_tokens = body.effective_max_tokens()
-        if max_tokens is not None and prompt_len + max_tokens > self.max_len:
-            raise self.error(
-                oai.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context "
-                f"length {self.max_len}",
-                "max_tokens",
-            )
-        if body.top_k is not None and body.top_k < 0:
-            raise self.error(oai.INVALID_PARAMETER, "top_k: must be >= 0", "top_k")
+        max_tokens = admission.max_new_tokens(body, prompt_len, self.max_len)
         params = SamplingParams(
-            max_tokens=max_tokens or self.max_len - prompt_len,
+            max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
@@ -83,6 +70,7 @@ class Serving:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            cache_salt=body.cache_salt or "",
         )
         return params
 
@@ -145,6 +133,7 @@ class Serving:
 
     async def chat(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
+        admission.refuse_unsupported(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = self.tokenizer.encode_chat(messages)
@@ -176,13 +165,17 @@ class Serving:
 
     async def completion(self, body: oai.CompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
+        admission.refuse_unsupported(body)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise self.error(oai.INVALID_PARAMETER, "prompt: one prompt per request", "prompt")
             text: str | None = str(body.prompt[0])
         else:
             text = body.prompt if isinstance(body.prompt, str) else None
-        prompt = self.tokenizer.encode(text) if text is not None else list(body.prompt)  # type: ignore[arg-type]
+        if text is not None:
+            prompt = self.tokenizer.encode(text)
+        else:
+            prompt = admission.prompt_token_ids(body.prompt, self.vocab_size)
         params = self._params(body, len(prompt), body.logprobs)
         ids, queue = self._start(prompt, params, body.n, body.priority)
         items = self._items(ids, queue)

@@ -65,7 +65,10 @@ def load(settings: config.EdgeSettings) -> Backend:
     what = f"{path} ({found.format} {found.quantization}, {settings.backend})"
     try:
         result = quality.check(
-            found.reference, lambda ids: teacher_forced_logits(backend, ids), what
+            found.reference,
+            lambda ids: teacher_forced_logits(backend, ids),
+            what,
+            found.artifact,
         )
     except BaseException:
         backend.close()

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hybridllm_common import admission
 from hybridllm_common import openai_protocol as oai
 from hybridllm_edge import cache, engine, sampling
 from hybridllm_edge.server import responses
@@ -50,26 +51,9 @@ class Serving(responses.ResponseShapes):
             raise self.error(oai.MODEL_NOT_FOUND, f"model {model!r} is not served here", "model")
 
     def _params(self, body: Body, prompt_len: int, logprobs: int | None) -> sampling.SamplingParams:
-        max_len = self.engine.info.max_model_len
-        where = "messages" if isinstance(body, oai.ChatCompletionRequest) else "prompt"
-        if prompt_len >= max_len:
-            raise self.error(
-                oai.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt of {prompt_len} tokens exceeds the context length {max_len}",
-                where,
-            )
-        max_tokens = body.effective_max_tokens()
-        if max_tokens is not None and prompt_len + max_tokens > max_len:
-            raise self.error(
-                oai.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context "
-                f"length {max_len}",
-                "max_tokens",
-            )
-        if body.top_k is not None and body.top_k < 0:
-            raise self.error(oai.INVALID_PARAMETER, "top_k: must be >= 0", "top_k")
+        max_tokens = admission.max_new_tokens(body, prompt_len, self.engine.info.max_model_len)
         return sampling.SamplingParams(
-            max_tokens=max_tokens or max_len - prompt_len,
+            max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
@@ -152,6 +136,7 @@ class Serving(responses.ResponseShapes):
 
     async def chat(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
+        admission.refuse_unsupported(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         normalized = [[m["role"], cache.normalize(m["content"])] for m in messages]
         key = self._cache_key(body, request, normalized, body.logprobs)
@@ -168,6 +153,7 @@ class Serving(responses.ResponseShapes):
 
     async def completion(self, body: oai.CompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
+        admission.refuse_unsupported(body)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise self.error(oai.INVALID_PARAMETER, "prompt: one prompt per request", "prompt")
@@ -177,12 +163,7 @@ class Serving(responses.ResponseShapes):
         if text is not None:
             prompt = self.engine.backend.encode(text, add_special=True)
         else:
-            prompt = [int(t) for t in body.prompt]  # type: ignore[union-attr]
-            vocab = self.engine.info.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise self.error(
-                    oai.INVALID_PARAMETER, f"prompt: token ids must be in [0, {vocab})", "prompt"
-                )
+            prompt = admission.prompt_token_ids(body.prompt, self.engine.info.vocab_size)
         cache_prompt = cache.normalize(text) if text is not None else prompt
         key = self._cache_key(body, request, cache_prompt, body.logprobs is not None)
         if key is not None and (hit := self._lookup(key)) is not None:

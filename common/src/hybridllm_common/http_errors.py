@@ -1,0 +1,86 @@
+"""One error layer for the runtimes' FastAPI servers (cloud and edge).
+
+Every answer that is not a success has the OpenAI shape
+``{"error": {"message", "type", "param", "code"}}``, whatever raised it:
+
+- :class:`~hybridllm_common.openai_protocol.APIError`: its stable code and status;
+- a request body that fails validation: 400 ``invalid_parameter`` naming the parameter;
+- an unknown path or method: 404 ``not_found`` / 405 ``method_not_allowed`` (FastAPI's
+  own ``{"detail": "Not Found"}`` would break clients that parse errors);
+- anything else: 500 ``internal_error`` carrying a request id, never the exception's text
+  (which can hold paths, prompts or other tenants' data); the log has the traceback
+  under the same id. The id is the client's ``x-request-id`` when it sent one.
+
+FastAPI is imported by the servers that use this module, not by ``hybridllm_common``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from hybridllm_common import openai_protocol as oai
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def error_response(
+    code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    status, body = oai.make_error(code, message, param)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def request_id(request: Request) -> str:
+    sent = request.headers.get(REQUEST_ID_HEADER, "")
+    return sent[:128] if sent.isprintable() and sent else oai.new_id("req")
+
+
+def install(app: FastAPI, on_reject: Callable[[str], None]) -> None:
+    """Register the handlers; ``on_reject(code)`` counts every error answer (metrics)."""
+
+    @app.exception_handler(oai.APIError)
+    async def _api_error(request: Request, exc: oai.APIError) -> JSONResponse:
+        on_reject(exc.code)
+        return error_response(exc.code, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = oai.validation_error_param(tuple(first.get("loc", ())))
+        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        on_reject(oai.INVALID_PARAMETER)
+        return error_response(oai.INVALID_PARAMETER, msg, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: oai.NOT_FOUND, 405: oai.METHOD_NOT_ALLOWED}.get(
+            exc.status_code, oai.INVALID_REQUEST
+        )
+        message = {
+            404: f"no route {request.url.path}",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
+        on_reject(code)
+        status, body = oai.make_error(code, message)
+        return JSONResponse(
+            body.model_dump(), status_code=exc.status_code or status, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        rid = request_id(request)
+        log.error("request %s failed", rid, exc_info=exc)
+        on_reject(oai.INTERNAL_ERROR)
+        return error_response(
+            oai.INTERNAL_ERROR,
+            f"internal error (request id {rid}); the server log has the details",
+            headers={REQUEST_ID_HEADER: rid},
+        )
