@@ -34,6 +34,8 @@ PREFIX_CACHE_QUERIES_TOTAL = "hybridllm_prefix_cache_queries_tokens_total"
 PREFIX_CACHE_HITS_TOTAL = "hybridllm_prefix_cache_hits_tokens_total"
 PREFIX_CACHE_HIT_RATE = "hybridllm_prefix_cache_hit_rate"
 PREEMPTIONS_TOTAL = "hybridllm_preemptions_total"
+ENGINE_STEP_FAILURES_TOTAL = "hybridllm_engine_step_failures_total"
+ENGINE_REQUESTS_FAILED_TOTAL = "hybridllm_engine_requests_failed_total"
 BATCH_SIZE = "hybridllm_engine_step_batch_size"
 TOKENS_PER_STEP = "hybridllm_engine_step_tokens"
 

@@ -77,7 +77,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        self.cached_blocks: dict[int, KVBlock] = {}
+        self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
 
     @property
@@ -122,6 +122,13 @@ class BlockPool:
             del self.cached_blocks[block.block_hash]
             self.num_evictions += 1
         block.block_hash = None
+
+    def drop_hashes(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget the blocks' prefix-cache entries (their K/V may be wrong): no hit finds them."""
+        for block in blocks:
+            if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Registers a full, computed block under its hash (first writer wins)."""

@@ -137,9 +137,15 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self.req_to_num_cached_blocks[request.request_id] = max(start, num_full)
 
-    def free(self, request: Request) -> None:
-        """Releases the request's blocks, tail first (see block_pool)."""
+    def free(self, request: Request, drop_cached: bool = False) -> None:
+        """Releases the request's blocks, tail first (see block_pool).
+
+        ``drop_cached``: the blocks' K/V may be half-written (a failed step), so their
+        prefix-cache entries go too.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        if drop_cached:
+            self.pool.drop_hashes(blocks)
         self.pool.free_blocks(reversed(blocks))
         self.req_to_num_cached_blocks.pop(request.request_id, None)
         if request.status.is_finished:

@@ -284,6 +284,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def is_unfinished(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
     def has_schedulable(self) -> bool:
         return self.scheduler.has_schedulable() or not self._remote_done.empty()
 

@@ -61,6 +61,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Decode role: requests whose prompt KV a prefill worker is filling.
         self.remote: dict[str, Request] = {}
+        # Out of the schedule while a failed step is isolated (see AsyncEngine), no blocks.
+        self.held: dict[str, Request] = {}
         self.remote_prefill: Callable[[Request, int], bool] | None = None
 
     # --- queues ---------------------------------------------------------------------------
@@ -74,7 +76,7 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0 or bool(self.remote)
+        return bool(self.running) or self.num_waiting > 0 or bool(self.remote) or bool(self.held)
 
     def has_schedulable(self) -> bool:
         """Work a step can do now (requests waiting for remote KV cannot run yet)."""
@@ -109,7 +111,9 @@ class Scheduler:
                 request.status = status
                 del self.requests[request_id]
                 continue
-            if request.status == RequestStatus.RUNNING:
+            if request_id in self.held:
+                del self.held[request_id]
+            elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting[request.priority].remove(request)
@@ -120,6 +124,47 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_since_step.append(request.request_id)
+
+    # --- isolation of a failed step -------------------------------------------------------
+
+    def hold(self, request_id: str, drop_cached: bool = False) -> bool:
+        """Take a running or waiting request out of the schedule, to recompute when released.
+
+        Like a preemption: its blocks are freed and its generated tokens kept. With
+        ``drop_cached`` its blocks also leave the prefix cache: after a failed step their K/V
+        may be half-written (blocks are registered when scheduled, before the step runs).
+        """
+        request = self.requests.get(request_id)
+        if request is None or request_id in self.held or request_id in self.remote:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting[request.priority]:
+            self.waiting[request.priority].remove(request)
+        else:
+            return False
+        self.kv.free(request, drop_cached=drop_cached)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        if request.kv_export is not None:
+            request.kv_export.reset()
+        self.held[request_id] = request
+        return True
+
+    def hold_running(self, drop_cached: bool) -> list[str]:
+        """Every running request out of the schedule (see ``hold``); their ids."""
+        ids = [r.request_id for r in self.running]
+        for request_id in ids:
+            self.hold(request_id, drop_cached=drop_cached)
+        return ids
+
+    def release(self, request_id: str) -> bool:
+        """Back to the front of its waiting queue."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.waiting[request.priority].appendleft(request)
+        return True
 
     def _preempt_last(self) -> Request:
         victim = self.running.pop()

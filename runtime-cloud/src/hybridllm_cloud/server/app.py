@@ -121,6 +121,7 @@ def create_app(
                 llm_engine.LLMEngine.from_path, path, settings.engine_config()
             )
         app.state.engine = async_engine.AsyncEngine(engine, app.state.metrics.on_step)
+        app.state.metrics.watch_failures(app.state.engine)
         stop = await _start_role(app, settings, engine)
         app.state.engine.start()
         app.state.ready = True

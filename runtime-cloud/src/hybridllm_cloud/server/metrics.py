@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -54,6 +55,14 @@ class ServerMetrics:
             names.PREFIX_CACHE_HIT_RATE, "Prefix cache hit rate (tokens)", registry=r
         )
         self.preemptions = Gauge(names.PREEMPTIONS_TOTAL, "Preemptions so far", registry=r)
+        self.step_failures = Gauge(
+            names.ENGINE_STEP_FAILURES_TOTAL, "Engine steps that raised, so far", registry=r
+        )
+        self.requests_failed = Gauge(
+            names.ENGINE_REQUESTS_FAILED_TOTAL,
+            "Requests the engine failed after isolating a failed step, so far",
+            registry=r,
+        )
         self.batch_size = Histogram(
             names.BATCH_SIZE, "Requests per engine step", buckets=STEP_BUCKETS, registry=r
         )
@@ -110,6 +119,11 @@ class ServerMetrics:
         """Prefill role: one transfer to a decode worker ended."""
         self.kv_bytes.labels(direction="sent").inc(sent)
         self.kv_seconds.labels(outcome=outcome).observe(seconds)
+
+    def watch_failures(self, engine: Any) -> None:
+        """Read the AsyncEngine's failure counters at every scrape."""
+        self.step_failures.set_function(lambda: engine.num_step_failures)
+        self.requests_failed.set_function(lambda: engine.num_requests_failed)
 
     def on_step(self, stats: llm_engine.EngineStats) -> None:
         """Called from the engine thread after every step (prometheus_client is thread-safe)."""

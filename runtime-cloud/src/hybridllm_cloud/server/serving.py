@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hybridllm_cloud.engine import async_engine
 from hybridllm_cloud.engine.llm_engine import RequestOutput
 from hybridllm_cloud.engine.request import Priority, SamplingParams
 from hybridllm_common import admission
@@ -295,6 +296,11 @@ class Serving:
                 yield first
                 async for chunk in chunks:
                     yield chunk
+            except async_engine.RequestFailed as exc:
+                # Headers are sent: the failure goes in-band, then the stream ends cleanly.
+                _, error = oai.make_error(oai.INTERNAL_ERROR, str(exc))
+                yield f"data: {json.dumps(error.model_dump())}\n\n"
+                yield "data: [DONE]\n\n"
             finally:
                 # Cancelled (client gone) or done: close both generators so that the
                 # engine requests still open are aborted now, not at garbage collection.
