@@ -110,3 +110,34 @@ def test_streamed_text_concatenates_to_final(engine: llm_engine.LLMEngine) -> No
     assert final is not None
     assert final.finished
     assert "".join(pieces) == final.text
+
+
+def test_penalties_follow_openais_definition() -> None:
+    logits = torch.tensor([[3.0, 2.9, 1.0, 0.0]])
+    params = SamplingParams(max_tokens=4, temperature=0.0, presence_penalty=0.5)
+    # token 0 was generated twice: presence takes 0.5 once, frequency 0.2 per occurrence
+    assert sampler.sample(logits, [params], [None], [[0, 0]]).token_ids == [1]
+    out = sampler.apply_penalties(logits[0], [0, 0, 2], presence=0.5, frequency=0.2)
+    assert out.tolist() == pytest.approx([3.0 - 0.9, 2.9, 1.0 - 0.7, 0.0])
+    negative = SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=-1.0)
+    assert sampler.sample(logits, [negative], [None], [[2, 2, 2]]).token_ids == [2]
+    # no penalty, or nothing generated yet: the raw argmax; logprobs stay the model's own
+    plain = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
+    result = sampler.sample(logits.repeat(2, 1), [plain, params], [None, None], [[0], []])
+    assert result.token_ids == [0, 0]
+    assert result.logprobs[0] is not None
+    assert result.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], 0)[0]))
+
+
+def test_a_frequency_penalty_stops_a_greedy_loop(engine: llm_engine.LLMEngine) -> None:
+    prompt = [5, 6, 7, 8, 9]
+    base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = engine.generate([prompt], base)[0].token_ids
+    penalized = engine.generate(
+        [prompt],
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=2.0),
+    )[0].token_ids
+    assert penalized != plain
+    assert max(penalized.count(t) for t in set(penalized)) <= max(
+        plain.count(t) for t in set(plain)
+    )

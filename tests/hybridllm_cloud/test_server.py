@@ -269,8 +269,7 @@ def test_a_token_id_outside_the_vocabulary_fails_only_its_own_request(
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"suffix": "x"}, "suffix"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"no_such_option": 1}, "no_such_option"),
     ],

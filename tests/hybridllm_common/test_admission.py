@@ -20,8 +20,7 @@ def _chat(**fields: object) -> oai.ChatCompletionRequest:
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
-        ({"frequency_penalty": 0.1}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"best_of": 3}, "best_of"),
         ({"made_up": True}, "made_up"),
     ],
@@ -37,8 +36,8 @@ def test_refused_parameters_are_named(fields: dict[str, object], param: str) -> 
 def test_no_op_values_and_implemented_extensions_pass() -> None:
     admission.refuse_unsupported(
         _chat(
-            presence_penalty=0,
-            frequency_penalty=0.0,
+            presence_penalty=1.5,
+            frequency_penalty=-0.5,
             tools=[],
             tool_choice="none",
             response_format={"type": "text"},

@@ -28,6 +28,10 @@ def test_key_normalizes_whitespace_but_not_words_roles_or_parameters() -> None:
     assert key != cache.make_key(
         "rev", "chat", [["user", "What is it?"]], {**body, "max_tokens": 9}
     )
+    # one partition per tenant: another tenant's cached answer is never served
+    assert key != cache.make_key(
+        "rev", "chat", [["user", "What is it?"]], {**body, "cache_salt": "tenant-b"}
+    )
 
 
 def test_entries_expire_after_the_ttl() -> None:

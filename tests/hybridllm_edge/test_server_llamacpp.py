@@ -186,3 +186,19 @@ def test_health_models_and_metrics(llamacpp_server) -> None:
         names.RESPONSE_CACHE_HITS_TOTAL,
     ):
         assert name in text
+
+
+def test_penalties_reach_the_sampler(llamacpp_server) -> None:
+    client = llamacpp_server.client()
+
+    def ask(**extra: float) -> list[str]:
+        resp = client.completions.create(
+            model="", prompt="one, two, one, two, one, two,", max_tokens=16, temperature=0,
+            logprobs=0, extra_headers={"x-hybridllm-cache": "bypass"}, **extra,
+        )  # fmt: skip
+        return resp.choices[0].logprobs.tokens
+
+    plain = ask()
+    penalized = ask(frequency_penalty=2.0, presence_penalty=1.0)
+    assert penalized != plain
+    assert len(set(penalized)) > len(set(plain))

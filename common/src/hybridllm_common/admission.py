@@ -25,8 +25,6 @@ KNOWN_EXTRAS = frozenset({"cache"})
 def _is_noop(name: str, value: Any) -> bool:
     if value is None or value is False or value == [] or value == {} or value == "":
         return True
-    if name in ("presence_penalty", "frequency_penalty") and value == 0:
-        return True
     if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
         return True
     if name == "tool_choice" and value == "none":
@@ -36,8 +34,6 @@ def _is_noop(name: str, value: Any) -> bool:
 
 # OpenAI parameters neither runtime implements yet, refused unless at their no-op value.
 NOT_SUPPORTED_YET = (
-    "presence_penalty",
-    "frequency_penalty",
     "suffix",
     "tools",
     "tool_choice",

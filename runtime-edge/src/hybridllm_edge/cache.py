@@ -41,6 +41,7 @@ KEY_FIELDS = (
     "ignore_eos",
     "echo",
     "suffix",
+    "cache_salt",  # one partition per tenant (the gateway sets it)
 )
 
 

@@ -234,7 +234,7 @@ class Engine:
 
     def _on_token(self, req: EngineRequest, logits: np.ndarray) -> None:
         params = req.params
-        choice = sampling.sample(logits, params, req.rng)
+        choice = sampling.sample(logits, params, req.rng, req.output_ids)
         token = choice.token_id
         req.output_ids.append(token)
         req.logprob_sum += choice.logprob

@@ -3,7 +3,9 @@
 Greedy (temperature 0) is ``argmax``: the same token whatever else shares the batch, which
 is what makes concurrent answers equal to sequential ones. Otherwise temperature, top-k and
 top-p filter the distribution and a per-request ``numpy`` generator (seeded when the request
-gives a seed) draws from it. The reported log-probability is always from the unmodified
+gives a seed) draws from it. Presence and frequency penalties (OpenAI's definition) lower
+the logits of tokens already generated before the choice. The reported log-probability is
+always from the unmodified
 distribution (what the model believes), so the mean over a completion is a comparable
 confidence signal whatever the sampling settings.
 """
@@ -26,6 +28,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to report; None: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -41,9 +49,31 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> Choice:
-    """logits: [vocab] float32."""
+def apply_penalties(
+    logits: np.ndarray, output_ids: list[int], presence: float, frequency: float
+) -> np.ndarray:
+    """OpenAI's penalties: ``logit[j] -= count[j] * frequency + (count[j] > 0) * presence``,
+    counted over the tokens generated so far (not the prompt)."""
+    if not output_ids:
+        return logits
+    ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+    out = logits.astype(np.float32, copy=True)
+    out[ids] -= counts * np.float32(frequency) + np.float32(presence)
+    return out
+
+
+def sample(
+    logits: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator | None,
+    output_ids: list[int] | None = None,
+) -> Choice:
+    """logits: [vocab] float32; ``output_ids``: generated so far (for the penalties)."""
     logp = log_softmax(logits.astype(np.float32, copy=False))
+    if params.penalized and output_ids:
+        logits = apply_penalties(
+            logits, output_ids, params.presence_penalty, params.frequency_penalty
+        )
     if params.temperature == 0.0 or rng is None:
         token = int(np.argmax(logits))
     else:

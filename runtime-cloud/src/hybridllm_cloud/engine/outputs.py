@@ -20,6 +20,7 @@ class ScheduledRequest:
     sample: bool  # the chunk reaches the last known token: sample the next one
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # generated so far (for penalties / bookkeeping)
+    output_token_ids: list[int] | None = None  # generated so far, when penalties need them
 
     @property
     def num_tokens(self) -> int:

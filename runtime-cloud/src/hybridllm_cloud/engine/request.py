@@ -55,6 +55,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
     cache_salt: str = ""  # prefix-cache partition: blocks are shared only within one salt
+    presence_penalty: float = 0.0  # OpenAI's: over the tokens generated so far
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +74,9 @@ class SamplingParams:
             raise ValueError("temperature: must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p: must be in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs: must be in [0, 20]")
 

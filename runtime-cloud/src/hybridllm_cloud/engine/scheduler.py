@@ -346,6 +346,9 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
+            output_token_ids=(
+                list(request.output_token_ids) if request.sampling_params.penalized else None
+            ),
         )
 
     def update_from_output(

@@ -72,6 +72,8 @@ class Serving:
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             cache_salt=body.cache_salt or "",
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
         )
         return params
 

@@ -156,6 +156,7 @@ class ModelRunner:
             logits,
             [s.sampling_params for s in sampled],
             [self._generator(s.request_id, s.sampling_params.seed) for s in sampled],
+            [s.output_token_ids for s in sampled],
         )
         out = ModelRunnerOutput()
         for s, token, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):

@@ -3,8 +3,10 @@
 Greedy rows take the argmax (ties go to the lowest id, as in HF). Random rows draw with
 the exponential-race trick (``argmax(p / Exp(1))`` is a sample from ``p``), one row at a
 time when the request has its own generator so a seed reproduces the same text no matter
-what else is in the batch. Logprobs are of the model's raw distribution (before
-temperature and truncation), like OpenAI and vLLM.
+what else is in the batch. Presence and frequency penalties (OpenAI's definition, over the
+tokens generated so far) lower a row's logits before the choice. Logprobs are of the
+model's raw distribution (before penalties, temperature and truncation), like OpenAI and
+vLLM.
 """
 
 from __future__ import annotations
@@ -37,11 +39,38 @@ def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:  
     return logits
 
 
+def apply_penalties(
+    logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float
+) -> torch.Tensor:  # [vocab]
+    """``logit[j] -= count[j] * frequency + (count[j] > 0) * presence``."""
+    ids, counts = torch.unique(
+        torch.tensor(output_ids, dtype=torch.int64, device=logits.device), return_counts=True
+    )
+    out = logits.clone()
+    out[ids] -= counts.to(logits.dtype) * frequency + presence
+    return out
+
+
 def sample(
     logits: torch.Tensor,  # [num_rows, vocab] float32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    output_ids: list[list[int] | None] | None = None,
 ) -> SamplerResult:
+    raw = logits
+    penalized = [
+        row
+        for row, p in enumerate(params)
+        if p.penalized and output_ids is not None and output_ids[row]
+    ]
+    if penalized:
+        logits = logits.clone()
+        for row in penalized:
+            p = params[row]
+            assert output_ids is not None
+            ids = output_ids[row]
+            assert ids is not None
+            logits[row] = apply_penalties(logits[row], ids, p.presence_penalty, p.frequency_penalty)
     greedy = logits.argmax(dim=-1).tolist()
     token_ids: list[int] = []
     for row, p in enumerate(params):
@@ -55,7 +84,7 @@ def sample(
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     want = [row for row, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
+        lp = torch.log_softmax(raw[want], dim=-1)
         for i, row in enumerate(want):
             k = params[row].logprobs or 0
             top = torch.topk(lp[i], k) if k else None

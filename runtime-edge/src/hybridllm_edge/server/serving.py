@@ -62,6 +62,8 @@ class Serving(responses.ResponseShapes):
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
         )
 
     def _cache_key(
