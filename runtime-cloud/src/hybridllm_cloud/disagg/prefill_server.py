@@ -200,6 +200,7 @@ class KVServer:
         self.engine.add(request_id, prompt, params, priority, out, kv_export=(first_block, sink))
         peer_gone = asyncio.ensure_future(conn.wait_closed_by_peer())
         sent, finished = 0, False
+        get: asyncio.Future[Any] | None = None
         try:
             while True:
                 get = asyncio.ensure_future(out.get())
@@ -254,5 +255,7 @@ class KVServer:
         finally:
             sink.close()
             peer_gone.cancel()
+            if get is not None and not get.done():
+                get.cancel()  # cancelled mid-wait (server closing): no task left pending
             if not finished:
                 self.engine.abort(request_id)
