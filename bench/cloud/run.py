@@ -30,6 +30,9 @@ import torch
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.request import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from portable import portable  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT.parent / "shared" / "traces"
 RESULTS = ROOT / "bench" / "results"
@@ -410,7 +413,7 @@ def main() -> int:
     t0 = time.time()
     report = {"machine": machine(), "command": " ".join(["uv run python bench/cloud/run.py", *sys.argv[1:]]),
               "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-              "model": str(path), "dtype": "float32", "args": vars(args)}  # fmt: skip
+              "model": portable(str(path)), "dtype": "float32", "args": vars(args)}  # fmt: skip
     if args.resume_log:
         rows = [json.loads(ln) for ln in Path(args.resume_log).read_text().splitlines()
                 if ln.startswith('{"variant"')]  # fmt: skip

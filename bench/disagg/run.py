@@ -44,6 +44,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from portable import portable
+
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "azure-2023" / "AzureLLMInferenceTrace_code.csv"
 VOCAB = (2000, 40000)  # token ids drawn for synthetic prompts (plain word pieces)
@@ -405,7 +408,10 @@ def main() -> int:
     report = {
         "machine": machine(),
         "command": "uv run python bench/disagg/run.py " + " ".join(sys.argv[1:]),
-        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "params": {
+            k: portable(str(v)) if isinstance(v, Path) or k == "model" else v
+            for k, v in vars(args).items()
+        },
         "seconds": time.time() - started,
         "runs": runs,
         "medians": medians,

@@ -45,8 +45,10 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cache_hit
 import weights
+from portable import portable
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
@@ -222,8 +224,8 @@ def main() -> int:
     if args.ours_weights and args.ours_weights != args.weights:
         gguf = str(weights.resolve(args.ours_weights))
         label = f"{args.ours_weights.upper()} (ours) vs {label} (peer)"
-    report: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "gguf": gguf,
-                              "peer_gguf": peer_gguf, "weights": label, "threads": args.threads,
+    report: dict[str, Any] = {"machine": machine(), "command": portable(" ".join(sys.argv)),
+                              "gguf": portable(gguf), "peer_gguf": portable(peer_gguf), "weights": label, "threads": args.threads,
                               "max_tokens": args.max_tokens, "lengths": args.lengths,
                               "per_client": args.per_client}  # fmt: skip
 
@@ -235,7 +237,8 @@ def main() -> int:
                 "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
                 "--port", str(peer_port), "--host", "127.0.0.1"]  # fmt: skip
     peer_env = {**os.environ, "PYTHONPATH": args.peer_deps}
-    report["ours_command"], report["peer_command"] = " ".join(ours_cmd), " ".join(peer_cmd)
+    report["ours_command"] = portable(" ".join(ours_cmd))
+    report["peer_command"] = portable(" ".join(peer_cmd))
 
     # Both servers stay up (an idle server costs no CPU) and every measurement alternates
     # ours / peer, so a burst of load on this shared machine hits both alike.
