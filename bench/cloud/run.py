@@ -31,7 +31,7 @@ from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from portable import portable  # noqa: E402
+from portable import portable
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT.parent / "shared" / "traces"
