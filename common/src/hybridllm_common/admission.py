@@ -29,7 +29,7 @@ def _is_noop(name: str, value: Any) -> bool:
         return True
     if name == "tool_choice" and value == "none":
         return True
-    return name in ("best_of",) and value == 1
+    return name == "best_of" and value == 1
 
 
 # OpenAI parameters neither runtime implements yet, refused unless at their no-op value.

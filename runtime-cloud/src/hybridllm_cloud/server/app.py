@@ -34,9 +34,6 @@ log = logging.getLogger(__name__)
 APIError = oai.APIError
 
 
-error_response = http_errors.error_response
-
-
 def resolve_model_path(model: str) -> Path:
     """A local HF-layout directory as is; anything else through the model store."""
     path = Path(model)
@@ -144,7 +141,7 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if not app.state.ready:
-            return error_response(oai.MODEL_NOT_READY, "model is loading")
+            return http_errors.error_response(oai.MODEL_NOT_READY, "model is loading")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

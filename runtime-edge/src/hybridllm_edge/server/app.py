@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 APIError = oai.APIError
 
 
-error_response = http_errors.error_response
-
-
 def served_name(settings: config.EdgeSettings) -> str:
     if settings.served_model_name:
         return settings.served_model_name
@@ -91,7 +88,7 @@ def create_app(settings: config.EdgeSettings, ready_engine: engine.Engine | None
     @app.get("/health")
     async def health() -> Response:
         if not app.state.ready:
-            return error_response(oai.MODEL_NOT_READY, app.state.not_ready_reason)
+            return http_errors.error_response(oai.MODEL_NOT_READY, app.state.not_ready_reason)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
