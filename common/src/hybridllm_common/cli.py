@@ -25,14 +25,20 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "hybridllm.cli"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every installed subcommand, or only ``only`` when one is installed
+    under that name: each entry point's name is the subcommand it adds, so
+    ``hybridllm up`` never imports torch for ``hybridllm cloud``'s flags."""
     parser = argparse.ArgumentParser(
         prog="hybridllm",
         description="hybridllm: one LLM service across edge devices and cloud GPUs.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for entry_point in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    entry_points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    if any(e.name == only for e in entry_points):
+        entry_points = [e for e in entry_points if e.name == only]
+    for entry_point in entry_points:
         try:
             register: Callable[[Any], None] = entry_point.load()
         except ImportError as exc:
@@ -40,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         register(subparsers)
     return parser
+
+
+def _command_name(argv: Sequence[str]) -> str | None:
+    """The subcommand in ``argv``: its first word that is not a global flag."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -109,7 +123,8 @@ def report_invalid(prog: str, exc: pydantic.ValidationError) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_command_name(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -84,3 +84,20 @@ def install(app: FastAPI, on_reject: Callable[[str], None]) -> None:
             f"internal error (request id {rid}); the server log has the details",
             headers={REQUEST_ID_HEADER: rid},
         )
+
+
+class _ProbeAccessFilter(logging.Filter):
+    """Drops uvicorn's access-log lines for ``GET /health``: a kubelet (or the local
+    supervisor) probes every few seconds, and those lines would bury the requests."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) >= 3 and args[2] == "/health")
+
+
+def run_server(app: FastAPI, host: str, port: int) -> None:
+    """Serve a runtime's app with uvicorn, as both runtimes do."""
+    import uvicorn
+
+    logging.getLogger("uvicorn.access").addFilter(_ProbeAccessFilter())
+    uvicorn.run(app, host=host, port=port, log_level="info")

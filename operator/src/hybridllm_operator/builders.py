@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
 from hybridllm_common import crd
 
 MANAGED_BY = "hybridllm-operator"
@@ -31,6 +33,21 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_REVISION = "hybridllm.io/revision"
+
+# The program each component runs: the ENTRYPOINT of its image in docker/, and the
+# console script of its distribution that local mode starts.
+PROGRAMS = {
+    "edge": "hybridllm-edge",
+    "monolithic": "hybridllm-cloud",
+    "prefill": "hybridllm-cloud",
+    "decode": "hybridllm-cloud",
+    "gateway": "hybridllm-gateway",
+}
+
+# Flags that say where a process listens or finds its peers and files. They are the
+# only ones a placement changes: a pod listens on PORT behind a Service, a local process
+# on its own loopback port (local mode rewrites exactly these, nothing else).
+ADDRESS_FLAGS = ("--host", "--port", "--kv-port", "--prefill-url", "--config", "--api-keys-file")
 
 
 @dataclass(frozen=True)
@@ -125,9 +142,20 @@ class Pool:
     resources: crd.Resources
     image: str
     args: list[str]
+    program: str
     node_selector: dict[str, str] | None = None
     revisioned: bool = True
     env: dict[str, str] = field(default_factory=dict)
+
+
+def cpu_threads(resources: crd.Resources) -> int:
+    """Threads for a replica's compute: its CPU quantity rounded down, at least one.
+
+    Left to themselves llama.cpp and torch size their thread pools to the node's cores,
+    not to the pod's CPU limit, and a 2-CPU pod on a 64-core node then spends its time
+    throttled by the CFS quota.
+    """
+    return max(1, int(parse_quantity(resources.cpu)))  # type: ignore[no-untyped-call]
 
 
 def _model_args(service: Service) -> list[str]:
@@ -145,6 +173,8 @@ def _edge_pool(service: Service) -> Pool:
         edge.quantization.value,
         "--parallel",
         str(edge.parallel),
+        "--threads",
+        str(cpu_threads(edge.pool.resources)),
         "--port",
         str(PORT),
     ]
@@ -163,6 +193,7 @@ def _edge_pool(service: Service) -> Pool:
         resources=edge.pool.resources,
         image=edge.pool.image or service.images.edge,
         args=args,
+        program=PROGRAMS["edge"],
         node_selector=edge.pool.node_selector,
     )
 
@@ -178,6 +209,7 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
         str(cloud.max_num_seqs),
     ]
     args += ["--gpu-memory-fraction", str(cloud.kv_cache.gpu_memory_fraction)]
+    args += ["--torch-threads", str(cpu_threads(pool.resources))]
     if pool.resources.gpu:
         args += ["--device", "cuda"]
     if not cloud.kv_cache.prefix_caching:
@@ -197,6 +229,7 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
         resources=pool.resources,
         image=pool.image or service.images.cloud,
         args=args,
+        program=PROGRAMS[role],
         node_selector=pool.node_selector,
     )
 
@@ -212,6 +245,7 @@ def _gateway_pool(service: Service) -> Pool:
         resources=gateway.resources,
         image=gateway.image or service.images.gateway,
         args=args,
+        program=PROGRAMS["gateway"],
         revisioned=False,
     )
 
@@ -249,6 +283,7 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "server",
         "image": pool.image,
+        "command": [pool.program],
         "args": pool.args,
         "ports": [
             {"name": "http", "containerPort": PORT, "protocol": "TCP"},
@@ -359,23 +394,35 @@ def build_pdb(service: Service, pool: Pool) -> dict[str, Any] | None:
     }
 
 
+def tier_components(service: Service) -> dict[str, str]:
+    """The pool that answers each enabled tier: the gateway sends cloud requests to the
+    decode pool (which asks the prefill pool itself) or to the monolithic pool."""
+    spec = service.spec
+    out = {}
+    if spec.edge.enabled:
+        out["edge"] = "edge"
+    if spec.cloud.enabled:
+        out["cloud"] = "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic"
+    return out
+
+
 def build_routing_config(service: Service) -> dict[str, Any]:
     """The gateway's routing table: tiers, their backends and the routing policy."""
+    return routing_config(
+        service,
+        {tier: [service_url(service, c)] for tier, c in tier_components(service).items()},
+    )
+
+
+def routing_config(service: Service, backends: dict[str, list[str]]) -> dict[str, Any]:
+    """The routing table with the given backend URLs per tier (a tier with none is left
+    out): one Service URL per tier in a cluster, one URL per ready replica locally."""
     spec = service.spec
-    tiers: dict[str, Any] = {}
-    if spec.edge.enabled:
-        tiers["edge"] = {
-            "backends": [
-                {"url": service_url(service, "edge"), "revision": service.revision, "weight": 100}
-            ]
-        }
-    if spec.cloud.enabled:
-        entry = "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic"
-        tiers["cloud"] = {
-            "backends": [
-                {"url": service_url(service, entry), "revision": service.revision, "weight": 100}
-            ]
-        }
+    tiers = {
+        tier: {"backends": [{"url": u, "revision": service.revision, "weight": 100} for u in urls]}
+        for tier, urls in backends.items()
+        if urls
+    }
     return {
         "service": service.name,
         "namespace": service.namespace,
@@ -419,14 +466,7 @@ def build_children(service: Service) -> list[dict[str, Any]]:
 
 
 def endpoints(service: Service) -> crd.Endpoints:
-    spec = service.spec
-    cloud = None
-    if spec.cloud.enabled:
-        cloud = service_url(
-            service, "decode" if spec.cloud.mode == crd.CloudMode.disaggregated else "monolithic"
-        )
+    urls = {tier: service_url(service, c) for tier, c in tier_components(service).items()}
     return crd.Endpoints(
-        gateway=service_url(service, "gateway"),
-        edge=service_url(service, "edge") if spec.edge.enabled else None,
-        cloud=cloud,
+        gateway=service_url(service, "gateway"), edge=urls.get("edge"), cloud=urls.get("cloud")
     )

@@ -25,9 +25,8 @@ def settings_from_args(args: argparse.Namespace) -> config_mod.ServeSettings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from hybridllm_cloud.server import app as app_mod
+    from hybridllm_common import http_errors
 
     try:
         settings = settings_from_args(args)
@@ -38,7 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(settings.torch_threads)
     app = app_mod.create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    http_errors.run_server(app, settings.host, settings.port)
     return 0
 
 

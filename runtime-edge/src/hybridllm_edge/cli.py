@@ -25,8 +25,7 @@ def settings_from_args(args: argparse.Namespace) -> config.EdgeSettings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from hybridllm_common import http_errors
     from hybridllm_edge.server import app as app_mod
 
     try:
@@ -39,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"hybridllm-edge: {exc}", file=sys.stderr)
         return 2
     app = app_mod.create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    http_errors.run_server(app, settings.host, settings.port)
     return 0
 
 

@@ -1,0 +1,21 @@
+"""``python -m hybridllm_operator.local STATE_DIR``: the supervisor `hybridllm up -d` starts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hybridllm_operator.local import supervisor
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridllm_operator.local")
+    parser.add_argument("state_dir", type=Path)
+    parser.add_argument("--grace-period", type=float, default=supervisor.DEFAULT_GRACE_S)
+    args = parser.parse_args()
+    return supervisor.run_detached(args.state_dir, args.grace_period)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

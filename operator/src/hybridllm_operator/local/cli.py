@@ -1,0 +1,328 @@
+"""`hybridllm up`, `down`, `status` and `logs`: an LLMService manifest on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridllm_operator.local import plan as plan_mod
+from hybridllm_operator.local import supervisor as sup
+
+EXIT_INVALID = 2
+
+
+def _root(args: argparse.Namespace) -> Path:
+    return Path(args.state_root) if args.state_root else plan_mod.state_root()
+
+
+def _error(message: str, code: int = 1) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def _read_state(service_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((service_dir / sup.STATE_FILE).read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+def _running(service_dir: Path) -> dict[str, Any] | None:
+    """The state of a live supervisor in ``service_dir``, else None."""
+    state = _read_state(service_dir)
+    if state and sup.is_alive(state.get("supervisor_pid"), state.get("supervisor_start_time")):
+        return state
+    return None
+
+
+def _pick(args: argparse.Namespace) -> Path:
+    """The service directory a command is about: NAME, or the only one with state."""
+    root = _root(args)
+    if args.name:
+        return root / str(args.name)
+    known = sorted(p.parent for p in root.glob(f"*/{sup.STATE_FILE}"))
+    if len(known) == 1:
+        return known[0]
+    if not known:
+        raise LookupError(f"no local service has state under {root}; start one with `hybridllm up`")
+    names = ", ".join(p.name for p in known)
+    raise LookupError(f"several local services ({names}); name one")
+
+
+# --------------------------------------------------------------------------- up
+
+
+def _up(args: argparse.Namespace) -> int:
+    try:
+        manifest = plan_mod.load_manifest(Path(args.file), args.name)
+    except plan_mod.ManifestError as exc:
+        return _error(str(exc), EXIT_INVALID)
+    service = manifest.service()
+    api_keys = Path(args.api_keys_file) if args.api_keys_file else None
+    problems = plan_mod.local_problems(service, gpus=plan_mod.gpu_count(), api_keys_file=api_keys)
+    if problems:
+        for problem in problems:
+            print(f"error: {manifest.path}: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    service_dir = _root(args) / manifest.name
+    running = _running(service_dir)
+    if running:
+        return _error(
+            f"{manifest.name} is already running (supervisor pid {running['supervisor_pid']}, "
+            f"{running['gateway_url']}); `hybridllm down {manifest.name}` first"
+        )
+    try:
+        plan_mod.check_port_free(args.host, args.port)
+        plan = plan_mod.make_plan(
+            manifest, service_dir, host=args.host, gateway_port=args.port, api_keys_file=api_keys
+        )
+    except plan_mod.ManifestError as exc:
+        return _error(str(exc), EXIT_INVALID)
+    for note in plan_mod.local_notes(service):
+        print(f"note: {note}")
+    service_dir.mkdir(parents=True, exist_ok=True)
+    (service_dir / sup.PLAN_FILE).write_text(plan.to_json())
+    if not args.detach:
+        try:
+            return asyncio.run(sup.Supervisor(plan, service_dir, grace_s=args.grace_period).run())
+        except sup.AlreadyRunning as exc:
+            return _error(str(exc))
+    return _up_detached(args, plan, service_dir)
+
+
+def _up_detached(args: argparse.Namespace, plan: plan_mod.Plan, service_dir: Path) -> int:
+    log_path = service_dir / sup.SUPERVISOR_LOG
+    with log_path.open("ab") as log:
+        start = log.tell()
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hybridllm_operator.local",
+                str(service_dir),
+                "--grace-period",
+                str(args.grace_period),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + args.wait_timeout
+    with log_path.open("rb") as follow:
+        follow.seek(start)
+
+        def echo() -> None:
+            sys.stdout.write(follow.read().decode(errors="replace"))
+            sys.stdout.flush()
+
+        while True:
+            echo()
+            state = _read_state(service_dir)
+            if state and state.get("supervisor_pid") == child.pid and state["phase"] == "ready":
+                echo()
+                print(f"{plan.name} runs in the background (supervisor pid {child.pid})")
+                return 0
+            if child.poll() is not None:
+                echo()
+                return _error(f"the supervisor exited ({child.returncode}); log: {log_path}")
+            if time.monotonic() > deadline:
+                return _error(
+                    f"{plan.name} is not ready after {args.wait_timeout:.0f}s and keeps "
+                    f"starting in the background: `hybridllm status {plan.name}`, "
+                    f"`hybridllm logs {plan.name}`"
+                )
+            time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- down
+
+
+def _down(args: argparse.Namespace) -> int:
+    try:
+        service_dir = _pick(args)
+    except LookupError as exc:
+        return _error(str(exc))
+    name = service_dir.name
+    state = _read_state(service_dir)
+    if state is None:
+        return _error(f"{name} is not running (no state in {service_dir})")
+    pid, start_time = int(state.get("supervisor_pid") or 0), state.get("supervisor_start_time")
+    if sup.is_alive(pid, start_time):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + args.timeout
+        while sup.is_alive(pid, start_time) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if sup.is_alive(pid, start_time):
+            print(f"{name}: the supervisor did not stop in {args.timeout:.0f}s; killing it")
+            os.kill(pid, signal.SIGKILL)
+    # Whatever the supervisor could not stop (it was killed, say): the recorded process
+    # groups, each checked against its start time so a reused pid is left alone.
+    leftovers = [p for p in state["processes"] if sup.is_alive(p.get("pid"), p.get("start_time"))]
+    for p in leftovers:
+        print(f"{name}: stopping leftover {p['name']} (pid {p['pid']})")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p["pid"], signal.SIGKILL)
+    (service_dir / sup.STATE_FILE).unlink(missing_ok=True)
+    print(f"{name} stopped")
+    return 0
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        service_dir = _pick(args)
+    except LookupError as exc:
+        return _error(str(exc))
+    state = _read_state(service_dir)
+    if state is None:
+        return _error(f"{service_dir.name} is not running")
+    alive = sup.is_alive(state.get("supervisor_pid"), state.get("supervisor_start_time"))
+    if args.json:
+        print(json.dumps({**state, "supervisor_alive": alive}, indent=2))
+        return 0 if alive else 1
+    phase = state["phase"] if alive else "not running (the supervisor is gone; stale state)"
+    print(
+        f"{state['name']}: {phase}   gateway {state['gateway_url']}/v1   from {state['manifest']}"
+    )
+    print(f"{'PROCESS':<16}{'STATUS':<10}{'PID':>8}{'PORT':>7}{'RESTARTS':>10}  LAST EXIT")
+    for p in state["processes"]:
+        print(
+            f"{p['name']:<16}{p['status']:<10}{p['pid'] or '-':>8}{p['port']:>7}"
+            f"{p['restarts']:>10}  {p['last_exit'] or '-'}"
+        )
+    return 0 if alive else 1
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def _logs(args: argparse.Namespace) -> int:
+    if args.name and args.process is None and not (_root(args) / args.name).exists():
+        args.name, args.process = None, args.name  # `hybridllm logs gateway-0`
+    try:
+        service_dir = _pick(args)
+    except LookupError as exc:
+        return _error(str(exc))
+    log_dir = service_dir / sup.LOG_DIR
+    available = sorted(p.stem for p in log_dir.glob("*.log"))
+    if args.process == "supervisor":
+        paths = [service_dir / sup.SUPERVISOR_LOG]
+    elif args.process:
+        paths = [log_dir / f"{n}.log" for n in available if n == args.process]
+        paths = paths or [
+            log_dir / f"{n}.log" for n in available if n.rsplit("-", 1)[0] == args.process
+        ]
+        if not paths:
+            return _error(
+                f"no log for {args.process!r}; there are: {', '.join(available) or 'none'}"
+            )
+    else:
+        paths = [log_dir / f"{n}.log" for n in available]
+    if args.follow and len(paths) != 1:
+        return _error("--follow takes one process (e.g. gateway-0)")
+    for path in paths:
+        if len(paths) > 1:
+            print(f"==> {path.stem} <==")
+        lines = path.read_text(errors="replace").splitlines()
+        for line in lines[-args.tail :] if args.tail else lines:
+            print(line)
+    if args.follow:
+        with paths[0].open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            try:
+                while True:
+                    chunk = f.read()
+                    if chunk:
+                        sys.stdout.write(chunk.decode(errors="replace"))
+                        sys.stdout.flush()
+                    else:
+                        time.sleep(0.3)
+            except KeyboardInterrupt:
+                return 0
+    return 0
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def _state_root_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-root",
+        default=None,
+        help=f"where local services keep state, logs and plans (default {plan_mod.state_root()})",
+    )
+
+
+def register_up(subparsers: Any) -> None:
+    up = subparsers.add_parser(
+        "up",
+        help="run an LLMService manifest on this machine (local mode)",
+        description="Validate an LLMService manifest as the API server and operator would, "
+        "render the pools the operator renders, and run each replica as a supervised "
+        "process on this machine behind the gateway.",
+    )
+    up.add_argument("-f", "--file", required=True, help="the manifest (YAML)")
+    up.add_argument("--name", help="which LLMService, when the file has several")
+    up.add_argument("-d", "--detach", action="store_true", help="run in the background")
+    up.add_argument("--host", default=plan_mod.LOOPBACK, help="gateway listen address")
+    up.add_argument("--port", type=int, default=plan_mod.DEFAULT_GATEWAY_PORT, help="gateway port")
+    up.add_argument(
+        "--api-keys-file", help="gateway API keys (the Secret of spec.gateway.apiKeysSecret)"
+    )
+    up.add_argument(
+        "--grace-period",
+        type=float,
+        default=sup.DEFAULT_GRACE_S,
+        help="seconds a process gets to drain after SIGTERM (default %(default)s)",
+    )
+    up.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=900.0,
+        help="--detach: seconds to wait for ready (default %(default)s; the first run "
+        "converts the model)",
+    )
+    _state_root_flag(up)
+    up.set_defaults(func=_up)
+
+
+def register_down(subparsers: Any) -> None:
+    down = subparsers.add_parser("down", help="stop a local service (drain, then stop)")
+    down.add_argument("name", nargs="?", help="the service (default: the only one running)")
+    down.add_argument(
+        "--timeout", type=float, default=90.0, help="seconds to wait for a clean stop"
+    )
+    _state_root_flag(down)
+    down.set_defaults(func=_down)
+
+
+def register_status(subparsers: Any) -> None:
+    status = subparsers.add_parser("status", help="a local service's processes")
+    status.add_argument("name", nargs="?", help="the service (default: the only one running)")
+    status.add_argument("--json", action="store_true", help="the state file as JSON")
+    _state_root_flag(status)
+    status.set_defaults(func=_status)
+
+
+def register_logs(subparsers: Any) -> None:
+    logs = subparsers.add_parser("logs", help="a local service's logs")
+    logs.add_argument("name", nargs="?", help="the service (default: the only one running)")
+    logs.add_argument(
+        "process", nargs="?", help="edge-0, gateway, supervisor, ... (default: every process)"
+    )
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    logs.add_argument("-n", "--tail", type=int, default=50, help="last N lines (0: all)")
+    _state_root_flag(logs)
+    logs.set_defaults(func=_logs)

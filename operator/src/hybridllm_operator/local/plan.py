@@ -1,0 +1,339 @@
+"""From a manifest to the processes local mode runs: the operator's renderer, placed on loopback.
+
+The pools, their programs and every flag come from :func:`hybridllm_operator.builders.pools`,
+the function the operator renders Deployments from. Local mode changes only the flags in
+:data:`builders.ADDRESS_FLAGS` (where a process listens and finds its peers) and runs
+each replica of a pool as its own process on its own loopback port, where the cluster
+runs pods behind a Service. The gateway's routing table is the operator's too
+(:func:`builders.routing_config`), with one backend per ready replica instead of one
+Service URL per tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridllm_common import crd
+from hybridllm_operator import builders, reconcile
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_GATEWAY_PORT = 8080
+NAMESPACE = "local"  # what the routing table and metrics call the namespace locally
+
+
+class ManifestError(Exception):
+    """The manifest cannot be run; the message names the file and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    path: Path
+    name: str
+    spec: crd.LLMServiceSpec
+
+    def service(self) -> builders.Service:
+        return builders.Service(name=self.name, namespace=NAMESPACE, uid="local", spec=self.spec)
+
+
+def load_manifest(path: Path, name: str | None = None) -> Manifest:
+    """The LLMService in ``path``, checked as the API server and the operator check it.
+
+    The schema errors are the pydantic models' the CRD is generated from, with the field
+    path; the rules no schema expresses are :func:`crd.semantic_errors`, which the
+    operator reports as ``Degraded``. Either way nothing starts.
+    """
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ManifestError(f"{path}: {exc.strerror or exc}") from exc
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{path}: not valid YAML: {exc}") from exc
+    services = [d for d in docs if isinstance(d, dict) and d.get("kind") == "LLMService"]
+    if name is not None:
+        services = [d for d in services if (d.get("metadata") or {}).get("name") == name]
+    if not services:
+        which = f" named {name!r}" if name else ""
+        raise ManifestError(f"{path}: no LLMService{which} in the file")
+    if len(services) > 1:
+        names = ", ".join(str((d.get("metadata") or {}).get("name")) for d in services)
+        raise ManifestError(f"{path}: {len(services)} LLMServices ({names}); pick one with --name")
+    doc = services[0]
+    if doc.get("apiVersion") != crd.API_VERSION:
+        raise ManifestError(
+            f"{path}: apiVersion: {doc.get('apiVersion')!r}, expected {crd.API_VERSION!r}"
+        )
+    svc_name = (doc.get("metadata") or {}).get("name")
+    if not isinstance(svc_name, str) or not svc_name:
+        raise ManifestError(f"{path}: metadata.name: Required value")
+    raw_spec = doc.get("spec")
+    if not isinstance(raw_spec, dict):
+        raise ManifestError(f'{path}: LLMService "{svc_name}" is invalid: spec: Required value')
+    try:
+        spec = reconcile.parse_spec(svc_name, raw_spec)
+    except reconcile.InvalidSpec as exc:
+        raise ManifestError(f'{path}: LLMService "{svc_name}" is invalid: {exc}') from exc
+    return Manifest(path=path, name=svc_name, spec=spec)
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs the driver reports (one directory per GPU), without loading CUDA."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def local_problems(
+    service: builders.Service, *, gpus: int, api_keys_file: Path | None
+) -> list[str]:
+    """Why this machine cannot run the spec locally, naming the field; empty when it can."""
+    problems = []
+    for pool in builders.pools(service):
+        if pool.resources.gpu > gpus:
+            problems.append(
+                f"{_pool_field(service, pool.component)}.resources.gpu: a {pool.component} "
+                f"replica asks for {pool.resources.gpu} GPU(s) and this machine has {gpus}; "
+                "set gpu: 0 and cloud.dtype: float32 to run the cloud tier on the CPU"
+            )
+    if service.spec.gateway.api_keys_secret and api_keys_file is None:
+        problems.append(
+            "spec.gateway.apiKeysSecret: local mode has no Secrets; pass the key file with "
+            "--api-keys-file (lines of NAME:SHA256, see `hybridllm gateway hash-key`)"
+        )
+    return problems
+
+
+def local_notes(service: builders.Service) -> list[str]:
+    """Fields that have no effect on one machine, said once at start-up."""
+    spec = service.spec
+    notes = []
+    if spec.gateway.replicas > 1:
+        notes.append(
+            f"spec.gateway.replicas is {spec.gateway.replicas}: local mode runs one gateway"
+        )
+    if any(p.node_selector for p in builders.pools(service)):
+        notes.append("nodeSelector: every replica runs on this machine")
+    if spec.edge.enabled and spec.edge.devices is not None:
+        notes.append("spec.edge.devices: devices outside this machine are not enrolled locally")
+    notes.append(
+        "resources: cpu sets each replica's threads (as in a pod); memory and images "
+        "are not enforced locally"
+    )
+    return notes
+
+
+def _pool_field(service: builders.Service, component: str) -> str:
+    return {
+        "edge": "spec.edge.pool",
+        "monolithic": "spec.cloud.monolithic",
+        "prefill": "spec.cloud.prefill",
+        "decode": "spec.cloud.decode",
+        "gateway": "spec.gateway",
+    }[component]
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    """One local process: a replica of a pool."""
+
+    component: str
+    index: int
+    command: list[str]  # program, then the rendered args with local addresses
+    port: int
+    kv_port: int | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.component}-{self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the supervisor needs, written to ``plan.json`` so a detached supervisor
+    runs exactly what ``up`` checked."""
+
+    name: str
+    manifest: str
+    spec: dict[str, Any]  # the checked spec, in its wire form
+    replicas: list[Replica]
+    tiers: dict[str, str]  # tier -> component that answers it
+    routing_path: str
+    gateway_url: str
+
+    def service(self) -> builders.Service:
+        spec = crd.LLMServiceSpec.model_validate(self.spec)
+        return builders.Service(name=self.name, namespace=NAMESPACE, uid="local", spec=spec)
+
+    def pool(self, component: str) -> list[Replica]:
+        return [r for r in self.replicas if r.component == component]
+
+    def routing(self, ready: dict[str, list[str]]) -> dict[str, Any]:
+        """The operator's routing table with these ready backend URLs per tier."""
+        return builders.routing_config(self.service(), ready)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        data["replicas"] = [Replica(**r) for r in data["replicas"]]
+        return cls(**data)
+
+
+def localize(args: list[str], values: dict[str, str]) -> list[str]:
+    """``args`` with the value of each flag in ``values`` replaced (or appended).
+
+    Only address flags may change: the test of local mode compares everything else with
+    what the operator renders into the pod.
+    """
+    unknown = set(values) - set(builders.ADDRESS_FLAGS)
+    if unknown:
+        raise ValueError(f"not address flags: {sorted(unknown)}")
+    out: list[str] = []
+    seen: set[str] = set()
+    i = 0
+    while i < len(args):
+        if args[i] in values:
+            out += [args[i], values[args[i]]]
+            seen.add(args[i])
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    for flag in builders.ADDRESS_FLAGS:
+        if flag in values and flag not in seen:
+            out += [flag, values[flag]]
+    return out
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports the kernel says are free now."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((LOOPBACK, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ManifestError(
+                    f"port {port} on {host} is in use (another `hybridllm up`? see "
+                    "`hybridllm status`); pass --port"
+                ) from exc
+            raise ManifestError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
+def program_path(program: str) -> str:
+    """The console script beside this interpreter (the same environment), else on PATH."""
+    beside = Path(sys.executable).parent / program
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(program)
+    if found is None:
+        raise ManifestError(
+            f"{program} is not installed in this environment; install its distribution "
+            f"({program}) or run from the workspace (`uv sync --all-packages`)"
+        )
+    return found
+
+
+def make_plan(
+    manifest: Manifest,
+    state_dir: Path,
+    *,
+    host: str = LOOPBACK,
+    gateway_port: int = DEFAULT_GATEWAY_PORT,
+    api_keys_file: Path | None = None,
+    ports: Iterator[int] | None = None,
+) -> Plan:
+    """Every replica of every pool the operator would render, placed on this machine."""
+    service = manifest.service()
+    pools = builders.pools(service)
+    runtime_pools = [p for p in pools if p.component != "gateway"]
+    needed = sum(p.replicas for p in runtime_pools) + sum(
+        p.replicas for p in runtime_pools if p.component == "prefill"
+    )
+    port_iter = ports if ports is not None else iter(free_ports(needed))
+    routing_path = state_dir / "routing.json"
+    replicas: list[Replica] = []
+    prefill_kv: list[int] = []
+    for pool in runtime_pools:
+        if pool.component == "prefill":
+            prefill_kv = [next(port_iter) for _ in range(pool.replicas)]
+    for pool in pools:
+        program = program_path(pool.program)
+        if pool.component == "gateway":
+            values = {"--host": host, "--port": str(gateway_port), "--config": str(routing_path)}
+            if api_keys_file is not None:
+                values["--api-keys-file"] = str(api_keys_file)
+            args = localize(pool.args, values)
+            replicas.append(
+                Replica("gateway", 0, [program, *args], port=gateway_port, env=dict(pool.env))
+            )
+            continue
+        for index in range(pool.replicas):
+            port = next(port_iter)
+            values = {"--host": LOOPBACK, "--port": str(port)}
+            kv_port = None
+            if pool.component == "prefill":
+                kv_port = prefill_kv[index]
+                values["--kv-port"] = str(kv_port)
+            if pool.component == "decode":
+                values["--prefill-url"] = ",".join(f"tcp://{LOOPBACK}:{p}" for p in prefill_kv)
+            args = localize(pool.args, values)
+            replicas.append(
+                Replica(
+                    pool.component,
+                    index,
+                    [program, *args],
+                    port=port,
+                    kv_port=kv_port,
+                    env=dict(pool.env),
+                )
+            )
+    shown_host = LOOPBACK if host in ("0.0.0.0", "::") else host
+    return Plan(
+        name=manifest.name,
+        manifest=str(manifest.path),
+        spec=manifest.spec.to_wire(),
+        replicas=replicas,
+        tiers=builders.tier_components(service),
+        routing_path=str(routing_path),
+        gateway_url=f"http://{shown_host}:{gateway_port}",
+    )
+
+
+def state_root() -> Path:
+    """Where local services keep their state: ``$XDG_STATE_HOME/hybridllm/local``."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "hybridllm" / "local"

@@ -1,0 +1,439 @@
+"""The local supervisor: runs a :class:`~hybridllm_operator.local.plan.Plan` as processes.
+
+What a kubelet and a Service do for pods, on one machine:
+
+- **start order by health**: every runtime replica starts at once; the gateway starts
+  once some tier has a ready replica (its routing table needs a backend), and the
+  routing table lists only replicas whose ``/health`` answers 200 (a readiness probe:
+  0.5 s while starting, 2 s once ready, three failures in a row take a replica out);
+- **restarts with back-off**: a replica that exits is started again after 1 s, doubling
+  up to 30 s, reset once it has run for 60 s (the kubelet's CrashLoopBackOff, shorter);
+  meanwhile the gateway routes around it (it is out of the routing table, and the
+  gateway's own retries and passive ejection cover the moments before the reload);
+- **clean shutdown** on SIGINT/SIGTERM: the gateway first (it stops accepting and lets
+  requests in flight finish), then the runtimes, each sent SIGTERM with a grace period
+  and SIGKILL after it; a second Ctrl-C skips the grace. Every child runs in its own
+  process group (so its own children go with it) and gets SIGTERM from the kernel if the
+  supervisor itself dies (``PR_SET_PDEATHSIG``): no orphan outlives a supervisor;
+- **state on disk**: ``state.json`` (phase, pids, ports, restarts; rewritten atomically
+  on every change) lets ``status``, ``logs`` and ``down`` work from another shell, and
+  ``supervisor.lock`` (an flock held for the supervisor's life) keeps a second
+  supervisor of the same service from starting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+
+from hybridllm_operator.local.plan import Plan, Replica
+
+PLAN_FILE = "plan.json"
+STATE_FILE = "state.json"
+LOCK_FILE = "supervisor.lock"
+SUPERVISOR_LOG = "supervisor.log"
+LOG_DIR = "logs"
+
+PROBE_STARTING_S = 0.5
+PROBE_READY_S = 2.0
+PROBE_TIMEOUT_S = 2.0
+UNREADY_AFTER_FAILURES = 3
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+BACKOFF_RESET_AFTER_S = 60.0
+DEFAULT_GRACE_S = 30.0
+
+_PR_SET_PDEATHSIG = 1
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat):
+    with the pid it names one process, so a pid the kernel reused is never mistaken."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def is_alive(pid: int | None, start_time: int | None) -> bool:
+    if not pid:
+        return False
+    now = proc_start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclasses.dataclass
+class Proc:
+    """One replica's process and what the supervisor knows of it."""
+
+    replica: Replica
+    log: Path
+    status: str = "pending"  # pending, starting, ready, unready, backoff, stopped
+    pid: int | None = None
+    start_time: int | None = None
+    restarts: int = 0
+    started_at: float | None = None
+    ready_after_s: float | None = None
+    last_exit: str | None = None
+    process: asyncio.subprocess.Process | None = dataclasses.field(default=None, repr=False)
+
+    def to_state(self) -> dict[str, Any]:
+        r = self.replica
+        return {
+            "name": r.name,
+            "component": r.component,
+            "index": r.index,
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "port": r.port,
+            "kv_port": r.kv_port,
+            "url": r.url,
+            "status": self.status,
+            "restarts": self.restarts,
+            "ready_after_s": self.ready_after_s,
+            "last_exit": self.last_exit,
+            "log": str(self.log),
+        }
+
+
+class Supervisor:
+    def __init__(
+        self,
+        plan: Plan,
+        state_dir: Path,
+        *,
+        grace_s: float = DEFAULT_GRACE_S,
+        out: TextIO | None = None,
+    ) -> None:
+        self.plan = plan
+        self.state_dir = state_dir
+        self.grace_s = grace_s
+        self.out = out or sys.stdout
+        self.procs = [Proc(r, state_dir / LOG_DIR / f"{r.name}.log") for r in plan.replicas]
+        self.phase = "starting"
+        self.t0 = time.monotonic()
+        self.started_wall = time.time()
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._routing_ready = asyncio.Event()
+        self._routing: dict[str, list[str]] | None = None
+        self._lock_fd: int | None = None
+
+    # ----------------------------------------------------------------- output and state
+
+    def say(self, text: str) -> None:
+        self.out.write(f"[{time.monotonic() - self.t0:7.1f}s] {text}\n")
+        self.out.flush()
+
+    def write_state(self) -> None:
+        state = {
+            "name": self.plan.name,
+            "manifest": self.plan.manifest,
+            "phase": self.phase,
+            "gateway_url": self.plan.gateway_url,
+            "supervisor_pid": os.getpid(),
+            "supervisor_start_time": proc_start_time(os.getpid()),
+            "started_at": self.started_wall,
+            "processes": [p.to_state() for p in self.procs],
+        }
+        _atomic_write(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
+
+    def _update_phase(self) -> None:
+        if self.phase == "stopping":
+            return
+        all_ready = all(p.status == "ready" for p in self.procs)
+        if all_ready and self.phase == "starting":
+            self.phase = "ready"
+            self._banner()
+        elif self.phase != "starting":
+            self.phase = "ready" if all_ready else "degraded"
+        self.write_state()
+
+    def _banner(self) -> None:
+        url = self.plan.gateway_url
+        model = self.plan.service().served_name
+        names = ", ".join(p.replica.name for p in self.procs)
+        self.say(f"{self.plan.name} is ready at {url}/v1 ({names})")
+        self.out.write(
+            f"""
+  curl {url}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="unused")
+  print(client.chat.completions.create(model="{model}",
+        messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)
+
+  hybridllm status {self.plan.name}  |  hybridllm logs {self.plan.name} gateway-0  |  hybridllm down {self.plan.name}
+
+"""
+        )
+        self.out.flush()
+
+    # ----------------------------------------------------------------- routing
+
+    def _ready_backends(self) -> dict[str, list[str]]:
+        return {
+            tier: [
+                p.replica.url
+                for p in self.procs
+                if p.replica.component == component and p.status == "ready"
+            ]
+            for tier, component in self.plan.tiers.items()
+        }
+
+    def _update_routing(self) -> None:
+        ready = self._ready_backends()
+        if ready == self._routing or not any(ready.values()):
+            # No tier has a ready replica: keep the last table (the gateway's retries and
+            # ejection handle dead backends) rather than one the gateway would refuse.
+            return
+        self._routing = ready
+        _atomic_write(
+            Path(self.plan.routing_path),
+            json.dumps(self.plan.routing(ready), indent=2, sort_keys=True) + "\n",
+        )
+        if self._routing_ready.is_set():
+            shown = {t: len(u) for t, u in ready.items()}
+            self.say(f"routing table updated: ready replicas per tier {shown}")
+        self._routing_ready.set()
+
+    def _set_status(self, proc: Proc, status: str) -> None:
+        if proc.status == status:
+            return
+        proc.status = status
+        if proc.replica.component != "gateway" and self.phase != "stopping":
+            self._update_routing()
+        self._update_phase()
+
+    # ----------------------------------------------------------------- one replica
+
+    async def _spawn(self, proc: Proc) -> None:
+        r = proc.replica
+        proc.log.parent.mkdir(parents=True, exist_ok=True)
+        with proc.log.open("ab") as log:
+            header = f"==== {time.strftime('%Y-%m-%dT%H:%M:%S')} start #{proc.restarts + 1}: "
+            log.write((header + " ".join(r.command) + "\n").encode())
+            log.flush()
+            env = {**os.environ, **r.env, "PYTHONUNBUFFERED": "1"}
+            proc.process = await asyncio.create_subprocess_exec(
+                *r.command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_child_setup,
+            )
+        proc.pid = proc.process.pid
+        proc.start_time = proc_start_time(proc.pid)
+        proc.started_at = time.monotonic()
+        proc.status = "starting"
+        self._update_phase()
+        self.say(f"{r.name:<14} started, pid {proc.pid}, port {r.port} (log {proc.log})")
+
+    async def _probe_once(self, session: aiohttp.ClientSession, proc: Proc) -> bool:
+        try:
+            async with session.get(f"{proc.replica.url}/health") as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def _probe(self, proc: Proc) -> None:
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        failures = 0
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                if await self._probe_once(session, proc):
+                    failures = 0
+                    if proc.status != "ready":
+                        assert proc.started_at is not None
+                        took = time.monotonic() - proc.started_at
+                        if proc.ready_after_s is None:
+                            proc.ready_after_s = round(took, 2)
+                        self.say(f"{proc.replica.name:<14} ready after {took:.1f}s")
+                        self._set_status(proc, "ready")
+                else:
+                    failures += 1
+                    if proc.status == "ready" and failures >= UNREADY_AFTER_FAILURES:
+                        self.say(f"{proc.replica.name:<14} not ready: /health failed {failures}x")
+                        self._set_status(proc, "unready")
+                ready = proc.status == "ready"
+                await asyncio.sleep(PROBE_READY_S if ready else PROBE_STARTING_S)
+
+    async def _keep(self, proc: Proc) -> None:
+        """Run one replica until the supervisor stops, restarting it with back-off."""
+        backoff = BACKOFF_FIRST_S
+        while not self._stop.is_set():
+            if proc.replica.component == "gateway" and not await self._until(self._routing_ready):
+                return
+            try:
+                await self._spawn(proc)
+                if self._stop.is_set():  # stopped while it was being started
+                    _killpg(proc.pid, signal.SIGTERM)
+            except OSError as exc:
+                self.say(f"{proc.replica.name:<14} cannot start: {exc}")
+                proc.last_exit = f"cannot start: {exc}"
+            else:
+                assert proc.process is not None
+                assert proc.started_at is not None
+                probe = asyncio.create_task(self._probe(proc))
+                code = await proc.process.wait()
+                probe.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probe
+                proc.last_exit = describe_exit(code)
+                ran = time.monotonic() - proc.started_at
+                if self._stop.is_set():
+                    proc.pid = None
+                    self._set_status(proc, "stopped")
+                    return
+                if ran >= BACKOFF_RESET_AFTER_S:
+                    backoff = BACKOFF_FIRST_S
+                self.say(
+                    f"{proc.replica.name:<14} exited ({proc.last_exit}) after {ran:.1f}s; "
+                    f"restarting in {backoff:.0f}s (log {proc.log})"
+                )
+            proc.pid = None
+            proc.restarts += 1
+            self._set_status(proc, "backoff")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+        self._set_status(proc, "stopped")
+
+    async def _until(self, event: asyncio.Event) -> bool:
+        """Wait for ``event`` or the stop; True when the event came first."""
+        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stop.wait())]
+        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in pending:
+            w.cancel()
+        return event.is_set() and not self._stop.is_set()
+
+    # ----------------------------------------------------------------- stopping
+
+    async def _terminate(self, procs: list[Proc]) -> None:
+        live = [p for p in procs if p.process is not None and p.process.returncode is None]
+        if not live:
+            return
+        for p in live:
+            self.say(f"{p.replica.name:<14} stopping (SIGTERM)")
+            _killpg(p.pid, signal.SIGTERM)
+        waits = [asyncio.ensure_future(p.process.wait()) for p in live if p.process]
+        force = asyncio.ensure_future(self._force.wait())
+        await asyncio.wait(
+            [asyncio.ensure_future(asyncio.wait(waits)), force],
+            timeout=self.grace_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        force.cancel()
+        for p in live:
+            if p.process is not None and p.process.returncode is None:
+                self.say(f"{p.replica.name:<14} did not stop in time: SIGKILL")
+                _killpg(p.pid, signal.SIGKILL)
+        await asyncio.gather(*waits, return_exceptions=True)
+        for p in live:  # the group too: a child that outlived its leader
+            _killpg(p.pid, signal.SIGKILL)
+
+    def _on_signal(self, signum: int) -> None:
+        if self._stop.is_set():
+            self.say("second signal: stopping now, without the grace period")
+            self._force.set()
+            return
+        self.say(f"{signal.Signals(signum).name}: draining, then stopping")
+        self._stop.set()
+
+    # ----------------------------------------------------------------- main
+
+    def _acquire_lock(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AlreadyRunning(
+                f"{self.plan.name} is already running (see `hybridllm status {self.plan.name}`)"
+            ) from None
+        self._lock_fd = fd
+
+    async def run(self) -> int:
+        self._acquire_lock()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        self.say(
+            f"starting {self.plan.name} from {self.plan.manifest}: "
+            + ", ".join(p.replica.name for p in self.procs)
+        )
+        self.write_state()
+        tasks = [asyncio.create_task(self._keep(p)) for p in self.procs]
+        await self._stop.wait()
+        self.phase = "stopping"
+        self.write_state()
+        gateway = [p for p in self.procs if p.replica.component == "gateway"]
+        prefill = [p for p in self.procs if p.replica.component == "prefill"]
+        rest = [p for p in self.procs if p not in gateway and p not in prefill]
+        for group in (gateway, rest, prefill):  # the front door first, the KV source last
+            await self._terminate(group)
+        await self._terminate(self.procs)  # any replica that was starting meanwhile
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for path in (self.state_dir / STATE_FILE, Path(self.plan.routing_path)):
+            path.unlink(missing_ok=True)
+        self.say(f"{self.plan.name} stopped")
+        return 0
+
+
+def _killpg(pid: int | None, signum: int) -> None:
+    if pid:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signum)
+
+
+def run_detached(state_dir: Path, grace_s: float) -> int:
+    """The body of ``python -m hybridllm_operator.local STATE_DIR``: a supervisor for the
+    plan ``up`` wrote there, its output going to ``supervisor.log``."""
+    plan = Plan.from_json((state_dir / PLAN_FILE).read_text())
+    supervisor = Supervisor(plan, state_dir, grace_s=grace_s)
+    try:
+        return asyncio.run(supervisor.run())
+    except AlreadyRunning as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
