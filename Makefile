@@ -3,10 +3,12 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test lint crds cluster-up cluster-down testenv
+.PHONY: help setup setup-python up down demo test lint crds cluster-up cluster-down testenv
 
 help:
-	@echo "make demo          run the local demo (control plane + operator + example LLMService)"
+	@echo "make up            run the example LLMService on this machine and ask it a question per tier"
+	@echo "make down          stop it"
+	@echo "make demo          the Kubernetes walkthrough (control plane + operator + example LLMService)"
 	@echo "make test          set up everything, lint, check CRD drift, run all tests"
 	@echo "make lint          ruff, mypy and the CRD drift check"
 	@echo "make crds          regenerate crds/ from the models"
@@ -15,6 +17,15 @@ help:
 
 setup:
 	@hack/phase.sh setup hack/setup.sh
+
+setup-python:
+	@HYBRIDLLM_SKIP_TESTENV=1 hack/phase.sh setup hack/setup.sh
+
+up: setup-python
+	@hack/up.sh
+
+down:
+	@uv run --no-sync hybridllm down
 
 testenv:
 	@hack/testenv/build.sh

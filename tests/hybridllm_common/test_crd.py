@@ -117,3 +117,16 @@ def test_examples_parse_without_errors(path: Path) -> None:
         parsed = model.model_validate(doc["spec"])
         if isinstance(parsed, crd.LLMServiceSpec):
             assert crd.semantic_errors(doc["metadata"]["name"], parsed) == []
+
+
+def test_edge_limits_do_not_bind_a_service_without_an_edge_tier() -> None:
+    """A cloud-only service with a short context must not be refused for the edge
+    limits' defaults, which route nothing when there is no edge tier."""
+    parsed = crd.LLMServiceSpec.model_validate(
+        spec(
+            model={"source": SOURCE, "contextLength": 1024},
+            edge={"enabled": False},
+            routing={"policy": "cloud-only"},
+        )
+    )
+    assert crd.semantic_errors("svc", parsed) == []

@@ -55,9 +55,7 @@ def test_local_runs_the_pools_commands_and_flags_the_operator_renders(
         assert len(local) == expected, component
         for replica in local:
             assert Path(replica.command[0]).name == container["command"][0]
-            assert _without_addresses(replica.command[1:]) == _without_addresses(
-                container["args"]
-            )
+            assert _without_addresses(replica.command[1:]) == _without_addresses(container["args"])
             assert replica.command[replica.command.index("--port") + 1] == str(replica.port)
     ports = [r.port for r in plan.replicas] + [r.kv_port for r in plan.replicas if r.kv_port]
     assert len(ports) == len(set(ports)), "every listener gets its own port"
@@ -85,7 +83,9 @@ def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path)
     assert {k: v for k, v in table.items() if k != "tiers"} == {
         k: v for k, v in cluster.items() if k != "tiers"
     }
-    assert table["tiers"] == {"edge": {"backends": [{"url": edge, "revision": "v1", "weight": 100}]}}
+    assert table["tiers"] == {
+        "edge": {"backends": [{"url": edge, "revision": "v1", "weight": 100}]}
+    }
     assert plan.tiers == {"edge": "edge", "cloud": "monolithic"}
 
 
@@ -100,8 +100,18 @@ def test_the_plan_survives_its_file(tmp_path: Path) -> None:
 def _up(tmp_path: Path, manifest: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     root = tmp_path / "state"
     return subprocess.run(
-        [sys.executable, "-m", "hybridllm_common.cli", "up", "-f", str(manifest)]
-        + ["--state-root", str(root), "-d", *extra],
+        [
+            sys.executable,
+            "-m",
+            "hybridllm_common.cli",
+            "up",
+            "-d",
+            "--state-root",
+            str(root),
+            *extra,
+            "-f",
+            str(manifest),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -135,9 +145,7 @@ INVALID = {
 
 
 @pytest.mark.parametrize("case", sorted(INVALID))
-def test_an_invalid_manifest_names_the_field_and_starts_nothing(
-    case: str, tmp_path: Path
-) -> None:
+def test_an_invalid_manifest_names_the_field_and_starts_nothing(case: str, tmp_path: Path) -> None:
     edit, field = INVALID[case]
     result = _up(tmp_path, _manifest(tmp_path, edit))
     assert result.returncode == 2, result.stderr

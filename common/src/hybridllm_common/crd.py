@@ -847,8 +847,10 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                 )
     errors.extend(_source_errors(spec.model.source))
     limits = spec.routing.edge_limits
-    if spec.model.context_length is not None and (
-        limits.max_prompt_tokens + limits.max_output_tokens > spec.model.context_length
+    if (
+        spec.edge.enabled
+        and spec.model.context_length is not None
+        and limits.max_prompt_tokens + limits.max_output_tokens > spec.model.context_length
     ):
         errors.append(
             FieldError(

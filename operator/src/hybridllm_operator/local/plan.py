@@ -241,7 +241,10 @@ def free_ports(n: int) -> list[int]:
 
 
 def check_port_free(host: str, port: int) -> None:
+    """Refuses a port something listens on. SO_REUSEADDR as the gateway sets it, so the
+    connections of a service just stopped (TIME_WAIT) do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

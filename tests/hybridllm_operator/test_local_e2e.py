@@ -1,0 +1,337 @@
+"""Local mode end to end: `hybridllm up` runs the real model behind the real gateway.
+
+Every service here is started the way a user starts it (the `hybridllm` command in a
+subprocess) and spoken to with the `openai` client; readiness and restarts are awaited by
+polling `hybridllm status --json` with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from hybridllm_operator.local import supervisor as sup
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "hybrid-cpu.yaml"
+MODEL = "smollm2-135m-instruct"
+SHORT = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = [
+    {
+        "role": "user",
+        "content": "Summarise this text. " + "The quick brown fox jumps over the lazy dog. " * 60,
+    }
+]
+HYBRIDLLM = (sys.executable, "-m", "hybridllm_common.cli")
+START_TIMEOUT_S = 600.0  # a cold machine converts the model for the cloud tier first
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    """Nothing listens there: a server (which sets SO_REUSEADDR) could bind it now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def hybridllm(
+    *args: str, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [*HYBRIDLLM, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"hybridllm {' '.join(args)}: {result.stdout}\n{result.stderr}")
+    return result
+
+
+def wait_for(what: str, condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout_s:.0f}s: {what}")
+        time.sleep(0.2)
+
+
+@dataclass
+class Local:
+    name: str
+    root: Path
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
+
+    def status(self) -> dict[str, Any]:
+        out = hybridllm("status", self.name, "--json", "--state-root", str(self.root), check=False)
+        return json.loads(out.stdout) if out.stdout else {}
+
+    def process(self, name: str) -> dict[str, Any]:
+        return next(p for p in self.status()["processes"] if p["name"] == name)
+
+    def pids(self) -> list[tuple[int, int | None]]:
+        return [(p["pid"], p["start_time"]) for p in self.status()["processes"] if p["pid"]]
+
+    def down(self) -> subprocess.CompletedProcess[str]:
+        return hybridllm("down", self.name, "--state-root", str(self.root), check=False)
+
+
+def _up_detached(root: Path, manifest: Path, name: str) -> Local:
+    port = _free_port()
+    hybridllm(
+        "up",
+        "-d",
+        "-f",
+        str(manifest),
+        "--state-root",
+        str(root),
+        "--port",
+        str(port),
+        timeout=START_TIMEOUT_S + 30,
+    )
+    return Local(name, root, port)
+
+
+def _chat(client: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> tuple[str, str]:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        **kw,  # type: ignore[arg-type]
+    )
+    return raw.headers["x-hybridllm-tier"], raw.parse().choices[0].message.content or ""
+
+
+def _stream(
+    client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int = 16
+) -> tuple[str, str, str | None]:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    text, finish = [], None
+    for chunk in raw.parse():
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return raw.headers["x-hybridllm-tier"], "".join(text), finish
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
+    local = _up_detached(tmp_path_factory.mktemp("local"), EXAMPLE, "smollm2-cpu")
+    yield local
+    local.down()
+
+
+def test_up_serves_both_tiers_through_the_gateway(hybrid: Local) -> None:
+    state = hybrid.status()
+    assert state["phase"] == "ready"
+    assert {p["name"]: p["status"] for p in state["processes"]} == {
+        "edge-0": "ready",
+        "monolithic-0": "ready",
+        "gateway-0": "ready",
+    }
+    client = hybrid.client()
+    assert MODEL in [m.id for m in client.models.list().data]
+    tier, text = _chat(client, SHORT)
+    assert tier == "edge"
+    assert text.strip()
+    tier, text = _chat(client, LONG)  # beyond edgeLimits.maxPromptTokens
+    assert tier == "cloud"
+    assert text.strip()
+    for messages, expected in ((SHORT, "edge"), (LONG, "cloud")):
+        tier, text, finish = _stream(client, messages)
+        assert tier == expected
+        assert text.strip()
+        assert finish in ("stop", "length")
+
+
+def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(hybrid: Local) -> None:
+    edge = hybrid.process("edge-0")
+    failures: list[BaseException] = []
+    served = {"edge": 0, "cloud": 0}
+    stop = threading.Event()
+
+    def load() -> None:
+        client = hybrid.client()
+        while not stop.is_set():
+            try:
+                tier, _ = _chat(client, SHORT)
+                served[tier] += 1
+            except openai.OpenAIError as exc:  # every failure is reported below
+                failures.append(exc)
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        wait_for("load reaches the edge", lambda: served["edge"] >= 2)
+        os.kill(edge["pid"], signal.SIGKILL)
+        wait_for(
+            "edge-0 restarted and ready",
+            lambda: (
+                (p := hybrid.process("edge-0"))["restarts"] == edge["restarts"] + 1
+                and p["status"] == "ready"
+            ),
+        )
+        before = served["edge"]
+        wait_for("the restarted edge serves again", lambda: served["edge"] > before)
+    finally:
+        stop.set()
+        worker.join(timeout=120)
+    assert not failures, failures[:3]
+    after = hybrid.process("edge-0")
+    assert after["pid"] != edge["pid"]
+    assert after["last_exit"] == "signal SIGKILL"
+    logs = hybridllm("logs", hybrid.name, "edge-0", "-n", "0", "--state-root", str(hybrid.root))
+    assert logs.stdout.count("==== ") == 2, "one log per replica, a header per start"
+
+
+def test_down_drains_a_stream_in_flight_then_leaves_nothing(hybrid: Local) -> None:
+    pids = hybrid.pids()
+    ports = [p["port"] for p in hybrid.status()["processes"]]
+    assert len(pids) == 3
+    result: dict[str, Any] = {}
+
+    def stream() -> None:
+        try:
+            result["out"] = _stream(hybrid.client(), LONG, max_tokens=64)
+        except openai.OpenAIError as exc:
+            result["error"] = exc
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    wait_for(
+        "the stream is running on the cloud replica",
+        lambda: (
+            "hybridllm_num_requests_running 1.0"
+            in httpx.get(hybrid.process("monolithic-0")["url"] + "/metrics").text
+        ),
+        timeout_s=60,
+    )
+    down = hybrid.down()
+    streaming.join(timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert "error" not in result, result.get("error")
+    tier, _, finish = result["out"]
+    assert tier == "cloud"
+    assert finish in ("stop", "length")
+    for pid, start_time in pids:
+        assert not sup.is_alive(pid, start_time), f"pid {pid} outlived `down`"
+    assert all(_port_free(p) for p in ports)
+    assert not (hybrid.root / hybrid.name / "state.json").exists()
+    assert (
+        hybridllm("status", hybrid.name, "--state-root", str(hybrid.root), check=False).returncode
+        == 1
+    )
+
+
+def test_ctrl_c_on_a_foreground_up_stops_every_process(tmp_path: Path) -> None:
+    port = _free_port()
+    up = subprocess.Popen(
+        [*HYBRIDLLM, "up", "-f", str(EXAMPLE), "--state-root", str(tmp_path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    local = Local("smollm2-cpu", tmp_path, port)
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if "is ready at" in line:
+                break
+        else:
+            pytest.fail("up exited before ready:\n" + "".join(lines))
+        tier, _ = _chat(local.client(), SHORT)
+        assert tier == "edge"
+        pids = local.pids()
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, rest
+    assert "SIGINT: draining, then stopping" in rest
+    assert all(not sup.is_alive(pid, t) for pid, t in pids)
+    assert _port_free(port)
+    assert not (tmp_path / "smollm2-cpu" / "state.json").exists()
+
+
+def test_disaggregated_cloud_prefills_remotely_and_a_dead_supervisor_takes_its_children(
+    tmp_path: Path,
+) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "disagg-cpu"
+    cloud = doc["spec"]["cloud"]
+    pool = cloud.pop("monolithic")
+    cloud.update(mode="disaggregated", prefill=pool, decode=pool, localPrefillThreshold=32)
+    doc["spec"]["edge"] = {"enabled": False}
+    doc["spec"]["routing"] = {"policy": "cloud-only"}
+    manifest = tmp_path / "disagg.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    local = _up_detached(tmp_path / "state", manifest, "disagg-cpu")
+    try:
+        tier, text = _chat(local.client(), LONG)
+        assert tier == "cloud"
+        assert text.strip()
+        metrics = httpx.get(local.process("decode-0")["url"] + "/metrics").text
+        remote = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("hybridllm_prefills_total{") and 'where="remote"' in line
+        ]
+        assert any('outcome="ok"' in line and not line.endswith(" 0.0") for line in remote), remote
+        state = local.status()
+        children = local.pids()
+        os.kill(state["supervisor_pid"], signal.SIGKILL)
+        wait_for(
+            "every child exits with its supervisor",
+            lambda: not any(sup.is_alive(pid, t) for pid, t in children),
+            timeout_s=60,
+        )
+        status = hybridllm("status", local.name, "--state-root", str(local.root), check=False)
+        assert status.returncode == 1
+        assert "not running" in status.stdout
+    finally:
+        down = local.down()
+    assert down.returncode == 0
+    assert not (local.root / local.name / "state.json").exists()
