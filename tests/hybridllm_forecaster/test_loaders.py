@@ -56,6 +56,45 @@ def test_servegen_folder_sums_clients_and_keeps_rates_exact(tmp_path, traces):
     assert sampled.num_requests == pytest.approx(9.0 * 600, rel=0.1)
 
 
+def test_servegen_folder_as_upstream_ships_it(tmp_path, traces, caplog):
+    """ServeGen's repository keeps a ``chunk-N-dataset.json`` (per-client length
+    distributions) beside each ``chunk-N-trace.csv``: the traces are read, the rest is
+    skipped with a note that names it."""
+    folder = tmp_path / "data" / "language" / "m-large"
+    folder.mkdir(parents=True)
+    traces.servegen_client(folder / "chunk-1-trace.csv", np.array([1.0, 2.0, 3.0]))
+    traces.servegen_client(folder / "chunk-2-trace.csv", np.array([1.0, 1.0, 1.0]))
+    for n in (1, 2):
+        (folder / f"chunk-{n}-dataset.json").write_text(
+            '{"0": {"input_tokens": {"mean": 1024}, "output_tokens": {"mean": 256}}}'
+        )
+    with caplog.at_level("WARNING", logger="hybridllm_forecaster.loaders"):
+        assert loaders.detect_format(tmp_path / "data") == "servegen"
+        demand, _ = loaders.load_demand(tmp_path / "data")
+    np.testing.assert_allclose(demand.req_per_s, [2.0, 3.0, 4.0])
+    assert "skipped 2 file(s) that are not traces" in caplog.text
+    assert "chunk-1-dataset.json" in caplog.text
+
+
+def test_a_folder_of_csv_traces_skips_metadata_beside_them(tmp_path, traces, small_stream, caplog):
+    folder = tmp_path / "azure"
+    folder.mkdir()
+    traces.azure_csv(folder / "trace.csv", small_stream)
+    (folder / "schema.json").write_text('{"columns": ["TIMESTAMP"]}')
+    with caplog.at_level("WARNING", logger="hybridllm_forecaster.loaders"):
+        stream = loaders.load_requests(folder)
+    assert stream.num_requests == small_stream.num_requests
+    assert "schema.json" in caplog.text
+
+
+def test_a_folder_without_any_trace_is_still_an_error(tmp_path):
+    folder = tmp_path / "meta"
+    folder.mkdir()
+    (folder / "chunk-1-dataset.json").write_text('{"0": {}}')
+    with pytest.raises(TraceFormatError, match="no trace files"):
+        loaders.detect_format(folder)
+
+
 def test_servegen_aggregate_file(tmp_path):
     path = tmp_path / "agg.csv"
     path.write_text("t_sec,req_per_min\n0,60\n600,120\n")

@@ -69,7 +69,7 @@ def detect_format(path: Path) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     if path.is_dir():
-        found = {f: detect_format(f) for f in _data_files(path)}
+        found = _trace_files(path, note=True)
         kinds = set(found.values())
         if not kinds:
             raise TraceFormatError(path, None, "folder holds no trace files")
@@ -179,8 +179,33 @@ def _data_files(folder: Path) -> list[Path]:
     return files
 
 
+def _trace_files(folder: Path, *, note: bool = False) -> dict[Path, str]:
+    """Each file of a folder that is a trace, with its format. Other files are skipped
+    (with a note when ``note``): upstream layouts keep metadata beside their traces, as
+    ServeGen's ``*-dataset.json`` beside its ``*-trace.csv``."""
+    found: dict[Path, str] = {}
+    skipped: list[str] = []
+    for f in _data_files(folder):
+        try:
+            found[f] = detect_format(f)
+        except TraceFormatError as exc:
+            skipped.append(f"{f.relative_to(folder)} ({exc.reason})")
+    if note and skipped and found:
+        log.warning(
+            "%s: skipped %d file(s) that are not traces: %s%s",
+            folder,
+            len(skipped),
+            "; ".join(skipped[:3]),
+            f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "",
+        )
+    return found
+
+
 def _files_of(path: Path) -> list[Path]:
-    return _data_files(path) if path.is_dir() else [path]
+    if not path.is_dir():
+        return [path]
+    found = _trace_files(path)
+    return [f for f, kind in found.items() if kind == detect_format(path)]
 
 
 def _find_col(names: list[str], candidates: tuple[str, ...]) -> int | None:
