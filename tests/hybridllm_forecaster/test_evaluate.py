@@ -100,3 +100,32 @@ def test_knobs_and_targets_are_chosen_on_the_training_part_only():
         assert all(-1.0 <= v <= 1.0 for v in scores.values())
     # and the test half was simulated at the chosen knobs (it differs between the runs)
     assert a.test_result("predictive").replica_hours != b.test_result("predictive").replica_hours
+
+
+@pytest.mark.slow
+def test_a_saturated_pool_voids_the_verdict_loudly():
+    """With room to scale the comparison stands; with the pool's maximum below what the
+    demand needs, every policy (the oracle too) sits at the ceiling, and the report says
+    the comparison means nothing instead of judging the goal."""
+    from dataclasses import replace
+
+    from hybridllm_forecaster import report
+
+    pool = DEFAULT_POOLS["monolithic"]
+    cfg = evaluate.EvalConfig(pool=pool, simulator="fluid", model="last")
+    free = evaluate.evaluate(_bursty_demand(1), None, cfg)
+    verdict = report.verdict(free)
+    assert verdict["comparison_meaningful"] is True
+    assert verdict["problems"] == []
+    assert all(isinstance(verdict[f]["goal_met"], bool) for f in ("predictive", "oracle"))
+    assert all(row["time_at_max"] == 0.0 for row in report.policy_rows(free))
+
+    ceiling = int(np.median(free.test_result("oracle").provisioned))
+    capped = evaluate.evaluate(
+        _bursty_demand(1), None, replace(cfg, pool=replace(pool, max_replicas=ceiling))
+    )
+    verdict = report.verdict(capped)
+    assert verdict["comparison_meaningful"] is False
+    assert any(f"maximum of {ceiling} replicas" in p for p in verdict["problems"])
+    assert all(verdict[f]["goal_met"] is None for f in ("predictive", "predictive+floor", "oracle"))
+    assert report.share_at_max(capped, "oracle") > report.SATURATED_SHARE

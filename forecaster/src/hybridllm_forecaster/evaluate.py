@@ -94,6 +94,7 @@ class EvalResult:
     quantiles: dict[str, float] = field(default_factory=dict)  # chosen on train
     knob_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # train, per knob
     policy_h: int = 1  # the horizon the policies' forecasts mostly cover (`policy_horizon`)
+    max_replicas: int = 0  # the pool's ceiling (0: unknown)
 
     def test_result(self, family: str) -> SimResult:
         return dict(self.test_runs[family])[self.chosen[family]]
@@ -146,7 +147,7 @@ def evaluate(
     chosen_model = cfg.model if cfg.model != "auto" else _pick_model(work, fcs, split, policy_h)
     result = EvalResult(
         demand, work, split, horizon, scale_up_h, fcs, scores, chosen_model, simulator,
-        policy_h=policy_h,
+        policy_h=policy_h, max_replicas=pool.max_replicas,
     )  # fmt: skip
     fc = fcs[chosen_model]
     uppers = {cfg.upper_q: fc.upper, 0.5: fc.p50}

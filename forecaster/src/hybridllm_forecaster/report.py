@@ -54,6 +54,7 @@ def policy_rows(res: EvalResult) -> list[dict[str, Any]]:
             "replica_hours": r.replica_hours,
             "cost_vs_hpa": r.replica_hours / ref.replica_hours if ref.replica_hours else math.nan,
             "slo_points_vs_hpa": 100 * (r.slo_attainment - ref.slo_attainment),
+            "time_at_max": share_at_max(res, fam),
         })  # fmt: skip
     return rows
 
@@ -82,9 +83,55 @@ def cost_at_attainment(res: EvalResult, family: str, attainment: float) -> float
     return math.nan
 
 
+# A comparison of scaling policies means something only where they are free to scale and
+# the SLO is within reach: past these, the report says the comparison is void.
+SATURATED_SHARE = 0.05  # a policy at the pool's maximum for more of the test period
+UNREACHABLE_ATTAINMENT = 0.9  # the oracle (perfect foresight) below this SLO attainment
+
+
+def share_at_max(res: EvalResult, family: str) -> float:
+    """The share of the test period a family's chosen setting provisions the pool's maximum."""
+    provisioned = res.test_result(family).provisioned
+    if res.max_replicas <= 0 or provisioned.size == 0:
+        return 0.0
+    return float(np.mean(provisioned >= res.max_replicas))
+
+
+def comparison_problems(res: EvalResult) -> list[str]:
+    """Why the policies cannot be told apart on this trace and pool; empty when they can."""
+    problems = []
+    saturated = {f: share_at_max(res, f) for f in FAMILIES}
+    worst = {f: v for f, v in saturated.items() if v > SATURATED_SHARE}
+    if worst:
+        shown = ", ".join(f"{f} {v:.0%}" for f, v in worst.items())
+        problems.append(
+            f"policies sit at the pool's maximum of {res.max_replicas} replicas for a material "
+            f"share of the test period ({shown}): demand exceeds what the pool may provision, "
+            "so they differ by where they hit the ceiling, not by how they scale. Raise "
+            "--max-replicas, or scale the trace's demand or the replica capacity "
+            "(--capacity-scale)"
+        )
+    oracle = res.test_result("oracle")
+    if oracle.slo_attainment < UNREACHABLE_ATTAINMENT:
+        parts = f"TTFT {oracle.ttft_attainment:.1%}, TBT {oracle.tbt_attainment:.1%}"
+        problems.append(
+            f"even the oracle (perfect foresight) meets the SLO for only "
+            f"{oracle.slo_attainment:.1%} of requests ({parts}): the SLO is out of reach "
+            "for this replica capacity whatever the policy, so attainment and cost ratios "
+            "compare noise. Check the SLO and the per-replica capacity against the trace's "
+            "request sizes"
+        )
+    return problems
+
+
 def verdict(res: EvalResult) -> dict[str, Any]:
     hpa = res.test_result("hpa")
-    out: dict[str, Any] = {"reference": f"hpa at target utilisation {res.chosen['hpa']:g}"}
+    problems = comparison_problems(res)
+    out: dict[str, Any] = {
+        "reference": f"hpa at target utilisation {res.chosen['hpa']:g}",
+        "comparison_meaningful": not problems,
+        "problems": problems,
+    }
     tuned_at_equal = attainment_at_cost(res, "hpa-tuned", hpa.replica_hours)
     for fam in ("predictive", "predictive+floor", "oracle"):
         r = res.test_result(fam)
@@ -98,7 +145,10 @@ def verdict(res: EvalResult) -> dict[str, Any]:
             "slo_points_at_equal_cost_vs_hpa_tuned": 100 * (at_equal - tuned_at_equal),
             "cost_ratio_at_equal_slo": cost_at_attainment(res, fam, hpa.slo_attainment)
             / hpa.replica_hours,
-            "goal_met": bool(
+            # None: not judged, the comparison means nothing (see "problems")
+            "goal_met": None
+            if problems
+            else bool(
                 (r.slo_attainment >= hpa.slo_attainment - 1e-9 and ratio <= 0.8)
                 or (not math.isnan(at_equal) and at_equal - hpa.slo_attainment >= 0.05)
             ),
@@ -157,6 +207,8 @@ def print_tables(res: EvalResult, header: str) -> None:
         for r in rows:
             table.add_row(*(_fmt(v) for v in r.values()))
         console.print(table)
+    for problem in comparison_problems(res):
+        console.print(f"[bold red]WARNING: this comparison is not meaningful:[/] {problem}")
     console.print(json.dumps(verdict(res), indent=2, default=_json_default))
 
 
@@ -189,7 +241,11 @@ def write(res: EvalResult, out_dir: Path, header: str, plots: list[Path]) -> Pat
     ]
     data["knobs_train"] = knobs
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=_json_default))
-    md = [f"# Forecast evaluation\n\n{header}\n", "## Forecasts (test period)\n",
+    warnings = [
+        f"> **Warning: this comparison is not meaningful.** {p}\n\n"
+        for p in comparison_problems(res)
+    ]
+    md = [f"# Forecast evaluation\n\n{header}\n", *warnings, "## Forecasts (test period)\n",
           markdown_table(forecast_rows(res)), "\n## Policies (test period)\n",
           markdown_table(policy_rows(res)),
           "\n## Knobs chosen on the training period\n\nSLO attainment at the reference "
