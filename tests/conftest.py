@@ -93,3 +93,29 @@ def broken_int8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     onnx.save(model, str(broken / "model.onnx"))
     assert manifest.read(broken).reference is not None
     return broken
+
+
+@pytest.fixture(scope="session")
+def corrupt_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model store whose ``source`` (the shipped GGUF) and ``hf`` artifacts are copies of
+    the real ones with one byte flipped in the middle of their weights: same size, same
+    manifest, so only a re-hash tells them apart. Point ``HYBRIDLLM_MODEL_CACHE`` at it."""
+    import shutil
+
+    from hybridllm_models import convert, store, uri
+
+    real = store.Store()
+    root = tmp_path_factory.mktemp("corrupt-store")
+    for target in ("source", "hf"):
+        artifact = convert.ensure_artifact(uri.DEFAULT_URI, target, model_store=real)
+        copy = root / artifact.path.relative_to(real.root)
+        shutil.copytree(artifact.path, copy)
+        weights = copy / artifact.manifest.primary
+        if weights.is_dir():
+            weights = weights / "model.safetensors"
+        with weights.open("r+b") as f:
+            f.seek(weights.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return root

@@ -46,3 +46,37 @@ def test_a_file_that_is_not_what_its_manifest_says_is_refused(tmp_path: Path) ->
     assert "(gguf Q8_0, llamacpp) failed its quality check" in message
     assert "the limit of 0.03" in message
     assert "--force --to gguf-q8_0" in message
+
+
+def test_a_corrupt_store_artifact_is_refused_before_loading(
+    corrupt_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One flipped byte keeps the size the presence check looks at; the re-hash at load
+    catches it, names the file and says how to rebuild it. The app stays up and says why."""
+    from fastapi.testclient import TestClient
+
+    import hybridllm_models
+    from hybridllm_edge.server import app as app_mod
+
+    monkeypatch.setenv("HYBRIDLLM_MODEL_CACHE", str(corrupt_store))
+    with pytest.raises(hybridllm_models.IntegrityError) as caught:
+        backends.load(_settings())
+    message = str(caught.value)
+    assert "is corrupt and was not loaded" in message
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf: sha256" in message
+    assert f"hybridllm model pull --force {uri.DEFAULT_URI}" in message
+
+    with TestClient(app_mod.create_app(_settings())) as client:
+        health = client.get("/health")
+        chat = client.post(
+            "/v1/chat/completions",
+            json={"model": "x", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert health.status_code == 503
+    assert "is corrupt" in health.json()["error"]["message"]
+    assert chat.status_code == 503
+    assert chat.json()["error"]["code"] == "model_not_ready"
+
+    # --no-verify-model: the operator's choice for very large models; the file then loads
+    backend = backends.load(_settings(verify_model=False))
+    backend.close()

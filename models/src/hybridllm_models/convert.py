@@ -148,11 +148,15 @@ def ensure_artifact(
     *,
     model_store: store.Store | None = None,
     force: bool = False,
+    verify: bool = False,
     progress: Progress = NULL,
 ) -> Artifact:
     """The artifact for (source, target), pulled and converted as needed.
 
-    ``force`` rebuilds the target itself (not its parents).
+    ``force`` rebuilds the target itself (not its parents). ``verify`` re-hashes every
+    file of the artifact against its manifest (what a runtime does before loading) and
+    raises :class:`errors.IntegrityError` naming each bad file and the command that
+    rebuilds it: a flipped byte keeps the size that the cheap presence check looks at.
     """
     if target not in (*TARGETS, store.SOURCE):
         raise errors.ConversionError(
@@ -160,7 +164,20 @@ def ensure_artifact(
         )
     model_store = model_store or store.Store()
     source = model_store.pull(source_uri, progress=progress)
-    return _ensure(model_store, source, target, force, progress)
+    artifact = _ensure(model_store, source, target, force, progress)
+    if verify:
+        problems = model_store.verify(artifact, progress)
+        if problems:
+            fix = (
+                f"hybridllm model pull --force {source_uri}"
+                if artifact.manifest.artifact == store.SOURCE
+                else f"hybridllm model convert {source_uri} --to {target} --force"
+            )
+            raise errors.IntegrityError(
+                f"{artifact.path} is corrupt and was not loaded: {'; '.join(problems)}. "
+                f"Rebuild it with `{fix}`"
+            )
+    return artifact
 
 
 def _ensure(
@@ -204,9 +221,10 @@ def ensure(
     *,
     model_store: store.Store | None = None,
     force: bool = False,
+    verify: bool = False,
     progress: Progress = NULL,
 ) -> Path:
     """Path to load: the .gguf file for GGUF targets, the folder for hf and onnx targets."""
     return ensure_artifact(
-        source_uri, target, model_store=model_store, force=force, progress=progress
+        source_uri, target, model_store=model_store, force=force, verify=verify, progress=progress
     ).primary_path

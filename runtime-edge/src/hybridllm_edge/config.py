@@ -35,6 +35,12 @@ class EdgeSettings(BaseSettings):
         default=DEFAULT_MODEL,
         description="model store URI, a local .gguf file, or a local ONNX export folder",
     )
+    verify_model: bool = Field(
+        default=True,
+        description="re-hash the model store artifact against its manifest before loading "
+        "and refuse it when a file differs (--no-verify-model skips the read for very large "
+        "models)",
+    )
     served_model_name: str | None = Field(
         default=None, description="name in /v1/models (default: derived from --model)"
     )

@@ -34,14 +34,16 @@ log = logging.getLogger(__name__)
 APIError = oai.APIError
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local HF-layout directory as is; anything else through the model store."""
+def resolve_model_path(model: str, verify: bool = True) -> Path:
+    """A local HF-layout directory as is; anything else through the model store, its
+    files re-hashed against the manifest when ``verify`` (a corrupt artifact raises
+    ``hybridllm_models.IntegrityError``)."""
     path = Path(model)
     if path.is_dir():
         return path
     import hybridllm_models
 
-    return Path(hybridllm_models.ensure(model, target="hf"))
+    return Path(hybridllm_models.ensure(model, target="hf", verify=verify))
 
 
 def served_name(settings: config_mod.ServeSettings) -> str:
@@ -113,7 +115,19 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal engine
         if engine is None:
-            path = await asyncio.to_thread(resolve_model_path, settings.model)
+            import hybridllm_models
+
+            try:
+                path = await asyncio.to_thread(
+                    resolve_model_path, settings.model, settings.verify_model
+                )
+            except hybridllm_models.ModelStoreError as exc:
+                # Serve nothing, but stay up and say why: /health answers 503 with the
+                # reason (a crash loop would hide it behind restarts).
+                log.error("refusing to serve: %s", exc)
+                app.state.not_ready_reason = str(exc)
+                yield
+                return
             engine = await asyncio.to_thread(
                 llm_engine.LLMEngine.from_path, path, settings.engine_config()
             )
@@ -133,6 +147,7 @@ def create_app(
     app = FastAPI(title="hybridllm cloud runtime", lifespan=lifespan)
     app.state.settings = settings
     app.state.ready = False
+    app.state.not_ready_reason = "model is loading"
     app.state.metrics = server_metrics.ServerMetrics()
     app.state.model_name = served_name(settings)
 
@@ -141,7 +156,7 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if not app.state.ready:
-            return http_errors.error_response(oai.MODEL_NOT_READY, "model is loading")
+            return http_errors.error_response(oai.MODEL_NOT_READY, app.state.not_ready_reason)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

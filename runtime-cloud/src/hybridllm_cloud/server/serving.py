@@ -40,6 +40,8 @@ class Serving:
     def __init__(self, app: FastAPI, error: Callable[..., Exception]) -> None:
         self.app = app
         self.error = error
+        if not app.state.ready:  # no engine yet, or none at all (the model was refused)
+            raise error(oai.MODEL_NOT_READY, app.state.not_ready_reason)
         self.engine = app.state.engine
         self.tokenizer = self.engine.engine.tokenizer
         self.metrics = app.state.metrics
@@ -49,8 +51,6 @@ class Serving:
     # --- admission ------------------------------------------------------------------------
 
     def _check_ready(self, model: str) -> None:
-        if not self.app.state.ready:
-            raise self.error(oai.MODEL_NOT_READY, "model is loading")
         if model and model != self.app.state.model_name:
             raise self.error(oai.MODEL_NOT_FOUND, f"model {model!r} is not served here", "model")
 

@@ -37,7 +37,9 @@ def resolve_model(settings: config.EdgeSettings) -> tuple[Path, str, Manifest | 
         return local, revision, found if found.primary == primary else None
     import hybridllm_models
 
-    artifact = hybridllm_models.ensure_artifact(settings.model, target=settings.store_target())
+    artifact = hybridllm_models.ensure_artifact(
+        settings.model, target=settings.store_target(), verify=settings.verify_model
+    )
     m = artifact.manifest
     digest = next((f.sha256 for f in m.files if f.path == m.primary), "")
     if not digest:  # a folder artifact: the files together

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import hybridllm_models
 from hybridllm_common import http_errors
 from hybridllm_common import openai_protocol as oai
 from hybridllm_edge import backends, cache, config, engine, prompting
@@ -48,7 +49,7 @@ def create_app(settings: config.EdgeSettings, ready_engine: engine.Engine | None
         if eng is None:
             try:
                 backend = await asyncio.to_thread(backends.load, settings)
-            except quality.QualityError as exc:
+            except (quality.QualityError, hybridllm_models.ModelStoreError) as exc:
                 # Serve nothing, but stay up and say why: /health answers 503 with the
                 # reason (a crash loop would hide it behind restarts).
                 log.error("refusing to serve: %s", exc)
