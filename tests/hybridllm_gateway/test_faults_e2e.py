@@ -8,6 +8,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
+import pytest
 
 
 def test_killed_replica_is_retried_and_ejected(procs, table, ask) -> None:
@@ -76,3 +78,28 @@ def test_reload_under_load_drops_no_request(procs, table, tmp_path) -> None:
     with httpx.Client() as c:
         r = c.post(gw.url + "/v1/chat/completions", json=payload)
     assert r.json()["system_fingerprint"] == "old"  # the last table named `old`
+
+
+@pytest.mark.parametrize("relay_mode", ["raw", "aiohttp"])
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error(procs, table, relay_mode) -> None:
+    """The client of a cut stream must learn that its answer is incomplete: an SSE error
+    event (the openai SDK raises it), never a stream that ends as if it were whole."""
+    slow = procs.tokenserver("cloud-slow", "--rate", "20")
+    gw = procs.gateway(table(cloud=[slow.url]), "--stream-relay", relay_mode)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=200, stream=True
+    )
+    received = []
+
+    def consume() -> None:
+        for chunk in stream:
+            received.append(chunk.choices[0].delta.content)
+            if len(received) == 3:
+                slow.kill()
+
+    with pytest.raises(openai.APIError) as caught:
+        consume()
+    assert len(received) >= 3
+    assert "failed mid-stream" in str(caught.value)
+    assert "not a complete answer" in str(caught.value)

@@ -335,3 +335,80 @@ def test_disaggregated_cloud_prefills_remotely_and_a_dead_supervisor_takes_its_c
         down = local.down()
     assert down.returncode == 0
     assert not (local.root / local.name / "state.json").exists()
+
+
+@dataclass
+class _Outcome:
+    started: bool = False  # a content chunk arrived before the end or the error
+    finished: bool = False  # a finish_reason arrived
+    error: str | None = None
+
+
+def test_killing_one_of_three_cloud_replicas_fails_no_request_that_had_not_started(
+    tmp_path: Path,
+) -> None:
+    """Streams run against three cloud replicas behind the gateway; one replica is killed.
+    Every request that had not received a token by then completes (the gateway retries
+    it on another replica); a stream cut mid-way ends in an error the client sees, never
+    in a silent truncation."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "three-cpu"
+    doc["spec"]["edge"] = {"enabled": False}
+    doc["spec"]["routing"] = {"policy": "cloud-only"}
+    doc["spec"]["cloud"]["monolithic"]["replicas"] = 3
+    doc["spec"]["cloud"]["monolithic"]["maxReplicas"] = 3
+    manifest = tmp_path / "three.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    local = _up_detached(tmp_path / "state", manifest, "three-cpu")
+    outcomes: list[_Outcome] = []
+    killed = threading.Event()
+    stop = threading.Event()
+
+    def client_loop() -> None:
+        client = local.client()
+        while not stop.is_set():
+            out = _Outcome()
+            outcomes.append(out)
+            try:
+                stream = client.chat.completions.create(
+                    model=MODEL, messages=SHORT, max_tokens=24, temperature=0, stream=True
+                )
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        out.started = out.started or bool(choice.delta.content)
+                        out.finished = out.finished or choice.finish_reason is not None
+            except openai.OpenAIError as exc:
+                out.error = repr(exc)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for("streams complete before the kill", lambda: sum(o.finished for o in outcomes) >= 6)
+        victim = local.process("monolithic-1")
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.set()
+        done_at_kill = len(outcomes)
+        wait_for(
+            "streams complete after the kill",
+            lambda: sum(o.finished for o in outcomes[done_at_kill:]) >= 12,
+            timeout_s=180,
+        )
+        wait_for(
+            "the killed replica is back",
+            lambda: (
+                (p := local.process("monolithic-1"))["restarts"] == 1 and p["status"] == "ready"
+            ),
+            timeout_s=180,
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        local.down()
+    finished = [o for o in outcomes if o.error is None]
+    failed = [o for o in outcomes if o.error is not None]
+    truncated = [o for o in finished if not o.finished]
+    assert not truncated, f"{len(truncated)} streams ended without a finish_reason or an error"
+    assert all(o.started for o in failed), [o.error for o in failed if not o.started]
+    assert len(finished) >= 18

@@ -17,6 +17,7 @@ generating.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -214,6 +215,11 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("upstream %s broke mid-stream: %s", replica.url, exc)
             self._fail(replica, "mid_stream")
+            try:  # every write re-framed by aiohttp: always at a chunk boundary
+                await out.write(stream_error_event(replica))
+                completed = True
+            except (ConnectionResetError, RuntimeError):
+                pass
         except (ConnectionResetError, RuntimeError) as exc:
             log.info("client went away mid-stream (%s); closing upstream %s", exc, replica.url)
         finally:
@@ -369,6 +375,14 @@ class Forwarder:
             log.warning("upstream %s broke mid-stream: %r", replica.url, conn.lost)
             self._fail(replica, "mid_stream")
             conn.abort()
+            if framed and conn.scanner is not None and conn.scanner.left:
+                # Cut inside an upstream chunk: no valid framing can follow, so the
+                # client's connection is cut too (it sees an incomplete body, an error).
+                down.abort()
+                return out
+            event = stream_error_event(replica)
+            down.write(b"%x\r\n%b\r\n" % (len(event), event))
+            await out.write_eof()
             return out
         conn.release()
         await out.write_eof()
@@ -408,6 +422,19 @@ def usage_tokens(body: bytes | None) -> int:
         log.debug("answer has no readable usage: %s", exc)
         return 0
     return int(usage.get("completion_tokens") or 0)
+
+
+def stream_error_event(replica: balancer_mod.Replica) -> bytes:
+    """What a client reads when the replica streaming its answer dies mid-way: an SSE error
+    event in the OpenAI shape (the openai SDK raises it) and ``[DONE]``, never a stream that
+    just ends as if the answer were complete. The leading blank line ends any event the
+    replica had half-written."""
+    _, body = oai.make_error(
+        oai.UPSTREAM_UNAVAILABLE,
+        f"the {replica.tier} replica streaming this answer failed mid-stream; the tokens "
+        "received so far are not a complete answer: retry the request",
+    )
+    return b"\n\ndata: " + json.dumps(body.model_dump()).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def _sse_response(request: web.Request, replica: balancer_mod.Replica) -> web.StreamResponse:
