@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,137 @@ def test_spec_the_schema_cannot_catch_is_degraded(kube: Any, operator: Any, name
     kube.apply(body, namespace)
     obj = kube.eventually(lambda: ready(kube, "invalid", namespace), 90, "fixed spec Ready")
     assert condition(obj, "Degraded")["status"] == "False"
+
+
+class _Tracked:
+    """Wraps ``reconcile.reconcile`` in the running operator: counts calls per LLMService,
+    records any that overlap, can hold one call open, and can fail one with an API error."""
+
+    def __init__(self, name: str, real: Any) -> None:
+        self.name, self.real = name, real
+        self.lock = threading.Lock()
+        self.active = 0
+        self.calls = 0
+        self.overlaps = 0
+        self.hold_next = False
+        self.holding = threading.Event()
+        self.second = threading.Event()
+        self.fail_status: int | None = None
+        self.fail_left = 0
+
+    def __call__(self, cluster: Any, body: dict[str, Any], images: Any) -> Any:
+        if body["metadata"]["name"] != self.name:
+            return self.real(cluster, body, images)
+        with self.lock:
+            self.calls += 1
+            self.active += 1
+            if self.active > 1:
+                self.overlaps += 1
+                self.second.set()
+            hold, self.hold_next = self.hold_next, False
+            fail = self.fail_status if self.fail_left > 0 else None
+            self.fail_left = max(0, self.fail_left - 1)
+        try:
+            if fail is not None:
+                # imported here: the client library reads $KUBECONFIG when first imported,
+                # and the session fixture sets it after collection
+                from kubernetes.client import exceptions as k8s_errors
+
+                raise k8s_errors.ApiException(status=fail, reason="injected by the test")
+            if hold:
+                self.holding.set()
+                # The window a second reconcile of the same object would need to show up:
+                # the test is waiting for an overlap that must not happen.
+                self.second.wait(timeout=5)
+            return self.real(cluster, body, images)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+@pytest.fixture
+def tracked(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from hybridllm_operator import reconcile
+
+    def make(name: str) -> _Tracked:
+        wrapper = _Tracked(name, reconcile.reconcile)
+        monkeypatch.setattr(reconcile, "reconcile", wrapper)
+        return wrapper
+
+    return make
+
+
+def test_child_events_never_reconcile_an_llmservice_twice_at_once(
+    kube: Any, operator: Any, namespace: str, tracked: Any
+) -> None:
+    """While one reconcile of an LLMService runs, its children change (a hand scale, a
+    deleted Service): the events wait for it and coalesce into one more reconcile, which
+    repairs both."""
+    kube.apply(example("serial"), namespace)
+    kube.eventually(lambda: ready(kube, "serial", namespace), 90, "serial Ready")
+    spy = tracked("serial")
+    spy.hold_next = True
+    manifest = example("serial")
+    manifest["spec"]["edge"]["pool"]["replicas"] = 3
+    kube.apply(manifest, namespace)
+    assert spy.holding.wait(timeout=60), "the spec change did not reach the reconciler"
+    kube.run("scale", "deployment", "serial-edge", "--replicas=9", "-n", namespace)
+    kube.run("delete", "service", "serial-gateway", "-n", namespace)
+    kube.eventually(
+        lambda: (
+            kube.get("service", "serial-gateway", namespace)
+            and kube.get("deployment", "serial-edge", namespace)["spec"]["replicas"] == 3
+            and ready(kube, "serial", namespace)
+        ),
+        60,
+        "the children repaired and the new replica count in place",
+    )
+    assert spy.overlaps == 0
+    assert spy.calls >= 2  # the held one, then the one the child events asked for
+
+
+def _settled(kube: Any, name: str, namespace: str) -> bool:
+    """Every Deployment of the service done rolling out (the Deployment controller writes
+    nothing more): after this, no child event comes unless someone changes something."""
+    out = kube.run("get", "deployments", "-n", namespace, "-l", SELECTOR.format(name=name),
+                   "-o", "json")  # fmt: skip
+    items = json.loads(out.stdout)["items"]
+    for d in items:
+        st, want = d.get("status") or {}, d["spec"]["replicas"]
+        progressing = next((c for c in st.get("conditions", []) if c["type"] == "Progressing"), {})
+        if not (
+            st.get("observedGeneration") == d["metadata"]["generation"]
+            and st.get("replicas", 0)
+            == st.get("updatedReplicas", 0)
+            == st.get("readyReplicas", 0)
+            == st.get("availableReplicas", 0)
+            == want
+            and progressing.get("reason") == "NewReplicaSetAvailable"
+        ):
+            return False
+    return bool(items)
+
+
+def test_a_conflict_during_a_child_triggered_reconcile_is_retried(
+    kube: Any, operator: Any, namespace: str, tracked: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconciles a child's deletion asks for fail ten times in a row (409), more than
+    the events that deletion brings: they are retried with back-off until one succeeds,
+    with no further event to prompt them. (The back-off is shortened for the test.)"""
+    from hybridllm_operator import handlers
+
+    monkeypatch.setattr(handlers, "RETRY_FIRST_S", 0.2, raising=False)
+    monkeypatch.setattr(handlers, "RETRY_MAX_S", 0.5, raising=False)
+    kube.apply(example("retry"), namespace)
+    kube.eventually(lambda: ready(kube, "retry", namespace), 90, "retry Ready")
+    kube.eventually(lambda: _settled(kube, "retry", namespace), 60, "rollouts complete")
+    spy = tracked("retry")
+    spy.fail_status, spy.fail_left = 409, 10
+    kube.run("delete", "configmap", "retry-routing", "-n", namespace)
+    kube.eventually(
+        lambda: kube.get("configmap", "retry-routing", namespace),
+        60,
+        "routing ConfigMap recreated after the failed reconciles",
+    )
+    assert spy.fail_left == 0
+    assert spy.calls >= 11, spy.calls

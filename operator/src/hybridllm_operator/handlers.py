@@ -1,14 +1,36 @@
-"""kopf handlers: thin triggers around :func:`hybridllm_operator.reconcile.reconcile`.
+"""kopf handlers: one reconciler daemon per LLMService, woken by events.
 
-Every trigger runs the same level-triggered reconcile: the LLMService was created,
-its spec changed, the operator resumed, or one of its children changed or was deleted
-(the child watch is what repairs drift and keeps the status's ready counts current).
-kopf keeps its bookkeeping in annotations, not in ``status``, because the CRD's status
-schema is structural and would prune anything kopf wrote there.
+kopf runs a daemon per LLMService for as long as the object exists (spawned when it is
+created or when the operator starts, stopped when it is deleted). The daemon is the only
+place that reconciles its LLMService, so one LLMService is never reconciled twice at once
+(a child's status change can no longer race the parent's own reconcile or its status
+patch). Everything else only wakes it:
+
+- an event of the LLMService whose ``metadata.generation`` differs from the last one
+  reconciled (a spec change; the daemon's own status patches do not wake it);
+- any event of an owned child (a Deployment's status, a hand edit, a deletion): found by
+  its controller ``ownerReference``, without asking the API server for the parent.
+
+A burst of events coalesces into one reconcile. A reconcile that fails on the API server
+(409, 429, 5xx, a lost connection) is retried by the daemon with back-off (1 s doubling
+to 60 s) until it succeeds; a spec that can never work is reported as ``Degraded`` and
+waits for the next spec change; and every ``resync_seconds`` (default an hour) the
+daemon reconciles anyway, as a safety net for an event lost while the watch reconnected.
+
+State lives in kopf's memo: the operator-wide memo (filled at start-up) holds the API
+clients, the images, the executor that runs the blocking reconciles and the wakers by
+``(namespace, name)``; each handler gets a shallow copy of it, so all see the same ones.
+kopf keeps its own bookkeeping in annotations, not in ``status``, because the CRD's status
+schema is structural and would prune anything kopf wrote there. Daemons need kopf's
+finalizer on each LLMService, so that deleting one stops its daemon first.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any, cast
@@ -25,18 +47,32 @@ LLMSERVICES = (crd.GROUP, crd.VERSION, "llmservices")
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 OWNED = {builders.LABEL_MANAGED_BY: builders.MANAGED_BY}
 
-_state: dict[str, Any] = {}
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
+TRANSIENT_STATUSES = (409, 429, 500, 502, 503, 504)
 
 
-class _QuietChildEvents(logging.Filter):
-    """Drop kopf's per-event success line for child watches: one per Deployment status change."""
+class _QuietEventHandlers(logging.Filter):
+    """Drop kopf's per-event success line of the wake-up handlers: one per child event."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Handler 'child_changed' succeeded" not in record.getMessage()
+        message = record.getMessage()
+        return not (message.startswith("Handler '") and "_event' succeeded" in message) and (
+            "Handler 'child_changed' succeeded" not in message
+        )
+
+
+@dataclasses.dataclass
+class Waker:
+    """How events reach one LLMService's daemon."""
+
+    event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    generation: int | None = None  # the last generation reconciled (or found invalid)
+    reconciles: int = 0
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, logger: Logger, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, **_: Any) -> None:
     # Progress and the last-handled spec live in annotations: the structural status schema
     # would prune kopf's status fields and make it re-run handlers forever.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
@@ -47,70 +83,97 @@ def configure(settings: kopf.OperatorSettings, logger: Logger, **_: Any) -> None
     settings.posting.level = logging.WARNING
     # One operator replica (leader election is the Deployment's job): no peering CRD needed.
     settings.peering.standalone = True
-    # Reconciles are short, blocking API calls: run them in a bounded thread pool.
-    operator_settings = OperatorSettings()
-    settings.execution.max_workers = operator_settings.max_workers
     # A transient API error retries soon rather than after kopf's default minute.
     settings.watching.reconnect_backoff = 1.0
     try:
         kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
-    logging.getLogger("kopf.objects").addFilter(_QuietChildEvents())
-    _state["cluster"] = reconcile.Cluster.connect()
-    _state["images"] = operator_settings.images()
-    logger.info("hybridllm operator configured: images %s", _state["images"])
+    operator_settings = OperatorSettings()
+    memo.cluster = reconcile.Cluster.connect()
+    memo.images = operator_settings.images()
+    memo.resync_seconds = operator_settings.resync_seconds
+    # Reconciles are short, blocking API calls: a bounded pool of threads runs them.
+    memo.executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
+    )
+    memo.wakers = {}
+    logging.getLogger("kopf.objects").addFilter(_QuietEventHandlers())
+    logger.info("hybridllm operator configured: images %s", memo.images)
 
 
-def _reconcile(body: kopf.Body, logger: Logger) -> None:
+@kopf.on.cleanup()
+def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    memo.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _key(meta: Mapping[str, Any]) -> tuple[str, str]:
+    return str(meta.get("namespace")), str(meta.get("name"))
+
+
+async def _sleep_until_woken(waker: Waker, timeout: float | None) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(waker.event.wait(), timeout)
+
+
+@kopf.daemon(*LLMSERVICES, cancellation_timeout=30.0)
+async def reconciler(
+    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
+) -> None:
+    """Reconcile this LLMService now, then each time something wakes it, until deleted."""
+    key = _key(meta)
+    waker = Waker()
+    memo.wakers[key] = waker
+    loop = asyncio.get_running_loop()
+    retry_s = RETRY_FIRST_S
     try:
-        result = reconcile.reconcile(_state["cluster"], dict(body), _state["images"])
-    except reconcile.InvalidSpec as exc:
-        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
-    except k8s_errors.ApiException as exc:
-        if exc.status in (409, 429, 500, 503, 504):
-            raise kopf.TemporaryError(
-                f"API server answered {exc.status}: {exc.reason}", delay=5
-            ) from exc
-        raise
-    logger.debug("reconciled: edge %s, cloud %s", result.edge_replicas, result.cloud_replicas)
+        while True:
+            waker.event.clear()
+            snapshot = {k: v for k, v in body.items()}  # the live view, frozen for this pass
+            generation = snapshot["metadata"].get("generation")
+            wait: float | None
+            try:
+                await loop.run_in_executor(
+                    memo.executor, reconcile.reconcile, memo.cluster, snapshot, memo.images
+                )
+            except reconcile.InvalidSpec as exc:
+                # Degraded, with the field named, is in the status; nothing to retry
+                # until the spec changes.
+                logger.warning("invalid spec: %s", exc)
+                waker.generation, wait, retry_s = generation, None, RETRY_FIRST_S
+            except (k8s_errors.ApiException, OSError) as exc:
+                status = getattr(exc, "status", None)
+                if isinstance(exc, k8s_errors.ApiException) and status not in TRANSIENT_STATUSES:
+                    logger.error("reconcile failed (API server answered %s): %s", status, exc)
+                else:
+                    logger.info("reconcile interrupted (%s); retrying in %.0f s", exc, retry_s)
+                wait, retry_s = retry_s, min(retry_s * 2, RETRY_MAX_S)
+            else:
+                waker.generation, wait, retry_s = generation, memo.resync_seconds, RETRY_FIRST_S
+                waker.reconciles += 1
+            await _sleep_until_woken(waker, wait)
+    finally:
+        if memo.wakers.get(key) is waker:
+            del memo.wakers[key]
 
 
-@kopf.on.resume(*LLMSERVICES)
-@kopf.on.create(*LLMSERVICES)
-@kopf.on.update(*LLMSERVICES, field="spec")
-def llmservice_changed(body: kopf.Body, logger: Logger, **_: Any) -> None:
-    _reconcile(body, logger)
-
-
-def _owner_changed(meta: Mapping[str, Any], logger: Logger) -> None:
-    refs = cast(list[dict[str, Any]], meta.get("ownerReferences") or [])
-    owners = [o for o in refs if o.get("kind") == "LLMService"]
-    if not owners:
-        return
-    cluster: reconcile.Cluster = _state["cluster"]
-    try:
-        parent = (
-            cluster.llmservices().get(name=owners[0]["name"], namespace=meta["namespace"]).to_dict()
-        )
-    except k8s_errors.ApiException as exc:
-        if exc.status == 404:
-            return  # the owner is being deleted; garbage collection removes the child
-        raise
-    if parent["metadata"].get("deletionTimestamp") or parent["metadata"]["uid"] != owners[0].get(
-        "uid"
-    ):
-        return
-    try:
-        reconcile.reconcile(cluster, parent, _state["images"])
-    except reconcile.InvalidSpec:
-        logger.debug("owner %s has an invalid spec; its status says why", owners[0]["name"])
+@kopf.on.event(*LLMSERVICES)
+async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    waker = cast(Waker | None, memo.wakers.get(_key(meta)))
+    if waker is not None and type != "DELETED" and meta.get("generation") != waker.generation:
+        waker.event.set()
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
 @kopf.on.event("", "v1", "services", labels=OWNED)
 @kopf.on.event("", "v1", "configmaps", labels=OWNED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED)
-def child_changed(meta: kopf.Meta, logger: Logger, **_: Any) -> None:
-    # Any event (added, modified, deleted, or the initial listing) may mean drift.
-    _owner_changed(meta, logger)
+async def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """Any event of a child (added, modified, deleted, the initial listing) may be drift
+    or a status change: wake its LLMService's daemon."""
+    refs = cast(list[dict[str, Any]], meta.get("ownerReferences") or [])
+    for owner in refs:
+        if owner.get("kind") == "LLMService" and owner.get("controller"):
+            waker = cast(Waker | None, memo.wakers.get((meta.get("namespace"), owner["name"])))
+            if waker is not None:
+                waker.event.set()

@@ -24,6 +24,12 @@ class OperatorSettings(BaseSettings):
     max_workers: int = Field(
         default=8, ge=1, description="Threads running reconciliations at once."
     )
+    resync_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Reconcile every LLMService this often even without an event (a safety "
+        "net for an event lost while a watch reconnected).",
+    )
 
     def images(self) -> builders.Images:
         return builders.Images(
