@@ -136,7 +136,35 @@ def _start(state_dir: Path, name: str, argv: list[str]) -> int:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     (state_dir / "pids").mkdir(exist_ok=True)
     (state_dir / "pids" / name).write_text(str(proc.pid))
+    (state_dir / "argv").mkdir(exist_ok=True)
+    (state_dir / "argv" / name).write_text(json.dumps(argv))
     return proc.pid
+
+
+def kill(state_dir: Path, component: str) -> None:
+    """SIGKILL one component (a crash, not a shutdown) and reap it."""
+    pid = int((state_dir / "pids" / component).read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.02)
+
+
+def restart(cluster: "Cluster", component: str) -> None:
+    """Start a killed component again with its original command line; for the API server,
+    return once it answers /readyz (its data is in etcd, so nothing else is redone)."""
+    state_dir = cluster.state_dir
+    argv = json.loads((state_dir / "argv" / component).read_text())
+    _start(state_dir, component, argv)
+    if component == "kube-apiserver":
+        _wait("kube-apiserver /readyz", lambda: _https_ok(f"{cluster.server}/readyz", state_dir / "pki"),
+              120, state_dir, component)
 
 
 def _tail(state_dir: Path, name: str, lines: int = 30) -> str:

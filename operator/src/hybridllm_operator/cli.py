@@ -60,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
         clusterwide=not namespaces,
         liveness_endpoint=args.liveness,
         registry=kopf.get_default_registry(),
+        memo=kopf.Memo(namespaces=namespaces),
     )
     del handlers
     return 0

@@ -31,12 +31,18 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
+import json
 import logging
+import os
+import signal
+import time
 from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
 import kubernetes
+import urllib3
 from kubernetes.client import exceptions as k8s_errors
 
 from hybridllm_common import crd
@@ -91,6 +97,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
         kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
     operator_settings = OperatorSettings()
     memo.cluster = reconcile.Cluster.connect()
+    # kopf resolves the resources it serves once, right after this handler: an API server
+    # still installing its paths (just restarted, or being upgraded) would leave them
+    # unresolved, and the operator would serve nothing, for good. Wait until it has them.
+    wait_for_discovery(memo.cluster, logger)
     memo.images = operator_settings.images()
     memo.resync_seconds = operator_settings.resync_seconds
     # Reconciles are short, blocking API calls: a bounded pool of threads runs them.
@@ -102,8 +112,106 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     logger.info("hybridllm operator configured: images %s", memo.images)
 
 
+# What the operator watches, as discovery must list it: (group version path, resource).
+SERVED = (
+    ("/api/v1", "configmaps"),
+    ("/api/v1", "services"),
+    ("/apis/apps/v1", "deployments"),
+    ("/apis/policy/v1", "poddisruptionbudgets"),
+    (f"/apis/{crd.API_VERSION}", "llmservices"),
+)
+
+
+def missing_resources(cluster: reconcile.Cluster) -> list[str]:
+    """The served resources the API server's discovery does not list (yet)."""
+    missing = []
+    for path, resource in SERVED:
+        try:
+            listing = cluster.dyn.request("GET", path, serialize=False)
+            names = {r.get("name") for r in json.loads(listing.data).get("resources", [])}
+        except (k8s_errors.ApiException, OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
+            missing.append(
+                f"{path}/{resource} ({getattr(exc, 'status', None) or type(exc).__name__})"
+            )
+            continue
+        if resource not in names:
+            missing.append(f"{path}/{resource}")
+    return missing
+
+
+def wait_for_discovery(cluster: reconcile.Cluster, logger: Logger) -> None:
+    delay, waited, said = 0.2, 0.0, 0.0
+    while missing := missing_resources(cluster):
+        if waited - said >= 10 or not said:
+            logger.warning("waiting for the API server to serve %s", ", ".join(missing))
+            said = waited or 1e-9
+        time.sleep(delay)
+        waited += delay
+        delay = min(delay * 2, 5.0)
+
+
+WATCHDOG_PERIOD_S = 15.0
+WATCHDOG_GRACE_S = 30.0
+
+
+def _unserved(
+    cluster: reconcile.Cluster, namespaces: list[str | None], wakers: dict[Any, Any]
+) -> list[str]:
+    """LLMServices older than the grace period that no daemon of ours reconciles."""
+    listed: list[dict[str, Any]] = []
+    for ns in [*namespaces] or [None]:
+        listed += cluster.llmservices().get(namespace=ns).to_dict()["items"]
+    now = datetime.datetime.now(datetime.UTC)
+    out = []
+    for item in listed:
+        meta = item["metadata"]
+        created = datetime.datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
+        if (
+            not meta.get("deletionTimestamp")
+            and (now - created).total_seconds() > WATCHDOG_GRACE_S
+            and (meta["namespace"], meta["name"]) not in wakers
+        ):
+            out.append(f"{meta['namespace']}/{meta['name']}")
+    return out
+
+
+async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
+    """Exit when LLMServices exist that no daemon serves, twice in a row: kopf resolved its
+    resources while the API server was not serving them all, and it never resolves them
+    again. A restart (the Deployment's) does."""
+    loop = asyncio.get_running_loop()
+    namespaces: list[str | None] = list(memo.get("namespaces") or [])
+    misses = 0
+    while True:
+        await asyncio.sleep(WATCHDOG_PERIOD_S)
+        try:
+            unserved = await loop.run_in_executor(
+                memo.executor, _unserved, memo.cluster, namespaces, memo.wakers
+            )
+        except (k8s_errors.ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
+            logger.info("watchdog could not list LLMServices: %s", exc)
+            continue
+        misses = misses + 1 if unserved else 0
+        if misses >= 2:
+            logger.error(
+                "LLMServices %s have no reconciler: the operator is not watching them (the "
+                "API server did not list the resource when it started); exiting so that it "
+                "restarts and watches again",
+                ", ".join(unserved[:5]),
+            )
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+@kopf.on.startup()
+async def start_watchdog(memo: kopf.Memo, logger: Logger, **_: Any) -> None:
+    memo.watchdog = asyncio.get_running_loop().create_task(watchdog(memo, logger))
+
+
 @kopf.on.cleanup()
 def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("watchdog") is not None:
+        memo.watchdog.cancel()
     memo.executor.shutdown(wait=False, cancel_futures=True)
 
 

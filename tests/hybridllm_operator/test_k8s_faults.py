@@ -1,0 +1,196 @@
+"""Faults in the control plane: the operator and the API server killed in the middle of
+reconciles, 50 times, and the world still converges with no duplicate or orphaned child.
+
+It runs on a control plane of its own (the same cached binaries), because it kills that
+API server, and with the operator as a real process (`hybridllm operator run`), because it
+kills that with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hybridllm_operator import builders, reconcile
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS = 50
+SERVICES = ("alpha", "beta", "gamma", "delta")
+NAMESPACE = "faults"
+CHILD_KINDS = ("configmaps", "deployments", "services", "poddisruptionbudgets")
+KIND_OF = {
+    "configmaps": "ConfigMap",
+    "deployments": "Deployment",
+    "services": "Service",
+    "poddisruptionbudgets": "PodDisruptionBudget",
+}
+
+
+def _base(name: str) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "examples" / "edge-cloud-small.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    return dict(doc)
+
+
+def _mutate(doc: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """One random change a user might make: replicas, the cloud mode, the edge tier."""
+    doc = copy.deepcopy(doc)
+    spec = doc["spec"]
+    choice = rng.choice(("edge-replicas", "cloud-mode", "edge-toggle", "gateway-replicas"))
+    if choice == "edge-replicas":
+        spec["edge"]["pool"]["replicas"] = rng.choice((1, 2, 3))
+    elif choice == "cloud-mode":
+        if spec["cloud"].get("mode") == "disaggregated":
+            spec["cloud"] = {
+                "mode": "monolithic",
+                "monolithic": {"replicas": rng.choice((1, 2)), "resources": {"gpu": 1}},
+            }
+        else:
+            spec["cloud"] = {
+                "mode": "disaggregated",
+                "prefill": {"replicas": 1, "resources": {"gpu": 1}},
+                "decode": {"replicas": rng.choice((1, 2)), "resources": {"gpu": 1}},
+            }
+    elif choice == "edge-toggle":
+        spec["edge"]["enabled"] = not spec["edge"].get("enabled", True)
+        spec["routing"]["policy"] = "auto"
+    else:
+        spec["gateway"] = {"replicas": rng.choice((1, 2, 3))}
+    return doc
+
+
+class Operator:
+    """`hybridllm operator run` as its own process, killed the hard way."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log = env, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hybridllm_common.cli", "operator", "run"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def keep_running(self) -> None:
+        """What the operator's Deployment does: start it again when it has exited."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+
+
+@pytest.fixture
+def own_cluster(k8s_cluster: Any, kube: Any, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    testenv = sys.modules["hybridllm_testenv"]  # loaded by the session's cluster fixture
+    cluster = testenv.up(tmp_path / "testenv")
+    try:
+        own = type(kube)(cluster)
+        own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
+        own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
+        own.run("create", "namespace", NAMESPACE)
+        yield cluster, own
+    finally:
+        testenv.down(tmp_path / "testenv")
+
+
+def _converged(kube: Any, docs: dict[str, dict[str, Any]]) -> str | None:
+    """None when every service is Ready at its latest generation and owns exactly the
+    children its spec asks for; otherwise what is still off."""
+    services = {
+        o["metadata"]["name"]: o
+        for o in json.loads(kube.run("get", "llms", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+    }
+    owned: dict[str, set[tuple[str, str]]] = {name: set() for name in services}
+    for plural in CHILD_KINDS:
+        items = json.loads(
+            kube.run(
+                "get", plural, "-n", NAMESPACE, "-l",
+                f"{builders.LABEL_MANAGED_BY}={builders.MANAGED_BY}", "-o", "json",
+            ).stdout
+        )["items"]  # fmt: skip
+        for item in items:
+            refs = [r for r in item["metadata"].get("ownerReferences", []) if r.get("controller")]
+            if len(refs) != 1:
+                return f"{plural}/{item['metadata']['name']} has {len(refs)} controllers"
+            owner = services.get(refs[0]["name"])
+            if owner is None or owner["metadata"]["uid"] != refs[0]["uid"]:
+                return f"{plural}/{item['metadata']['name']} is an orphan"
+            owned[refs[0]["name"]].add((KIND_OF[plural], item["metadata"]["name"]))
+    for name, doc in docs.items():
+        obj = services[name]
+        status = obj.get("status") or {}
+        if status.get("observedGeneration") != obj["metadata"]["generation"]:
+            return f"{name}: generation {obj['metadata']['generation']} not observed yet"
+        ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
+        if not ready or ready[0]["status"] != "True":
+            return f"{name}: not Ready"
+        spec = reconcile.parse_spec(name, doc["spec"])
+        service = builders.Service(name, NAMESPACE, obj["metadata"]["uid"], spec)
+        desired = {(o["kind"], o["metadata"]["name"]) for o in builders.build_children(service)}
+        if owned[name] != desired:
+            return f"{name}: owns {sorted(owned[name] ^ desired)} it should not, or lacks them"
+    return None
+
+
+def test_operator_and_api_server_killed_50_times_mid_reconcile_converge(
+    own_cluster: tuple[Any, Any], tmp_path: Path
+) -> None:
+    cluster, kube = own_cluster
+    rng = random.Random(20261124)
+    docs = {name: _base(name) for name in SERVICES}
+    operator = Operator(cluster.env, tmp_path / "operator.log")
+    testenv = sys.modules["hybridllm_testenv"]
+    operator.start()
+    try:
+        kube.apply("\n---\n".join(yaml.safe_dump(d) for d in docs.values()), NAMESPACE)
+        kills = {"operator": 0, "kube-apiserver": 0}
+        for _ in range(ITERATIONS):
+            operator.keep_running()
+            name = rng.choice(SERVICES)
+            docs[name] = _mutate(docs[name], rng)
+            kube.apply(docs[name], NAMESPACE)
+            # Let the reconcile that change starts get some way, then kill one side.
+            time.sleep(rng.uniform(0.0, 0.6))
+            victim = rng.choice(("operator", "kube-apiserver"))
+            kills[victim] += 1
+            if victim == "operator":
+                operator.kill()
+                operator.start()
+            else:
+                testenv.kill(cluster.state_dir, "kube-apiserver")
+                testenv.restart(cluster, "kube-apiserver")
+        assert min(kills.values()) >= 15, kills
+        deadline = time.monotonic() + 240
+        while (problem := _converged(kube, docs)) is not None:
+            assert time.monotonic() < deadline, f"not converged after the faults: {problem}"
+            operator.keep_running()
+            time.sleep(0.5)
+    except AssertionError:
+        print((tmp_path / "operator.log").read_text()[-6000:])
+        raise
+    finally:
+        operator.kill()
