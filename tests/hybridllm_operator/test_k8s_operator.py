@@ -219,9 +219,9 @@ class _Tracked:
         self.fail_status: int | None = None
         self.fail_left = 0
 
-    def __call__(self, cluster: Any, body: dict[str, Any], images: Any) -> Any:
+    def __call__(self, cluster: Any, body: dict[str, Any], *args: Any) -> Any:
         if body["metadata"]["name"] != self.name:
-            return self.real(cluster, body, images)
+            return self.real(cluster, body, *args)
         with self.lock:
             self.calls += 1
             self.active += 1
@@ -243,7 +243,7 @@ class _Tracked:
                 # The window a second reconcile of the same object would need to show up:
                 # the test is waiting for an overlap that must not happen.
                 self.second.wait(timeout=5)
-            return self.real(cluster, body, images)
+            return self.real(cluster, body, *args)
         finally:
             with self.lock:
                 self.active -= 1

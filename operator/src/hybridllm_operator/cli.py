@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,22 +49,28 @@ def watched_namespaces(flag: str | None) -> list[str]:
     return [namespace] if namespace else []
 
 
+EXIT_UNSERVED = 3  # the watchdog stopped the operator: restart it
+
+
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
     from hybridllm_operator import handlers  # registers the handlers
 
     namespaces = watched_namespaces(args.namespace)
+    stop = threading.Event()
+    memo = kopf.Memo(namespaces=namespaces, stop=stop, stopped_by_watchdog=False)
     kopf.run(
         standalone=True,
         namespaces=namespaces,
         clusterwide=not namespaces,
         liveness_endpoint=args.liveness,
         registry=kopf.get_default_registry(),
-        memo=kopf.Memo(namespaces=namespaces),
+        memo=memo,
+        stop_flag=stop,
     )
     del handlers
-    return 0
+    return EXIT_UNSERVED if memo.stopped_by_watchdog else 0
 
 
 def register_operator(subparsers: Any) -> None:

@@ -34,8 +34,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import os
-import signal
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -75,6 +73,7 @@ class Waker:
     event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     generation: int | None = None  # the last generation reconciled (or found invalid)
     reconciles: int = 0
+    applied: reconcile.Applied = dataclasses.field(default_factory=reconcile.Applied)
 
 
 @kopf.on.startup()
@@ -176,9 +175,10 @@ def _unserved(
 
 
 async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
-    """Exit when LLMServices exist that no daemon serves, twice in a row: kopf resolved its
-    resources while the API server was not serving them all, and it never resolves them
-    again. A restart (the Deployment's) does."""
+    """Stop the operator when LLMServices exist that no daemon serves, twice in a row: kopf
+    resolved its resources while the API server was not serving them all, and it never
+    resolves them again. A restart (the Deployment's) does. Embedded without a stop flag
+    (kopf's test runner), it only logs."""
     loop = asyncio.get_running_loop()
     namespaces: list[str | None] = list(memo.get("namespaces") or [])
     misses = 0
@@ -199,8 +199,12 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
                 "restarts and watches again",
                 ", ".join(unserved[:5]),
             )
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            stop = memo.get("stop")
+            if stop is not None:  # `hybridllm operator run`: stop kopf, exit non-zero
+                memo.stopped_by_watchdog = True
+                stop.set()
+                return
+            misses = 0  # embedded (no stop flag): say it again at the next misses
 
 
 @kopf.on.startup()
@@ -242,7 +246,12 @@ async def reconciler(
             wait: float | None
             try:
                 await loop.run_in_executor(
-                    memo.executor, reconcile.reconcile, memo.cluster, snapshot, memo.images
+                    memo.executor,
+                    reconcile.reconcile,
+                    memo.cluster,
+                    snapshot,
+                    memo.images,
+                    waker.applied,
                 )
             except reconcile.InvalidSpec as exc:
                 # Degraded, with the field named, is in the status; nothing to retry
@@ -255,6 +264,11 @@ async def reconciler(
                     logger.error("reconcile failed (API server answered %s): %s", status, exc)
                 else:
                     logger.info("reconcile interrupted (%s); retrying in %.0f s", exc, retry_s)
+                wait, retry_s = retry_s, min(retry_s * 2, RETRY_MAX_S)
+            except Exception:
+                # A bug, not the cluster: say so with the traceback and keep serving
+                # (the daemon must not die, or the service would have no reconciler).
+                logger.exception("reconcile failed; retrying in %.0f s", retry_s)
                 wait, retry_s = retry_s, min(retry_s * 2, RETRY_MAX_S)
             else:
                 waker.generation, wait, retry_s = generation, memo.resync_seconds, RETRY_FIRST_S
@@ -276,12 +290,21 @@ async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, *
 @kopf.on.event("", "v1", "services", labels=OWNED)
 @kopf.on.event("", "v1", "configmaps", labels=OWNED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED)
-async def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def child_changed(
+    type: str | None,
+    body: kopf.Body,
+    meta: kopf.Meta,
+    resource: kopf.Resource,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
     """Any event of a child (added, modified, deleted, the initial listing) may be drift
-    or a status change: wake its LLMService's daemon."""
+    or a status change: note its version and wake its LLMService's daemon."""
     refs = cast(list[dict[str, Any]], meta.get("ownerReferences") or [])
     for owner in refs:
         if owner.get("kind") == "LLMService" and owner.get("controller"):
             waker = cast(Waker | None, memo.wakers.get((meta.get("namespace"), owner["name"])))
             if waker is not None:
+                kind = str(body.get("kind") or resource.kind)
+                waker.applied.observe(kind, meta, deleted=type == "DELETED")
                 waker.event.set()

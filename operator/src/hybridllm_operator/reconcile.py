@@ -15,8 +15,11 @@ the operator restarted):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client, dynamic
@@ -82,16 +85,66 @@ def _instance_selector(name: str) -> str:
     return f"{builders.LABEL_INSTANCE}={name},{builders.LABEL_MANAGED_BY}={builders.MANAGED_BY}"
 
 
-def apply_children(cluster: Cluster, service: builders.Service) -> list[dict[str, Any]]:
+def manifest_hash(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _version(kind: str, meta: Mapping[str, Any]) -> str:
+    """What changes when someone else changes a child's desired state: the generation of
+    objects that have one (a status update leaves it alone), else the resourceVersion."""
+    if kind in ("Deployment", "PodDisruptionBudget") and meta.get("generation") is not None:
+        return f"g{meta['generation']}"
+    return f"r{meta.get('resourceVersion')}"
+
+
+@dataclass
+class Applied:
+    """What one LLMService's reconciles last applied, and what its children's events say
+    of them since, so that a reconcile costs what changed.
+
+    A child is applied again only when its desired manifest changed, or when it changed
+    (or vanished) after our apply: its generation (resourceVersion for kinds without one)
+    differs from the one our apply produced. Children are pruned only when the set of
+    desired children changed. An empty record (an operator just started) applies and
+    prunes everything once.
+    """
+
+    hashes: dict[tuple[str, str], str] = field(default_factory=dict)
+    ours: dict[tuple[str, str], str] = field(default_factory=dict)  # version our apply made
+    seen: dict[tuple[str, str], str | None] = field(default_factory=dict)  # None: deleted
+    pruned_for: frozenset[tuple[str, str]] | None = None
+
+    def observe(self, kind: str, meta: Mapping[str, Any], deleted: bool) -> None:
+        """A child's event: remember its version (or that it is gone)."""
+        self.seen[(kind, str(meta.get("name")))] = None if deleted else _version(kind, meta)
+
+    def current(self, key: tuple[str, str], digest: str) -> bool:
+        if self.hashes.get(key) != digest or key not in self.ours:
+            return False
+        return self.seen.get(key, self.ours[key]) == self.ours[key]
+
+    def record(self, key: tuple[str, str], digest: str, result: Mapping[str, Any]) -> None:
+        self.hashes[key] = digest
+        self.ours[key] = self.seen[key] = _version(key[0], result.get("metadata") or {})
+
+
+def apply_children(
+    cluster: Cluster, service: builders.Service, applied: Applied | None = None
+) -> list[dict[str, Any]]:
     desired = builders.build_children(service)
     for obj in desired:
-        cluster.resource(obj["apiVersion"], obj["kind"]).server_side_apply(
+        key, digest = (obj["kind"], obj["metadata"]["name"]), manifest_hash(obj)
+        if applied is not None and applied.current(key, digest):
+            continue
+        result = cluster.resource(obj["apiVersion"], obj["kind"]).server_side_apply(
             body=obj,
             name=obj["metadata"]["name"],
             namespace=service.namespace,
             field_manager=FIELD_MANAGER,
             force_conflicts=True,
         )
+        if applied is not None:
+            applied.record(key, digest, result.to_dict())
     return desired
 
 
@@ -156,9 +209,17 @@ def _service_from(
 
 
 def reconcile(
-    cluster: Cluster, body: dict[str, Any], images: builders.Images
+    cluster: Cluster,
+    body: dict[str, Any],
+    images: builders.Images,
+    applied: Applied | None = None,
 ) -> crd.LLMServiceStatus:
-    """Converge one LLMService (given as its API object) and return the status written."""
+    """Converge one LLMService (given as its API object) and return the status written.
+
+    With ``applied`` (kept per LLMService between reconciles), unchanged children are not
+    applied again, children are pruned only when the desired set changed, and an
+    unchanged status is not written.
+    """
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     previous = body.get("status") or {}
@@ -174,12 +235,20 @@ def reconcile(
         )
         raise
     service = _service_from(body, spec, images)
-    desired = apply_children(cluster, service)
-    deleted = prune_children(cluster, service, desired)
-    if deleted:
-        log.info("removed %s no longer in the spec of %s/%s", ", ".join(deleted), namespace, name)
+    desired = apply_children(cluster, service, applied)
+    keys = frozenset((o["kind"], o["metadata"]["name"]) for o in desired)
+    if applied is None or applied.pruned_for != keys:
+        deleted = prune_children(cluster, service, desired)
+        if deleted:
+            log.info(
+                "removed %s no longer in the spec of %s/%s", ", ".join(deleted), namespace, name
+            )
+        if applied is not None:
+            applied.pruned_for = keys
     new_status = status.build_status(
         service, generation, list_deployments(cluster, namespace, name), previous
     )
-    patch_status(cluster, namespace, name, new_status, previous)
+    wire = new_status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if applied is None or wire != previous:
+        patch_status(cluster, namespace, name, new_status, previous)
     return new_status
