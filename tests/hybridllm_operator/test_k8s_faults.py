@@ -28,6 +28,7 @@ from hybridllm_operator import builders, reconcile
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
 ITERATIONS = 50
 SERVICES = ("alpha", "beta", "gamma", "delta")
 NAMESPACE = "faults"
@@ -85,7 +86,7 @@ class Operator:
         self.starts += 1
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hybridllm_common.cli", "operator", "run"],
+                list(OPERATOR_COMMAND),
                 env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -194,3 +195,26 @@ def test_operator_and_api_server_killed_50_times_mid_reconcile_converge(
         raise
     finally:
         operator.kill()
+
+
+def test_the_operator_process_stops_on_sigterm(k8s_cluster: Any, kube: Any, tmp_path: Path) -> None:
+    """What the kubelet sends at a rollout: the operator stops within its grace period."""
+    log = tmp_path / "operator.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*OPERATOR_COMMAND, "--namespace", "stop-test"],
+            env={**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while b"Activity 'configure' succeeded" not in log.read_bytes():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

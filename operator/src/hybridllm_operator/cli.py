@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,9 @@ def _run(args: argparse.Namespace) -> int:
     from hybridllm_operator import handlers  # registers the handlers
 
     namespaces = watched_namespaces(args.namespace)
-    stop = threading.Event()
+    # An asyncio.Event (bound to kopf's loop when first awaited): kopf would wait for a
+    # threading.Event in a thread that keeps the process alive after a stop by signal.
+    stop = asyncio.Event()
     memo = kopf.Memo(namespaces=namespaces, stop=stop, stopped_by_watchdog=False)
     kopf.run(
         standalone=True,
