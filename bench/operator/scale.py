@@ -49,6 +49,7 @@ NAMESPACE = "scale"
 PODS_PER_NODE = 500
 VERBS = ("GET", "LIST", "WATCH", "POST", "PUT", "PATCH", "APPLY", "DELETE")
 WRITES = ("POST", "PUT", "PATCH", "APPLY", "DELETE")
+OPERATOR_WRITES = ("PATCH", "APPLY", "DELETE")
 
 
 def _testenv() -> Any:
@@ -267,7 +268,14 @@ def main() -> int:
     parser.add_argument("--services", default="100,1000", help="comma-separated N")
     parser.add_argument("--steady-seconds", type=float, default=300.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "operator-scale"))
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite the .md from the .json, run nothing"
+    )
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.render_only:
+        render(json.loads(out.with_suffix(".json").read_text()), out)
+        return 0
     sizes = [int(x) for x in args.services.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="hybridllm-scale-") as tmp:
@@ -289,8 +297,13 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    render(result, out)
+    return 0
+
+
+def render(result: dict[str, Any], out: Path) -> None:
+    rows, command = result["rows"], result["command"]
     lines = [
         "# The operator at scale",
         "",
@@ -306,7 +319,8 @@ def main() -> int:
         "",
         "| services | kubectl: to available (s) | operator: to Ready (s) | ratio | operator CPU (s) | "
         "operator idle / peak RSS (MB) | API requests per service, operator run | kubectl run | "
-        "steady: operator CPU | steady: API requests/s | steady: writes |",
+        "steady: operator CPU | steady: API requests/s (all clients) | steady: PATCH/APPLY/DELETE "
+        "(the operator's verbs) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -318,20 +332,22 @@ def main() -> int:
             f"{o['operator_idle_rss_mb']} / {o['operator_peak_rss_mb']} | "
             f"{fmt(o['api_requests_per_service'])} | {fmt(b['api_requests_per_service'])} | "
             f"{100 * o['steady_operator_cpu_share']:.1f}% of a core over {o['steady_s']:.0f} s | "
-            f"{fmt(o['steady_api_requests_per_s'])} | {o['steady_writes']} |"
+            f"{fmt(o['steady_api_requests_per_s'])} | "
+            f"{round(sum(o['steady_api_requests_per_s'].get(v, 0) for v in OPERATOR_WRITES) * o['steady_s'])} |"
         )
     lines += [
         "",
         "API requests are the API server's `apiserver_request_total` by verb, from every client "
         "(the operator, the controller-manager, the scheduler, kwok, kubectl), so the kubectl "
-        "column is the control plane's own share. Goals (issue: the operator at 1,000 services): "
-        "Ready within 2x the kubectl baseline, operator under 300 MB, steady state with zero "
-        "writes and under 5% of a core.",
+        "column is the control plane's own share. The operator's own writes are PATCH (status, "
+        "kopf's finalizer), APPLY (children) and DELETE (pruning); POST and PUT in the steady "
+        "state are the control plane's (kwok's node leases and heartbeats, events), not the "
+        "operator's. Goals (issue: the operator at 1,000 services): Ready within 2x the kubectl "
+        "baseline, operator under 300 MB, steady state with zero writes and under 5% of a core.",
         "",
     ]
     out.with_suffix(".md").write_text("\n".join(lines))
     print(out.with_suffix(".md").read_text())
-    return 0
 
 
 if __name__ == "__main__":
