@@ -53,9 +53,17 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     cluster = testenv.up(state_dir)
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    # The client library reads $KUBECONFIG once, when first imported, and test modules
+    # import it at collection (through the operator's modules): point its default too,
+    # for the in-process operator's kopf login and `load_kube_config()`.
+    from kubernetes.config import kube_config
+
+    previous_default = kube_config.KUBE_CONFIG_DEFAULT_LOCATION
+    kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(cluster.kubeconfig)
     try:
         yield cluster
     finally:
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = previous_default
         testenv.down(state_dir)
         if previous is None:
             os.environ.pop("KUBECONFIG", None)
