@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -223,9 +222,13 @@ def _key(meta: Mapping[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace")), str(meta.get("name"))
 
 
-async def _sleep_until_woken(waker: Waker, timeout: float | None) -> None:
-    with contextlib.suppress(TimeoutError):
+async def _sleep_until_woken(waker: Waker, timeout: float | None) -> bool:
+    """Whether an event woke it (False: the timeout did)."""
+    try:
         await asyncio.wait_for(waker.event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 @kopf.daemon(*LLMSERVICES, cancellation_timeout=30.0)
@@ -273,7 +276,10 @@ async def reconciler(
             else:
                 waker.generation, wait, retry_s = generation, memo.resync_seconds, RETRY_FIRST_S
                 waker.reconciles += 1
-            await _sleep_until_woken(waker, wait)
+            if not await _sleep_until_woken(waker, wait):
+                # A quiet resync compares the status with the object as it is, not with
+                # what this daemon last wrote: a status edited by hand is written again.
+                waker.applied.status = None
     finally:
         if memo.wakers.get(key) is waker:
             del memo.wakers[key]

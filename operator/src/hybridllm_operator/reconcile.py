@@ -113,6 +113,10 @@ class Applied:
     ours: dict[tuple[str, str], str] = field(default_factory=dict)  # version our apply made
     seen: dict[tuple[str, str], str | None] = field(default_factory=dict)  # None: deleted
     pruned_for: frozenset[tuple[str, str]] | None = None
+    # The status our last patch wrote. The object a reconcile is given comes from a watch
+    # and may not show that patch yet: compared with such a stale view, a new status that
+    # equals an older one would be taken as unchanged and never written.
+    status: dict[str, Any] | None = None
 
     def observe(self, kind: str, meta: Mapping[str, Any], deleted: bool) -> None:
         """A child's event: remember its version (or that it is gone)."""
@@ -222,17 +226,17 @@ def reconcile(
     """
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
-    previous = body.get("status") or {}
+    seen = body.get("status") or {}
+    previous = applied.status if applied is not None and applied.status is not None else seen
+    # Pools to null out in the merge patch: those either view still lists.
+    known = {"pools": {**(seen.get("pools") or {}), **(previous.get("pools") or {})}}
     try:
         spec = parse_spec(name, body.get("spec") or {})
     except InvalidSpec as exc:
-        patch_status(
-            cluster,
-            namespace,
-            name,
-            status.invalid_status(generation, previous, str(exc)),
-            previous,
-        )
+        _write_status(
+            cluster, namespace, name, status.invalid_status(generation, previous, str(exc)),
+            known, applied,
+        )  # fmt: skip
         raise
     service = _service_from(body, spec, images)
     desired = apply_children(cluster, service, applied)
@@ -250,5 +254,22 @@ def reconcile(
     )
     wire = new_status.model_dump(mode="json", by_alias=True, exclude_none=True)
     if applied is None or wire != previous:
-        patch_status(cluster, namespace, name, new_status, previous)
+        _write_status(cluster, namespace, name, new_status, known, applied)
     return new_status
+
+
+def _write_status(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    new_status: crd.LLMServiceStatus,
+    known: dict[str, Any],
+    applied: Applied | None,
+) -> None:
+    """Patch the status and remember what was written (forgotten if the patch failed: it
+    may or may not have landed, so the next reconcile writes it again)."""
+    if applied is not None:
+        applied.status = None
+    patch_status(cluster, namespace, name, new_status, known)
+    if applied is not None:
+        applied.status = new_status.model_dump(mode="json", by_alias=True, exclude_none=True)
