@@ -298,8 +298,10 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None) -> Clus
             "--use-service-account-credentials=false", "--concurrent-gc-syncs=5",
         ])
         _start(state_dir, "kube-scheduler", [str(bin_dir / "kube-scheduler"), *common, f"--secure-port={sched_port}"])
+        stages = state_dir / "kwok-stages.yaml"
+        stages.write_text((bin_dir / "kwok-stages.yaml").read_text() + "\n---\n" + (HERE / "kwok-pod-ready-again.yaml").read_text())
         _start(state_dir, "kwok", [
-            str(bin_dir / "kwok"), f"--kubeconfig={kubeconfig}", f"--config={bin_dir / 'kwok-stages.yaml'}",
+            str(bin_dir / "kwok"), f"--kubeconfig={kubeconfig}", f"--config={stages}",
             "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
             "--cidr=10.0.0.1/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
         ])

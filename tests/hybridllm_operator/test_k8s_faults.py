@@ -180,6 +180,9 @@ def _diagnose(kube: Any, cluster: Any, testenv: Any) -> str:
             f"updated {st.get('updatedReplicas')} ready {st.get('readyReplicas')} "
             f"available {st.get('availableReplicas')}"
         )
+    for n in json.loads(kube.run("get", "nodes", "-o", "json").stdout)["items"]:
+        conditions = {c["type"]: c["status"] for c in n["status"].get("conditions", [])}
+        lines.append(f"node/{n['metadata']['name']} Ready {conditions.get('Ready')}")
     pods = json.loads(kube.run("get", "pods", "-n", NAMESPACE, "-o", "json").stdout)
     for pod in pods["items"]:
         conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
