@@ -4,7 +4,9 @@
 # Idempotent; caches live in fixed directories under ~/.cache so a second run is quick:
 #   ~/.cache/uv                       wheels, including the llama-cpp-python build
 #   ~/.cache/hybridllm/go             Go module and build caches
-#   ~/.cache/hybridllm/testenv        the built control-plane binaries
+#   ~/.cache/hybridllm/testenv        the built control-plane and node binaries
+#   ~/.cache/hybridllm/images         image layers (hack/images/oci.py)
+#   ~/.cache/hybridllm/containerd     the real node's image store
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -23,6 +25,22 @@ if ! uv sync --all-packages --frozen --offline --quiet 2>/dev/null; then
 fi
 
 if [ "${HYBRIDLLM_SKIP_TESTENV:-0}" != "1" ]; then
+  # The real node of the test environment (hack/testenv/node.py) and the image builder
+  # (hack/images/oci.py) use Debian's container runtime, CNI plugins and mmdebstrap.
+  node_packages=(containerd runc containernetworking-plugins catatonit mmdebstrap iptables iproute2)
+  missing=()
+  for p in "${node_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+      echo "[setup] the real-node tests need these Debian packages (as root): ${missing[*]}" >&2
+      exit 1
+    fi
+    echo "[setup] installing ${missing[*]} from Debian (~1 min)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
   echo "[setup] building the test control plane (first run: ~25 min on 2 cores; cached after)"
   hack/testenv/build.sh >/dev/null
 fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the test control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, etcd, kwok) from the Go module proxy at the versions
+# Builds the test environment (the control plane: kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl, etcd, kwok; and what its real node runs beside Debian's
+# containerd: kubelet, kube-proxy, CoreDNS) from the Go module proxy at the versions
 # pinned in versions.env, and caches the binaries under
 # ~/.cache/hybridllm/testenv/<versions>/bin. A second run with the binaries
 # present only checks their versions. Prints the directory holding the binaries.
@@ -12,13 +13,13 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-key="k8s-${KUBERNETES_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}"
+key="k8s-${KUBERNETES_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_coredns-${COREDNS_VERSION}"
 cache="${HYBRIDLLM_TESTENV_CACHE:-$HOME/.cache/hybridllm/testenv}/$key"
 bin="$cache/bin"
 log() { echo "[testenv-build] $*" >&2; }
 
 have_all() {
-  for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok; do
+  for b in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy etcd kwok coredns; do
     [ -x "$bin/$b" ] || return 1
   done
   [ -f "$bin/kwok-stages.yaml" ] || return 1
@@ -54,13 +55,18 @@ log "building Kubernetes ${KUBERNETES_VERSION} (cold: 15-30 min on 2 cores)"
 (cd "$here/k8s" && go mod download && \
   go build -trimpath -ldflags "$k8s_ldflags" -o "$bin.partial/" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl \
+    k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy)
 log "Kubernetes done after $((SECONDS - start))s; building etcd ${ETCD_VERSION}"
 (cd "$here/etcd" && go build -trimpath -ldflags "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=hybridllm-testenv" -o "$bin.partial/etcd" .)
 log "etcd done after $((SECONDS - start))s; building kwok ${KWOK_VERSION}"
 (cd "$here/kwok" && go build -trimpath \
   -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=${KUBERNETES_VERSION}" \
   -o "$bin.partial/kwok" sigs.k8s.io/kwok/cmd/kwok)
+log "kwok done after $((SECONDS - start))s; building CoreDNS ${COREDNS_VERSION}"
+(cd "$here/coredns" && go build -trimpath \
+  -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=hybridllm-testenv" \
+  -o "$bin.partial/coredns" github.com/coredns/coredns)
 # kwok's own "fast" stages (nodes become Ready with lease heartbeats, pods become Running
 # and Ready at once), taken from the pinned kwok module rather than copied into this repo.
 kwok_dir="$(cd "$here/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"

@@ -33,6 +33,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+def _load_node_module():  # type: ignore[no-untyped-def]
+    """hack/testenv/node.py (the real node), loaded by path: hack/ is not a package."""
+    import importlib.util
+
+    name = "hybridllm_testenv_node"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / "node.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+node = _load_node_module()
+
 DEFAULT_STATE_DIR = HERE.parents[1] / ".testenv"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
@@ -141,19 +159,40 @@ def _start(state_dir: Path, name: str, argv: list[str]) -> int:
     return proc.pid
 
 
+def _gone(pid: int, deadline: float | None) -> bool:
+    """Wait (reaping our own children) until ``pid`` has exited, or the deadline passes."""
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.02)
+    return False
+
+
 def kill(state_dir: Path, component: str) -> None:
     """SIGKILL one component (a crash, not a shutdown) and reap it."""
     pid = int((state_dir / "pids" / component).read_text())
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.02)
+    _gone(pid, None)
+
+
+def stop(state_dir: Path, component: str, grace: float = 10) -> None:
+    """SIGTERM one component's process group, SIGKILL it after ``grace`` seconds."""
+    pid_file = state_dir / "pids" / component
+    if not pid_file.exists():
+        return
+    with contextlib.suppress(ValueError, ProcessLookupError):
+        pid = int(pid_file.read_text())
+        os.killpg(pid, signal.SIGTERM)
+        if not _gone(pid, time.monotonic() + grace):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            _gone(pid, time.monotonic() + 5)
+    pid_file.unlink(missing_ok=True)
 
 
 def restart(cluster: "Cluster", component: str) -> None:
@@ -248,8 +287,11 @@ def _node_manifest(name: str, labels: dict[str, str], capacity: dict[str, str], 
     }
 
 
-def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None) -> Cluster:
-    """Start everything and return once nodes are Ready and the default ServiceAccount exists."""
+def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None, real_node: bool = False) -> Cluster:
+    """Start everything and return once nodes are Ready and the default ServiceAccount exists.
+
+    With ``real_node``, the cluster's one node is a real kubelet with containerd (see
+    node.py) where pods really run, instead of kwok's fake nodes."""
     state_dir = state_dir.resolve()
     if any(_alive(state_dir, c) for c in COMPONENTS):
         kubeconfig = state_dir / "kubeconfig"
@@ -287,9 +329,20 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None) -> Clus
             "--authorization-mode=RBAC", "--service-cluster-ip-range=10.96.0.0/16",
             "--allow-privileged=true", "--enable-priority-and-fairness=false", "--profiling=false",
             f"--cert-dir={pki}", "--event-ttl=10m",
+            # Logs, exec and port-forward: reach the kubelet at its node address (the name
+            # is not in any DNS), as a client the kubelet's webhook authorizer lets in.
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={pki / 'admin.crt'}", f"--kubelet-client-key={pki / 'admin.key'}",
         ])
         _wait("etcd /health", lambda: _http_ok(f"http://127.0.0.1:{etcd_port}/health"), 60, state_dir, "etcd")
         _wait("kube-apiserver /readyz", lambda: _https_ok(f"{server}/readyz", pki), 120, state_dir, "kube-apiserver")
+        def default_sa() -> bool:
+            try:
+                _kubectl(bin_dir, kubeconfig, "get", "serviceaccount", "default", "-n", "default")
+            except TestEnvError:
+                return False
+            return True
+
         common = [f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
                   f"--authorization-kubeconfig={kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1"]
         _start(state_dir, "kube-controller-manager", [
@@ -298,6 +351,17 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None) -> Clus
             "--use-service-account-credentials=false", "--concurrent-gc-syncs=5",
         ])
         _start(state_dir, "kube-scheduler", [str(bin_dir / "kube-scheduler"), *common, f"--secure-port={sched_port}"])
+        (state_dir / "bin").unlink(missing_ok=True)
+        (state_dir / "bin").symlink_to(bin_dir)
+        if real_node:
+            node.start(
+                cluster, bin_dir,
+                lambda name, argv: _start(state_dir, name, argv),
+                lambda what, check, timeout, component: _wait(what, check, timeout, state_dir, component),
+            )
+            _wait("the default ServiceAccount", default_sa, 120, state_dir, "kube-controller-manager")
+            log(f"control plane and real node up in {time.monotonic() - started:.1f}s at {server}; kubeconfig {kubeconfig}")
+            return cluster
         stages = state_dir / "kwok-stages.yaml"
         stages.write_text((bin_dir / "kwok-stages.yaml").read_text() + "\n---\n" + (HERE / "kwok-pod-ready-again.yaml").read_text())
         _start(state_dir, "kwok", [
@@ -318,58 +382,38 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None) -> Clus
 
         _wait("kwok nodes Ready", nodes_ready, 120, state_dir, "kwok")
 
-        def default_sa() -> bool:
-            try:
-                _kubectl(bin_dir, kubeconfig, "get", "serviceaccount", "default", "-n", "default")
-            except TestEnvError:
-                return False
-            return True
-
         _wait("the default ServiceAccount", default_sa, 120, state_dir, "kube-controller-manager")
     except BaseException:
         down(state_dir)
         raise
-    (state_dir / "bin").unlink(missing_ok=True)
-    (state_dir / "bin").symlink_to(bin_dir)
     log(f"control plane up in {time.monotonic() - started:.1f}s at {server}; kubeconfig {kubeconfig}")
     return cluster
 
 
 def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
-    """Stop every component by PID (TERM, then KILL) and remove the state directory."""
+    """Stop everything and remove the state directory: what was started beside the control
+    plane (the demo's operator), the real node (which puts the host back as it found it),
+    then the control plane in reverse start order."""
     state_dir = state_dir.resolve()
     pids_dir = state_dir / "pids"
-    pids: list[int] = []
-    # Components in reverse start order, then anything else started beside them (the demo's operator).
-    extra = sorted(p.name for p in pids_dir.glob("*") if p.name not in COMPONENTS) if pids_dir.exists() else []
-    for name in [*extra, *reversed(COMPONENTS)]:
-        pid_file = pids_dir / name
-        if not pid_file.exists():
-            continue
-        with contextlib.suppress(ValueError, ProcessLookupError):
-            pid = int(pid_file.read_text())
-            os.killpg(pid, signal.SIGTERM)
-            pids.append(pid)
-    deadline = time.monotonic() + 10
-    for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            time.sleep(0.05)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+    ours = {*COMPONENTS, *node.NODE_COMPONENTS}
+    extra = sorted(p.name for p in pids_dir.glob("*") if p.name not in ours) if pids_dir.exists() else []
+    for name in extra:
+        stop(state_dir, name)
+    if (state_dir / "node").exists():
+        if _alive(state_dir, "kube-apiserver") and (state_dir / "bin").exists():
+            node.drain(Cluster(state_dir, state_dir / "kubeconfig", ""), state_dir / "bin")
+        node.stop(state_dir, lambda name: stop(state_dir, name))
+    for name in reversed(COMPONENTS):
+        stop(state_dir, name)
     if state_dir.exists():
         subprocess.run(["rm", "-rf", str(state_dir)], check=False)
 
 
 def status(state_dir: Path = DEFAULT_STATE_DIR) -> int:
     state_dir = state_dir.resolve()
-    running = {c: _alive(state_dir, c) for c in COMPONENTS}
+    names = [*COMPONENTS, *(node.NODE_COMPONENTS if (state_dir / "node").exists() else ())]
+    running = {c: _alive(state_dir, c) for c in names if c != "kwok" or (state_dir / "pids" / "kwok").exists()}
     for name, alive in running.items():
         print(f"{name:26s} {'running' if alive else 'stopped'}")
     if (state_dir / "kubeconfig").exists():
@@ -381,17 +425,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("action", choices=["build", "up", "down", "status"])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--real-node", action="store_true",
+                        help="a real kubelet and containerd as the one node, instead of kwok's fake nodes (root)")
     args = parser.parse_args(argv)
     try:
         if args.action == "build":
             print(build())
         elif args.action == "up":
-            print(up(args.state_dir).kubeconfig)
+            print(up(args.state_dir, real_node=args.real_node).kubeconfig)
         elif args.action == "down":
             down(args.state_dir)
         else:
             return status(args.state_dir)
-    except TestEnvError as exc:
+    except (TestEnvError, node.NodeError) as exc:
         log(str(exc))
         return 1
     return 0

