@@ -175,3 +175,21 @@ def test_store_imports_without_torch() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_offline_store_refuses_to_fetch_and_says_how_to_fill_it(
+    store_root: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod whose model comes from a volume: a missing model is an error naming the store
+    and the command that fills it, not a fetch; what is in the store is used as usual."""
+    monkeypatch.setenv(store.OFFLINE_ENV, "1")
+    with pytest.raises(errors.SourceNotFoundError) as excinfo:
+        Store().pull(f"file://{tiny_gguf}")
+    message = str(excinfo.value)
+    assert str(store_root.resolve()) in message
+    assert f"hybridllm model pull file://{tiny_gguf}" in message
+    assert _leftovers(store_root) == []
+    monkeypatch.delenv(store.OFFLINE_ENV)
+    pulled = Store().pull(f"file://{tiny_gguf}")
+    monkeypatch.setenv(store.OFFLINE_ENV, "1")
+    assert Store().pull(f"file://{tiny_gguf}").path == pulled.path

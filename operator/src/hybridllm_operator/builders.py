@@ -296,9 +296,18 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         ],
         "env": [
             {"name": "HYBRIDLLM_MODEL_CACHE", "value": MODEL_CACHE_MOUNT},
+            # A claim filled beforehand: a missing model is an error saying so, not a fetch.
+            *(
+                [{"name": "HYBRIDLLM_MODEL_OFFLINE", "value": "1"}]
+                if service.spec.model.cache is not None
+                else []
+            ),
             *({"name": k, "value": v} for k, v in sorted(pool.env.items())),
         ],
         "resources": _resources(pool.resources),
+        # A container that exits with an error leaves its last log lines as its termination
+        # message: the status names the cause (a missing model, a bad flag) from there.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # /health is 503 until the model is loaded: readiness, not liveness, waits for it.
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},

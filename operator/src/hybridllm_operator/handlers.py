@@ -114,6 +114,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
 SERVED = (
     ("/api/v1", "configmaps"),
     ("/api/v1", "services"),
+    ("/api/v1", "pods"),
     ("/apis/apps/v1", "deployments"),
     ("/apis/policy/v1", "poddisruptionbudgets"),
     (f"/apis/{crd.API_VERSION}", "llmservices"),
@@ -289,6 +290,16 @@ async def reconciler(
 async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     waker = cast(Waker | None, memo.wakers.get(_key(meta)))
     if waker is not None and type != "DELETED" and meta.get("generation") != waker.generation:
+        waker.event.set()
+
+
+@kopf.on.event("", "v1", "pods", labels=OWNED)
+async def pod_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A pool's pod changed (scheduled, pulling, crashing, ready): the status may say why a
+    pool is not ready. Pods belong to ReplicaSets; their LLMService is in their labels."""
+    instance = (meta.get("labels") or {}).get(builders.LABEL_INSTANCE)
+    waker = cast(Waker | None, memo.wakers.get((meta.get("namespace"), instance)))
+    if waker is not None:
         waker.event.set()
 
 

@@ -186,6 +186,13 @@ def list_deployments(cluster: Cluster, namespace: str, name: str) -> list[dict[s
     return [item.to_dict() for item in result.items]
 
 
+def list_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    result = cluster.resource("v1", "Pod").get(
+        namespace=namespace, label_selector=_instance_selector(name)
+    )
+    return [item.to_dict() for item in result.items]
+
+
 def patch_status(
     cluster: Cluster,
     namespace: str,
@@ -249,9 +256,11 @@ def reconcile(
             )
         if applied is not None:
             applied.pruned_for = keys
-    new_status = status.build_status(
-        service, generation, list_deployments(cluster, namespace, name), previous
-    )
+    deployments = list_deployments(cluster, namespace, name)
+    new_status = status.build_status(service, generation, deployments, previous)
+    if not status.is_ready(new_status):  # the pods say what keeps a pool from running
+        pods = list_pods(cluster, namespace, name)
+        new_status = status.build_status(service, generation, deployments, previous, pods)
     wire = new_status.model_dump(mode="json", by_alias=True, exclude_none=True)
     if applied is None or wire != previous:
         _write_status(cluster, namespace, name, new_status, known, applied)

@@ -58,6 +58,60 @@ def rollouts_pending(deployments: Iterable[Mapping[str, Any]]) -> dict[str, str]
     return out
 
 
+# Waiting reasons that do not clear by themselves: the pool cannot become ready until the
+# image, the spec or the cluster changes. (ContainerCreating, PodInitializing: just slow.)
+STUCK_REASONS = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff",
+})  # fmt: skip
+MAX_PROBLEM = 300
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def pod_problem(pod: Mapping[str, Any]) -> str | None:
+    """Why this pod cannot run, when the reason will not clear by itself; None otherwise."""
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+            return f"Unschedulable: {cond.get('message') or 'no node fits'}"
+    containers = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for cs in containers:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason not in STUCK_REASONS:
+            continue
+        detail = waiting.get("message") or ""
+        terminated = (cs.get("lastState") or {}).get("terminated") or {}
+        if reason == "CrashLoopBackOff" and terminated:
+            # The container's last log line (terminationMessagePolicy FallbackToLogsOnError).
+            detail = (
+                _last_line(terminated.get("message")) or f"exit code {terminated.get('exitCode')}"
+            )
+        return f"{reason}: {detail}"[:MAX_PROBLEM].rstrip(": ")
+    return None
+
+
+def pod_problems(pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Component -> why its pods cannot run (the first such pod by name), for the pools that
+    have one."""
+    out: dict[str, str] = {}
+    for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name"))):
+        meta = pod.get("metadata") or {}
+        component = (meta.get("labels") or {}).get(builders.LABEL_COMPONENT)
+        if component is None or component in out or meta.get("deletionTimestamp"):
+            continue
+        if (problem := pod_problem(pod)) is not None:
+            out[component] = problem
+    return out
+
+
 def pool_statuses(deployments: Iterable[Mapping[str, Any]]) -> dict[str, crd.PoolStatus]:
     """Component -> replicas, from Deployment objects (as returned by the API)."""
     out: dict[str, crd.PoolStatus] = {}
@@ -112,26 +166,37 @@ def _old_conditions(previous: Mapping[str, Any] | None) -> dict[str, crd.Conditi
     }
 
 
+def is_ready(status: crd.LLMServiceStatus) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
+
+
 def build_status(
     service: builders.Service,
     generation: int | None,
     deployments: Iterable[Mapping[str, Any]],
     previous: Mapping[str, Any] | None,
+    pods: Iterable[Mapping[str, Any]] = (),
 ) -> crd.LLMServiceStatus:
-    """The whole status: pools, ready/desired summaries, conditions and endpoints."""
+    """The whole status: pools, ready/desired summaries, conditions and endpoints. ``pods``
+    (read only while some pool is not ready) name what keeps a pool from running."""
     old = _old_conditions(previous)
+    problems = pod_problems(pods)
     deployments = list(deployments)
     pools = pool_statuses(deployments)
     pending = rollouts_pending(deployments)
     wanted = [p.component for p in builders.pools(service)]
     missing = [c for c in wanted if c not in pools]
     lagging = [
-        f"{c} {pools[c].ready_replicas}/{pools[c].desired_replicas}"
-        if pools[c].ready_replicas < pools[c].desired_replicas
-        else f"{c} rolling out ({pending[c]})"
+        (
+            f"{c} {pools[c].ready_replicas}/{pools[c].desired_replicas}"
+            if pools[c].ready_replicas < pools[c].desired_replicas
+            else f"{c} rolling out ({pending[c]})"
+        )
+        + (f" ({problems[c]})" if c in problems else "")
         for c in wanted
         if c in pools and (pools[c].ready_replicas < pools[c].desired_replicas or c in pending)
     ]
+    failing = [f"{c}: {problems[c]}" for c in wanted if c in problems]
     stale = [c for c in wanted if c in pools and pools[c].revision not in (None, service.revision)]
     ready = not missing and not lagging
     waiting = "waiting for " + ", ".join([f"{c} missing" for c in missing] + lagging)
@@ -154,7 +219,14 @@ def build_status(
             ready_message if progressing else "every pool matches the spec",
             generation,
         ),
-        _condition(old, "Degraded", False, "AsExpected", "", generation),
+        _condition(
+            old,
+            "Degraded",
+            bool(failing),
+            "PodsFailing" if failing else "AsExpected",
+            "; ".join(failing),
+            generation,
+        ),
     ]
     revisions = {p.revision for c, p in pools.items() if c != "gateway" and p.revision}
     rolled_out = not [c for c in pools if c != "gateway" and c in pending]
