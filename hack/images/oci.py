@@ -335,7 +335,7 @@ def build_venv(recipe: Recipe, target: Path) -> None:
         "UV_PROJECT_ENVIRONMENT": str(target),
         "UV_PYTHON": HOST_PYTHON,
         "UV_COMPILE_BYTECODE": "1",
-        "UV_LINK_MODE": "copy",
+        "UV_LINK_MODE": "hardlink",  # the layers read the bytes; no second copy on disk
         "UV_PYTHON_DOWNLOADS": "never",
     }
     subprocess.run(
@@ -354,8 +354,25 @@ def build_venv(recipe: Recipe, target: Path) -> None:
         "--package",
         recipe.package,
     ]
+    # uv caches the wheels it builds from our own packages by their pyproject.toml only:
+    # rebuild them, so the image carries the source as it is now.
+    for member in _workspace_members():
+        sync += ["--reinstall-package", member]
     if subprocess.run([*sync, "--offline"], env=env, cwd=ROOT, capture_output=True).returncode != 0:
         subprocess.run(sync, check=True, env=env, cwd=ROOT)
+
+
+def _workspace_members() -> list[str]:
+    import tomllib
+
+    root = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = []
+    for pattern in root["tool"]["uv"]["workspace"]["members"]:
+        for member in sorted(ROOT.glob(pattern)):
+            if (member / "pyproject.toml").is_file():
+                project = tomllib.loads((member / "pyproject.toml").read_text())["project"]
+                names.append(project["name"])
+    return names
 
 
 def _ours(rel: Path) -> bool:
@@ -512,7 +529,8 @@ def build_image(recipe: Recipe) -> Built:
     started = time.monotonic()
     base, base_digest = base_layer(recipe.apt)
     deps_key = f"deps-{recipe.name}-{_hash(LOCK.read_bytes(), recipe.package, HOST_PYTHON)}"
-    app_key = f"app-{recipe.name}-{_source_hash(recipe)}"
+    # The builder itself is an input of the layer it writes last and of the image record.
+    app_key = f"app-{recipe.name}-{_hash(_source_hash(recipe), _sha256_file(Path(__file__)))}"
     record = (
         CACHE
         / f"{recipe.name}-{_hash(base_digest, deps_key, app_key, json.dumps(dataclasses.asdict(recipe)))}.json"

@@ -205,3 +205,62 @@ def test_apply_gives_a_working_endpoint_from_real_pods(
             assert re.search(r"\w", text), answer
             assert answer.usage is not None
             assert answer.usage.completion_tokens > 0
+
+
+def _degraded(kube: Any, name: str) -> str | None:
+    obj = kube.get("llms", name, NAMESPACE)
+    conds = ((obj or {}).get("status") or {}).get("conditions", [])
+    found = [c for c in conds if c["type"] == "Degraded" and c["status"] == "True"]
+    return str(found[0]["message"]) if found else None
+
+
+def test_a_bad_image_or_a_missing_model_is_named_in_the_status(
+    real_cluster: tuple[Any, Any],
+    model_claim: str,
+    operator_process: Path,
+    tmp_path: Path,
+) -> None:
+    _, kube = real_cluster
+    kube.run("delete", "llms", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+    empty = tmp_path / "empty-store"
+    empty.mkdir()
+    os.chown(empty, IMAGE_UID, IMAGE_UID)
+    kube.apply({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "empty-store"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                 "storageClassName": "", "hostPath": {"path": str(empty), "type": "Directory"},
+                 "claimRef": {"namespace": NAMESPACE, "name": "empty-store"}},
+    }, NAMESPACE)  # fmt: skip
+    kube.apply({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "empty-store", "namespace": NAMESPACE},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "volumeName": "empty-store", "resources": {"requests": {"storage": "1Gi"}}},
+    }, NAMESPACE)  # fmt: skip
+
+    def edge_only(name: str, claim: str, image: str | None = None) -> dict[str, Any]:
+        doc = _manifest(name, claim)
+        doc["spec"]["cloud"] = {"enabled": False}
+        doc["spec"]["routing"]["policy"] = "edge-only"
+        doc["spec"]["edge"]["pool"]["resources"] = {"cpu": "250m", "memory": "1Gi"}
+        doc["spec"]["gateway"]["resources"] = {"cpu": "100m", "memory": "256Mi"}
+        if image:
+            doc["spec"]["edge"]["pool"]["image"] = image
+        return doc
+
+    kube.apply(
+        edge_only("badimage", model_claim, "docker.io/hybridllm/runtime-edge:no-such-tag"),
+        NAMESPACE,
+    )
+    kube.apply(edge_only("nomodel", "empty-store"), NAMESPACE)
+    try:
+        message = kube.eventually(lambda: _degraded(kube, "badimage"), 240, "badimage Degraded")
+        assert "edge: " in message
+        assert "runtime-edge:no-such-tag" in message or "ErrImage" in message, message
+        message = kube.eventually(lambda: _degraded(kube, "nomodel"), 240, "nomodel Degraded")
+        assert "edge: CrashLoopBackOff" in message, message
+        assert "is not in the model store" in message, message
+        assert "hybridllm model pull" in message, message
+    except AssertionError as exc:
+        report = _describe(kube, "badimage") + _describe(kube, "nomodel")
+        raise AssertionError(report + operator_process.read_text()[-3000:]) from exc

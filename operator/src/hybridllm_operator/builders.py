@@ -160,7 +160,10 @@ def cpu_threads(resources: crd.Resources) -> int:
 
 
 def _model_args(service: Service) -> list[str]:
+    # A runtime that cannot load its model exits with the reason as its termination
+    # message, which the status then shows (see status.pod_problem).
     args = ["--model", service.spec.model.source, "--served-model-name", service.served_name]
+    args += ["--exit-on-load-error"]
     if service.spec.model.context_length is not None:
         args += ["--max-model-len", str(service.spec.model.context_length)]
     return args

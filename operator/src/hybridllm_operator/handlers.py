@@ -62,6 +62,7 @@ class _QuietEventHandlers(logging.Filter):
         message = record.getMessage()
         return not (message.startswith("Handler '") and "_event' succeeded" in message) and (
             "Handler 'child_changed' succeeded" not in message
+            and "Handler 'pod_changed' succeeded" not in message
         )
 
 

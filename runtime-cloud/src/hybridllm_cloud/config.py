@@ -28,6 +28,12 @@ class ServeSettings(BaseSettings):
         "and refuse it when a file differs (--no-verify-model skips the read for very large "
         "models)",
     )
+    exit_on_load_error: bool = Field(
+        default=False,
+        description="exit (status 3) when the model cannot be loaded, with the reason as the "
+        "container's termination message, instead of staying up with /health answering 503 "
+        "and the reason (the operator sets it for pods)",
+    )
     served_model_name: str | None = Field(
         default=None, description="name in /v1/models (default: derived from --model)"
     )

@@ -25,7 +25,7 @@ from hybridllm_cloud.disagg import connector, prefill_server, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
 from hybridllm_cloud.server import metrics as server_metrics
 from hybridllm_cloud.server import serving
-from hybridllm_common import http_errors
+from hybridllm_common import http_errors, termination
 from hybridllm_common import openai_protocol as oai
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,8 @@ def create_app(
             except hybridllm_models.ModelStoreError as exc:
                 # Serve nothing, but stay up and say why: /health answers 503 with the
                 # reason (a crash loop would hide it behind restarts).
+                if settings.exit_on_load_error:
+                    termination.exit_for(str(exc), log)
                 log.error("refusing to serve: %s", exc)
                 app.state.not_ready_reason = str(exc)
                 yield

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import hybridllm_models
-from hybridllm_common import http_errors
+from hybridllm_common import http_errors, termination
 from hybridllm_common import openai_protocol as oai
 from hybridllm_edge import backends, cache, config, engine, prompting
 from hybridllm_edge.server import metrics as server_metrics
@@ -52,6 +52,8 @@ def create_app(settings: config.EdgeSettings, ready_engine: engine.Engine | None
             except (quality.QualityError, hybridllm_models.ModelStoreError) as exc:
                 # Serve nothing, but stay up and say why: /health answers 503 with the
                 # reason (a crash loop would hide it behind restarts).
+                if settings.exit_on_load_error:
+                    termination.exit_for(str(exc), log)
                 log.error("refusing to serve: %s", exc)
                 app.state.not_ready_reason = str(exc)
                 yield
