@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make up            run the example LLMService on this machine and ask it a question per tier"
 	@echo "make down          stop it"
-	@echo "make demo          the Kubernetes walkthrough (control plane + operator + example LLMService)"
+	@echo "make demo          the Kubernetes walkthrough: a real node runs the example LLMService, which answers (root)"
 	@echo "make test          set up everything, lint, check CRD drift, run all tests"
 	@echo "make lint          ruff, mypy and the CRD drift check"
 	@echo "make crds          regenerate crds/ from the models"

@@ -1,6 +1,8 @@
 """Ask a running service one question per tier through its gateway, with the openai SDK.
 
-Usage: python hack/ask.py http://127.0.0.1:8080/v1
+Usage: python hack/ask.py http://127.0.0.1:8080/v1 [--local]
+
+With --local (``make up``), it ends with how to use the service and the local commands.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ QUESTIONS = [
 ]
 
 
-def main(base_url: str) -> int:
+def main(base_url: str, local: bool) -> int:
     client = OpenAI(base_url=base_url, api_key="unused")
     model = client.models.list().data[0].id.split(":")[0]
     for question in QUESTIONS:
@@ -36,6 +38,8 @@ def main(base_url: str) -> int:
             f"{raw.headers.get('x-hybridllm-route')}, {time.perf_counter() - start:.1f} s]"
         )
         print(answer.strip())
+    if not local:
+        return 0
     print(
         f"""
 Try it yourself:
@@ -52,4 +56,5 @@ Try it yourself:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8080/v1"))
+    args = [a for a in sys.argv[1:] if a != "--local"]
+    sys.exit(main(args[0] if args else "http://127.0.0.1:8080/v1", "--local" in sys.argv[1:]))

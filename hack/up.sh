@@ -17,4 +17,4 @@ else
   uv run --no-sync hybridllm up -d -f "$example" --port "$port"
   url="http://127.0.0.1:$port"
 fi
-uv run --no-sync python hack/ask.py "$url/v1"
+uv run --no-sync python hack/ask.py "$url/v1" --local

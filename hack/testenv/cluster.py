@@ -423,8 +423,12 @@ def status(state_dir: Path = DEFAULT_STATE_DIR) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("action", choices=["build", "up", "down", "status"])
+    parser.add_argument("action", choices=["build", "up", "down", "status", "load-images", "model-volume"])
+    parser.add_argument("names", nargs="*", help="load-images: components (docker/NAME.Dockerfile)")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--name", help="model-volume: the claim's name")
+    parser.add_argument("--namespace", default="default", help="model-volume: the claim's namespace")
+    parser.add_argument("--path", type=Path, help="model-volume: the node directory holding the model store")
     parser.add_argument("--real-node", action="store_true",
                         help="a real kubelet and containerd as the one node, instead of kwok's fake nodes (root)")
     args = parser.parse_args(argv)
@@ -433,6 +437,14 @@ def main(argv: list[str] | None = None) -> int:
             print(build())
         elif args.action == "up":
             print(up(args.state_dir, real_node=args.real_node).kubeconfig)
+        elif args.action == "load-images":
+            state_dir = args.state_dir.resolve()
+            node.load_images(Cluster(state_dir, state_dir / "kubeconfig", ""), args.names)
+        elif args.action == "model-volume":
+            if not args.name or not args.path:
+                parser.error("model-volume needs --name and --path")
+            print(json.dumps({"apiVersion": "v1", "kind": "List",
+                              "items": node.model_volume(args.name, args.namespace, args.path.resolve())}))
         elif args.action == "down":
             down(args.state_dir)
         else:

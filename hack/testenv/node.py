@@ -352,6 +352,36 @@ def start(cluster: Any, bin_dir: Path, start_process: Any, wait: Any) -> None:
     log(f"node {NODE_NAME} Ready at {NODE_IP} (pods {POD_CIDR}, DNS {NODE_IP})")
 
 
+def model_volume(name: str, namespace: str, path: Path, size: str = "10Gi") -> list[dict[str, Any]]:
+    """A PersistentVolume on this node's directory ``path`` (a model store filled
+    beforehand) and the claim bound to it, for an LLMService's spec.model.cache."""
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{namespace}-{name}"},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": str(path), "type": "Directory"},
+                "claimRef": {"namespace": namespace, "name": name},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": f"{namespace}-{name}",
+                "resources": {"requests": {"storage": size}},
+            },
+        },
+    ]
+
+
 def _ctr(socket: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return _run("ctr", "--address", str(socket), "--namespace", "k8s.io", *args, check=check)
 

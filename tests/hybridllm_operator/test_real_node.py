@@ -66,31 +66,10 @@ def model_claim(real_cluster: tuple[Any, Any], tmp_path_factory: pytest.TempPath
     )
     for path in [store, *store.rglob("*")]:
         os.chown(path, IMAGE_UID, IMAGE_UID)
-    volume = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": "smollm2-store"},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "",
-            "hostPath": {"path": str(store), "type": "Directory"},
-            "claimRef": {"namespace": NAMESPACE, "name": "smollm2-store"},
-        },
-    }
-    claim = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "smollm2-store", "namespace": NAMESPACE},
-        "spec": {
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "",
-            "volumeName": "smollm2-store",
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
-    }
-    kube.apply(volume, NAMESPACE)
-    kube.apply(claim, NAMESPACE)
+    for manifest in sys.modules["hybridllm_testenv"].node.model_volume(
+        "smollm2-store", NAMESPACE, store
+    ):
+        kube.apply(manifest, NAMESPACE)
     kube.eventually(
         lambda: (
             (kube.get("pvc", "smollm2-store", NAMESPACE) or {}).get("status", {}).get("phase")
@@ -123,14 +102,10 @@ def operator_process(
 
 
 def _manifest(name: str, claim: str) -> dict[str, Any]:
-    """examples/hybrid-cpu.yaml with the model from the claim, sized for a 2-core node."""
-    doc = yaml.safe_load((ROOT / "examples" / "hybrid-cpu.yaml").read_text())
+    """The example `make demo` applies (sized for a 2-core node), in the test's namespace."""
+    doc = yaml.safe_load((ROOT / "examples" / "hybrid-cpu-cluster.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": NAMESPACE}
-    spec = doc["spec"]
-    spec["model"]["cache"] = {"persistentVolumeClaim": claim}
-    spec["edge"]["pool"]["resources"] = {"cpu": "500m", "memory": "1Gi"}
-    spec["cloud"]["monolithic"]["resources"] = {"cpu": "1", "memory": "3Gi", "gpu": 0}
-    spec["gateway"] = {"replicas": 1, "resources": {"cpu": "250m", "memory": "512Mi"}}
+    doc["spec"]["model"]["cache"] = {"persistentVolumeClaim": claim}
     return dict(doc)
 
 
@@ -225,18 +200,10 @@ def test_a_bad_image_or_a_missing_model_is_named_in_the_status(
     empty = tmp_path / "empty-store"
     empty.mkdir()
     os.chown(empty, IMAGE_UID, IMAGE_UID)
-    kube.apply({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "empty-store"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                 "storageClassName": "", "hostPath": {"path": str(empty), "type": "Directory"},
-                 "claimRef": {"namespace": NAMESPACE, "name": "empty-store"}},
-    }, NAMESPACE)  # fmt: skip
-    kube.apply({
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "empty-store", "namespace": NAMESPACE},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
-                 "volumeName": "empty-store", "resources": {"requests": {"storage": "1Gi"}}},
-    }, NAMESPACE)  # fmt: skip
+    for manifest in sys.modules["hybridllm_testenv"].node.model_volume(
+        "empty-store", NAMESPACE, empty
+    ):
+        kube.apply(manifest, NAMESPACE)
 
     def edge_only(name: str, claim: str, image: str | None = None) -> dict[str, Any]:
         doc = _manifest(name, claim)
