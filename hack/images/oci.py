@@ -269,6 +269,16 @@ def _cached(key_name: str, make: Callable[[Path], str]) -> tuple[Path, str]:
         return path, meta.read_text().strip()
     digest = make(path)
     meta.write_text(digest)
+    # Keys are "<kind>-<recipe>-<hash>": an older layer of the same kind and recipe is
+    # replaced, so the cache holds one torch layer, not one per lock file ever built.
+    family = key_name.rsplit("-", 1)[0] + "-"
+    for old in CACHE.glob(f"{family}*") if key_name.startswith(("deps-", "app-")) else ():
+        if (
+            old.stem != key_name
+            and old.suffix in (".tar", ".sha256")
+            and old.stem.count("-") == key_name.count("-")
+        ):
+            old.unlink(missing_ok=True)
     return path, digest
 
 
@@ -573,6 +583,8 @@ def build_image(recipe: Recipe) -> Built:
         ],
     }
     built = _assemble(recipe.name, recipe.image, config, layers)
+    for old in CACHE.glob(f"{recipe.name}-*.json"):
+        old.unlink(missing_ok=True)
     built.save(record)
     size = sum(p.stat().st_size for p, _ in layers) / 1e6
     log(

@@ -496,9 +496,8 @@ def drain(cluster: Any, bin_dir: Path, timeout: float = 60) -> None:
     socket = cluster.state_dir / "node" / "containerd" / "containerd.sock"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        result = _run("ctr", "--address", str(socket), "--namespace", "k8s.io", "tasks", "ls", "-q",
-                      check=False)
-        if result.returncode != 0 or not result.stdout.strip():
+        result = _run("ctr", "--address", str(socket), "--namespace", "k8s.io", "tasks", "ls", check=False)
+        if result.returncode != 0 or " RUNNING" not in result.stdout:
             return
         time.sleep(0.5)
 

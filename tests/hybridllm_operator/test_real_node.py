@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,57 @@ def test_apply_gives_a_working_endpoint_from_real_pods(
             assert re.search(r"\w", text), answer
             assert answer.usage is not None
             assert answer.usage.completion_tokens > 0
+
+
+def test_a_deleted_pod_is_replaced_and_requests_keep_succeeding(
+    real_cluster: tuple[Any, Any], model_claim: str, operator_process: Path
+) -> None:
+    """The edge pool's only pod is deleted under a stream of requests: none fails (the
+    gateway sends them to the cloud tier while the edge tier has no endpoint), a new pod
+    comes up, and the edge tier answers again."""
+    cluster, kube = real_cluster
+    kube.eventually(lambda: _ready(kube, "smollm2"), 300, "smollm2 Ready")
+    selector = "app.kubernetes.io/instance=smollm2,app.kubernetes.io/component=edge"
+    (old_pod,) = kube.names("pods", NAMESPACE, selector)
+    tiers: list[str] = []
+    failures: list[str] = []
+    stop = threading.Event()
+    with port_forward(cluster, "service/smollm2-gateway", 80) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask() -> None:
+            while not stop.is_set():
+                try:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model="smollm2-135m-instruct",
+                        messages=[{"role": "user", "content": "Name a colour."}],
+                        max_tokens=8,
+                        temperature=0,
+                    )
+                    tiers.append(raw.headers["x-hybridllm-tier"])
+                except openai.OpenAIError as exc:
+                    failures.append(repr(exc))
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        try:
+            kube.eventually(lambda: "edge" in tiers, 60, "a first answer from the edge tier")
+            kube.run("delete", "pod", old_pod, "-n", NAMESPACE, "--wait=false")
+            kube.eventually(
+                lambda: (
+                    old_pod not in kube.names("pods", NAMESPACE, selector)
+                    and _ready(kube, "smollm2")
+                ),
+                300,
+                "a new edge pod Ready",
+            )
+            answered = len(tiers)
+            kube.eventually(lambda: "edge" in tiers[answered:], 120, "the new edge pod answering")
+        finally:
+            stop.set()
+            asker.join(timeout=150)
+    assert failures == [], failures[:3]
+    assert "cloud" in tiers, "the edge tier never went away: the test proved nothing"
 
 
 def _degraded(kube: Any, name: str) -> str | None:
