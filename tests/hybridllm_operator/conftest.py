@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,6 +73,27 @@ class Kube:
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+@contextlib.contextmanager
+def own_control_plane(
+    state_dir: Path, namespace: str, *, real_node: bool = False, images: tuple[str, ...] = ()
+) -> Iterator[tuple[Any, Kube]]:
+    """A control plane of a test's own (one it may kill, or with the real node), with the
+    CRDs and ``namespace``; ``images`` are loaded into the real node. Needs the session
+    cluster fixture first (it loads hack/testenv)."""
+    testenv = sys.modules["hybridllm_testenv"]
+    cluster = testenv.up(state_dir, real_node=real_node)
+    try:
+        if images:
+            testenv.node.load_images(cluster, list(images))
+        own = Kube(cluster)
+        own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
+        own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
+        own.run("create", "namespace", namespace)
+        yield cluster, own
+    finally:
+        testenv.down(state_dir)
 
 
 @pytest.fixture(scope="session")

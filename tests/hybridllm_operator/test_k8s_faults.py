@@ -25,6 +25,8 @@ import yaml
 
 from hybridllm_operator import builders, reconcile
 
+from .conftest import own_control_plane
+
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,16 +108,8 @@ class Operator:
 
 @pytest.fixture
 def own_cluster(k8s_cluster: Any, kube: Any, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
-    testenv = sys.modules["hybridllm_testenv"]  # loaded by the session's cluster fixture
-    cluster = testenv.up(tmp_path / "testenv")
-    try:
-        own = type(kube)(cluster)
-        own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
-        own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
-        own.run("create", "namespace", NAMESPACE)
-        yield cluster, own
-    finally:
-        testenv.down(tmp_path / "testenv")
+    with own_control_plane(tmp_path / "testenv", NAMESPACE) as pair:
+        yield pair
 
 
 def _converged(kube: Any, docs: dict[str, dict[str, Any]]) -> str | None:

