@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -127,3 +130,40 @@ def corrupt_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0xFF]))
     return root
+
+
+@contextlib.contextmanager
+def streams_beside(base_url: str, request: dict[str, Any], limit: int = 500) -> Iterator[list[str]]:
+    """One client streams the same greedy completion again and again while the body of the
+    ``with`` runs (a fuzzer, in the schema tests); at the end every stream must have
+    completed, with the text the request gives when run alone. Yields the texts so far."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+    def stream() -> str:
+        chunks = client.completions.create(**request, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    alone = stream()
+    texts: list[str] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set() and len(texts) < limit:
+            try:
+                texts.append(stream())
+            except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+                errors.append(exc)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield texts
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert not errors, errors[:3]
+    assert texts, "no stream completed beside the fuzzer"
+    assert set(texts) == {alone}, (alone, sorted(set(texts) - {alone})[:3])

@@ -9,12 +9,10 @@ complete with the tokens it gives when run alone, whatever the fuzzer sends besi
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -23,6 +21,7 @@ from hybridllm_cloud import config as config_mod
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.server import app as app_mod
 
+from ..conftest import streams_beside
 from .test_server import serve
 
 
@@ -51,32 +50,8 @@ STEADY = {"model": "tiny", "prompt": "hello there", "max_tokens": 24, "temperatu
 @pytest.fixture(scope="module")
 def steady_streams(runtime_url: str) -> Iterator[list[str]]:
     """Well-formed streams beside the fuzzer; checked against the answer alone at the end."""
-    client = openai.OpenAI(base_url=runtime_url + "/v1", api_key="unused", max_retries=0)
-
-    def stream() -> str:
-        chunks = client.completions.create(**STEADY, stream=True, extra_body={"ignore_eos": True})
-        return "".join(c.choices[0].text for c in chunks if c.choices)
-
-    alone = stream()
-    texts: list[str] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set() and len(texts) < 500:
-            try:
-                texts.append(stream())
-            except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
-                errors.append(exc)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    yield texts
-    stop.set()
-    thread.join(timeout=120)
-    assert not errors, errors[:3]
-    assert texts, "no stream completed beside the fuzzer"
-    assert set(texts) == {alone}
+    with streams_beside(runtime_url, {**STEADY, "extra_body": {"ignore_eos": True}}) as texts:
+        yield texts
 
 
 @pytest.mark.usefixtures("steady_streams")
