@@ -13,8 +13,9 @@ of C fixed-length streams offers C / stream-length requests per second whatever 
 CPU seconds of every process (load generator, backend, proxy) and of the whole machine
 are recorded per cell, so a reader sees where the cores went.
 
-    flock /tmp/hybridllm-bench.lock uv run --no-sync python bench/gateway/run.py \
-        --litellm /tmp/litellm-venv/bin/litellm
+    uv run --no-sync python bench/gateway/run.py --litellm PATH/TO/litellm
+
+One benchmark at a time on the machine (no build or test run beside it).
 
 Writes ``bench/results/<out>.json``, ``<out>.md`` and ``<out>.png`` (``--out gateway``).
 ``--profile S`` also records the gateway with py-spy for S seconds during its first cell
@@ -220,7 +221,10 @@ def main() -> None:
         for proc in reversed(running):
             procs.stop(proc)
     nice = f"nice -n {os.nice(0)} " if os.nice(0) else ""
-    cmd = f"flock /tmp/hybridllm-bench.lock {nice}uv run --no-sync python bench/gateway/run.py " + " ".join(sys.argv[1:])  # fmt: skip
+    # What reproduces the run, relative to the repository (how runs were serialised on the
+    # machine, such as a lock around each benchmark, is not part of it).
+    argv = ["PATH/TO/litellm" if args.litellm and a == args.litellm else a for a in sys.argv[1:]]
+    cmd = f"{nice}uv run --no-sync python bench/gateway/run.py " + " ".join(argv)  # fmt: skip
     report.write(raw, levels, args, cmd, (load_before, procs.load_average()))
 
 
