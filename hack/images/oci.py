@@ -217,16 +217,20 @@ def _normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
     return info
 
 
-def write_layer(out: Path, entries: Iterable[tuple[str, Path | bytes | None, int, int]]) -> str:
-    """A deterministic tar of (path in image, source file/dir or bytes or None for a
-    directory, mode, uid); returns its sha256 (layers are uncompressed: digest = diff id)."""
+def write_layer(
+    out: Path, entries: Iterable[tuple[str, Path | bytes | None, int, int | None]]
+) -> str:
+    """A deterministic tar of (path in image, source file/dir/link or bytes or None for a
+    directory, mode (-1: the file's), owner (None: the file's)); returns its sha256 (layers
+    are uncompressed: digest = diff id)."""
     tmp = out.with_suffix(".partial")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
         for name, source, mode, uid in sorted(entries, key=lambda e: e[0]):
             arcname = name.lstrip("/")
             if isinstance(source, Path):
                 info = tar.gettarinfo(str(source), arcname)
-                info.uid = info.gid = uid
+                if uid is not None:
+                    info.uid = info.gid = uid
                 info.mode = mode if mode >= 0 else info.mode
                 _normalize(info)
                 if info.isreg():
@@ -249,8 +253,8 @@ def write_layer(out: Path, entries: Iterable[tuple[str, Path | bytes | None, int
 
 
 def _tree(
-    root: Path, prefix: str, keep: Callable[[Path], bool]
-) -> Iterator[tuple[str, Path, int, int]]:
+    root: Path, prefix: str, keep: Callable[[Path], bool], uid: int | None = 0
+) -> Iterator[tuple[str, Path, int, int | None]]:
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames.sort()
@@ -258,7 +262,7 @@ def _tree(
             path = here / name
             rel = path.relative_to(root)
             if keep(rel):
-                yield f"{prefix}/{rel}", path, -1, 0
+                yield f"{prefix}/{rel}", path, -1, uid
 
 
 def _cached(key_name: str, make: Callable[[Path], str]) -> tuple[Path, str]:
@@ -307,28 +311,10 @@ def base_layer(apt: tuple[str, ...]) -> tuple[Path, str]:
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
             subprocess.run(["tar", "-C", tmp, "--numeric-owner", "-xpf", str(raw)], check=True)
             raw.unlink()
-            return _write_tree_layer(out, Path(tmp))
+            # The whole root file system, keeping owners, modes, links and devices.
+            return write_layer(out, _tree(Path(tmp), "", lambda _: True, uid=None))
 
     return _cached(key, make)
-
-
-def _write_tree_layer(out: Path, root: Path) -> str:
-    """A whole root file system as a layer, keeping owners, modes, links and devices."""
-    tmp = out.with_suffix(".partial")
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            here = Path(dirpath)
-            for name in [*dirnames, *sorted(filenames)]:
-                path = here / name
-                info = _normalize(tar.gettarinfo(str(path), str(path.relative_to(root))))
-                if info.isreg():
-                    with path.open("rb") as f:
-                        tar.addfile(info, f)
-                else:
-                    tar.addfile(info)
-    tmp.rename(out)
-    return _sha256_file(out)
 
 
 def build_venv(recipe: Recipe, target: Path) -> None:
