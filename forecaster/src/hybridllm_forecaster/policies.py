@@ -78,6 +78,12 @@ class MetricView:
         # before the first delayed sample exists, the oldest one is the best there is
         return float(np.mean(seen)) if seen else self._samples[0][1]
 
+    def state(self) -> list[list[float]]:
+        return [[t, w] for t, w in self._samples]
+
+    def restore(self, state: list[list[float]]) -> None:
+        self._samples = deque((float(t), float(w)) for t, w in state)
+
 
 @dataclass
 class HpaBehaviour:
@@ -119,12 +125,28 @@ class HpaBehaviour:
     def _bound(self, n: int) -> int:
         return int(min(self.pool.max_replicas, max(self.pool.min_replicas, n)))
 
+    def state(self) -> list[list[float]]:
+        return [[t, d] for t, d in self._recent]
+
+    def restore(self, state: list[list[float]]) -> None:
+        self._recent = deque((float(t), int(d)) for t, d in state)
+
 
 class Policy:
+    """Decides replicas from observations. Its memory (the metric pipeline's samples, the
+    recent recommendations of the stabilisation window) is plain data that `state` gives
+    and `restore` takes back, so a controller that restarts carries on where it was."""
+
     name = "policy"
 
     def decide(self, obs: Observation) -> int:
         raise NotImplementedError
+
+    def state(self) -> dict[str, list[list[float]]]:
+        return {}
+
+    def restore(self, state: dict[str, list[list[float]]]) -> None:
+        del state
 
 
 class Hpa(Policy):
@@ -147,6 +169,13 @@ class Hpa(Policy):
         if obs.ready == 0:
             return self.behaviour.apply(obs, max(obs.provisioned, 1))
         return self.behaviour.apply(obs, work / self.target)
+
+    def state(self) -> dict[str, list[list[float]]]:
+        return {"metric": self.metric.state(), "recent": self.behaviour.state()}
+
+    def restore(self, state: dict[str, list[list[float]]]) -> None:
+        self.metric.restore(state.get("metric", []))
+        self.behaviour.restore(state.get("recent", []))
 
 
 class KedaQueue(Policy):
@@ -189,6 +218,17 @@ class Predictive(Policy):
             work = max(work, self.metric.read(obs))
         return self.behaviour.apply(obs, work / self.target)
 
+    def state(self) -> dict[str, list[list[float]]]:
+        out = {"recent": self.behaviour.state()}
+        if self.metric is not None:
+            out["metric"] = self.metric.state()
+        return out
+
+    def restore(self, state: dict[str, list[list[float]]]) -> None:
+        self.behaviour.restore(state.get("recent", []))
+        if self.metric is not None:
+            self.metric.restore(state.get("metric", []))
+
 
 class PredictiveWithFloor(Policy):
     name = "predictive+floor"
@@ -200,15 +240,26 @@ class PredictiveWithFloor(Policy):
         target_utilisation: float | None = None,
         *,
         down_window_s: float = 0.0,
+        floor_down_window_s: float = HPA_DOWN_WINDOW_S,
     ) -> None:
         target = target_utilisation or pool.target_utilisation
         self.predictive = Predictive(
             pool, forecast_max, target, down_window_s=down_window_s, metric=MetricView()
         )
-        self.floor = Hpa(pool, target)
+        self.floor = Hpa(pool, target, down_window_s=floor_down_window_s)
+        self.last: tuple[int, int] | None = None  # (predictive, reactive) of the last decision
 
     def decide(self, obs: Observation) -> int:
-        return max(self.predictive.decide(obs), self.floor.decide(obs))
+        self.last = (self.predictive.decide(obs), self.floor.decide(obs))
+        return max(self.last)
+
+    def state(self) -> dict[str, list[list[float]]]:
+        inner = {f"predictive.{k}": v for k, v in self.predictive.state().items()}
+        return inner | {f"floor.{k}": v for k, v in self.floor.state().items()}
+
+    def restore(self, state: dict[str, list[list[float]]]) -> None:
+        for prefix, policy in (("predictive.", self.predictive), ("floor.", self.floor)):
+            policy.restore({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
 
 
 class Oracle(Policy):

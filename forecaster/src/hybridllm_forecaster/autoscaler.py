@@ -1,0 +1,296 @@
+"""The online autoscaler of one pool: what the operator and local mode run every interval.
+
+It is a thin shell around the simulator's policies (`hybridllm_forecaster.policies`):
+the decision itself is `Hpa.decide` (reactive), `Predictive.decide` (predictive) or
+`PredictiveWithFloor.decide` (hybrid: the larger of the two), the very objects
+``hybridllm forecast eval`` simulates. The shell adds only what a controller in a real
+cluster needs around them:
+
+- **the forecast**, from the pool's demand history in bins (`OnlineForecast`): the
+  forecaster's `run_model` over the bins seen so far, read through the simulator's own
+  `forecast_max_fn` (issued from the last complete bin);
+- **missing metrics hold**: no reading (no series yet, a NaN, a failed scrape) keeps the
+  replicas where they are and says so; the policies never see a made-up zero;
+- **an SLO guard**: no scale-down while the pool's latency SLO is violated;
+- **capacity**: a pool whose new pods cannot be scheduled is not scaled further up;
+- **modes**: ``advisory`` computes the hybrid decision and applies nothing; ``external``
+  and ``off`` leave replicas alone (an HPA or the spec owns them);
+- **state**: everything the policies remember is plain data (`PoolScaler.state`), which
+  the operator keeps on the LLMService, so a restarted operator carries on.
+
+Time is whatever clock the caller passes in (seconds), so tests replay a trace on a fake
+clock and compare with the simulator decision by decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from hybridllm_forecaster import forecast, policies
+from hybridllm_forecaster.capacity import PoolConfig
+
+Mode = Literal["off", "reactive", "predictive", "hybrid", "advisory", "external"]
+MODES: tuple[Mode, ...] = ("off", "reactive", "predictive", "hybrid", "advisory", "external")
+# Modes in which the autoscaler decides; of those, all but advisory also apply.
+DECIDING: frozenset[str] = frozenset({"reactive", "predictive", "hybrid", "advisory"})
+APPLYING: frozenset[str] = frozenset({"reactive", "predictive", "hybrid"})
+
+MIN_FORECAST_BINS = 4  # below this, predictive plans from the measured load alone
+ERROR_BINS = 12  # the forecast's recent error: WAPE of the one-bin-ahead median over these
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One pool's load, as the metrics pipeline gives it at one control interval.
+
+    ``work_per_s`` is None when there is no trustworthy value (the series does not exist
+    yet, a NaN, a failed scrape): the autoscaler then holds. Zero is a real reading.
+    """
+
+    work_per_s: float | None
+    in_flight: float = 0.0
+    slo_violation: str | None = None  # e.g. "p95 TTFT 3.1 s > 1.0 s"; None: met or unknown
+
+    @property
+    def available(self) -> bool:
+        return self.work_per_s is not None and math.isfinite(self.work_per_s)
+
+
+@dataclass
+class OnlineForecast:
+    """The forecast of one pool's work (replica-seconds per second) from its history.
+
+    ``update`` takes the complete bins known so far (the metrics source keeps them: a
+    Prometheus range query, or the bins a direct scrape accumulated); the model runs again
+    when a new bin arrives. ``forecast_max`` is the simulator's `forecast_max_fn` over
+    the result, so a bin counts once complete, as on request traces.
+    """
+
+    bin_s: float
+    horizon: int
+    model: str = "holt-winters"
+    upper_q: float = 0.9
+    refit_every: int = 60
+    start_s: float = 0.0  # when bin 0 of the history began
+    _bins: int = 0
+    _fc: forecast.Forecast | None = None
+    _fn: policies.ForecastFn | None = None
+    _y: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @classmethod
+    def for_pool(
+        cls, pool: PoolConfig, bin_s: float, model: str = "holt-winters"
+    ) -> OnlineForecast:
+        horizon = max(1, math.ceil(pool.lead_time_s / bin_s)) + 1
+        return cls(bin_s=bin_s, horizon=horizon, model=model)
+
+    def spec(self) -> forecast.ForecastSpec:
+        """The same for every history length, so that the forecast from a bin never changes
+        as later bins arrive (what the simulator's rolling forecast assumes)."""
+        return forecast.ForecastSpec(
+            bin_s=self.bin_s, horizon=self.horizon, upper_q=self.upper_q,
+            refit_every=self.refit_every,
+        )  # fmt: skip
+
+    def update(self, bins: Sequence[float], start_s: float) -> None:
+        """The complete bins of the history, oldest first; bin 0 began at ``start_s``."""
+        y = np.maximum(np.nan_to_num(np.asarray(bins, dtype=float), nan=0.0), 0.0)
+        if len(y) == self._bins and start_s == self.start_s and np.array_equal(y, self._y):
+            return
+        self._bins, self.start_s, self._y = len(y), start_s, y
+        if len(y) < MIN_FORECAST_BINS:
+            self._fc = self._fn = None
+            return
+        self._fc = forecast.run_model(self.model, y, self.spec())
+        self._fn = policies.forecast_max_fn(self._fc.upper, self.bin_s, start_s, self.bin_s)
+
+    @property
+    def ready(self) -> bool:
+        return self._fn is not None
+
+    @property
+    def num_bins(self) -> int:
+        return self._bins
+
+    def forecast_max(self, from_s: float, to_s: float) -> float:
+        return self._fn(from_s, to_s) if self._fn is not None else 0.0
+
+    def latest(self) -> tuple[float, float] | None:
+        """The largest P50 and upper forecast over the horizon from the last complete bin."""
+        if self._fc is None:
+            return None
+        return float(np.max(self._fc.p50[-1])), float(np.max(self._fc.upper[-1]))
+
+    def recent_error(self) -> float | None:
+        """WAPE of the one-bin-ahead median forecast over the last complete bins."""
+        if self._fc is None or self._bins < 2:
+            return None
+        k = min(ERROR_BINS, self._bins - 1)
+        actual = self._y[-k:]
+        predicted = self._fc.p50[-k - 1 : -1, 0]
+        total = float(np.sum(np.abs(actual)))
+        return float(np.sum(np.abs(actual - predicted))) / total if total > 0 else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the autoscaler decided for one pool at one interval, and why."""
+
+    desired: int  # replicas to run (the current count when it holds or does not apply)
+    recommended: int | None  # what the policy wanted (None when it did not decide)
+    reactive: int | None  # the reactive policy's part (reactive and hybrid modes)
+    predictive: int | None  # the predictive policy's part (predictive and hybrid modes)
+    predicted_p50: float | None  # forecast work over the lead time, in replicas at target
+    predicted_p90: float | None
+    forecast_error: float | None
+    reason: str
+    metrics_available: bool
+    capacity_bound: bool = False
+
+
+class PoolScaler:
+    """One pool's autoscaler: a policy of the simulator plus the controller's guards."""
+
+    def __init__(self, pool: PoolConfig, mode: Mode, fc: OnlineForecast) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown autoscaling mode {mode!r}; expected one of {MODES}")
+        self.pool, self.mode, self.forecast = pool, mode, fc
+        target = pool.target_utilisation
+        self.policy: policies.Policy | None
+        if mode == "reactive":
+            self.policy = policies.Hpa(pool, target, down_window_s=pool.scale_down_stabilisation_s)
+        elif mode == "predictive":
+            self.policy = policies.Predictive(
+                pool, fc.forecast_max, target, down_window_s=pool.forecast_down_window_s,
+                metric=policies.MetricView(),
+            )  # fmt: skip
+        elif mode in ("hybrid", "advisory"):
+            self.policy = policies.PredictiveWithFloor(
+                pool, fc.forecast_max, target, down_window_s=pool.forecast_down_window_s,
+                floor_down_window_s=pool.scale_down_stabilisation_s,
+            )  # fmt: skip
+        else:
+            self.policy = None
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        return {"mode": self.mode, "policy": self.policy.state() if self.policy else {}}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Take back a saved state; one saved under another mode is ignored."""
+        if state and state.get("mode") == self.mode and self.policy is not None:
+            self.policy.restore(state.get("policy") or {})
+
+    # ------------------------------------------------------------------ the decision
+
+    def decide(
+        self,
+        now_s: float,
+        ready: int,
+        provisioned: int,
+        reading: Reading,
+        *,
+        unschedulable: int = 0,
+    ) -> Decision:
+        """Replicas for the pool from now on.
+
+        ``provisioned`` is the replica count the pool runs now (ready and starting pods:
+        the Deployment's replicas); ``ready`` those that serve; ``unschedulable`` the
+        pods that the scheduler cannot place.
+        """
+        predicted = self._predicted()
+        error = self.forecast.recent_error()
+        common = dict(
+            predicted_p50=predicted[0] if predicted else None,
+            predicted_p90=predicted[1] if predicted else None,
+            forecast_error=error,
+        )
+        if self.policy is None:
+            reason = (
+                "autoscaling is external: replicas are left to the HPA or KEDA that owns them"
+                if self.mode == "external"
+                else "autoscaling is off: replicas come from the spec"
+            )
+            return Decision(provisioned, None, None, None, reason=reason,
+                            metrics_available=reading.available, **common)  # fmt: skip
+        if not reading.available:
+            return Decision(
+                provisioned, None, None, None,
+                reason="holding: no load metric for this pool (no samples yet, a NaN or a "
+                "failed scrape); replicas stay until one arrives",
+                metrics_available=False, **common,
+            )  # fmt: skip
+        assert reading.work_per_s is not None
+        obs = policies.Observation(
+            now_s, ready, provisioned, float(reading.work_per_s), reading.in_flight
+        )
+        recommended = self.policy.decide(obs)
+        reactive, predictive = self._parts(recommended)
+        desired, reason = recommended, self._why(recommended, provisioned, reactive, predictive)
+        bound = False
+        if recommended > provisioned and unschedulable > 0:
+            desired, bound = provisioned, True
+            reason = (
+                f"capacity-bound: {unschedulable} pod(s) cannot be scheduled, so the pool is "
+                f"not scaled beyond {provisioned} (wanted {recommended})"
+            )
+        elif recommended < provisioned and reading.slo_violation:
+            desired = provisioned
+            reason = (
+                f"holding at {provisioned} (wanted {recommended}): the SLO is violated "
+                f"({reading.slo_violation})"
+            )
+        if self.mode == "advisory":
+            reason = f"advisory, not applied: {reason}"
+            desired = provisioned
+        return Decision(desired, recommended, reactive, predictive, reason=reason,
+                        metrics_available=True, capacity_bound=bound, **common)  # fmt: skip
+
+    def _predicted(self) -> tuple[float, float] | None:
+        latest = self.forecast.latest()
+        if latest is None:
+            return None
+        target = self.pool.target_utilisation
+        return latest[0] / target, latest[1] / target
+
+    def _parts(self, recommended: int) -> tuple[int | None, int | None]:
+        if isinstance(self.policy, policies.PredictiveWithFloor) and self.policy.last:
+            predictive, reactive = self.policy.last
+            return reactive, predictive
+        if isinstance(self.policy, policies.Hpa):
+            return recommended, None
+        return None, recommended
+
+    def _why(
+        self, recommended: int, provisioned: int, reactive: int | None, predictive: int | None
+    ) -> str:
+        direction = (
+            "scale up" if recommended > provisioned
+            else "scale down" if recommended < provisioned else "hold"
+        )  # fmt: skip
+        if self.mode in ("hybrid", "advisory") and reactive is not None and predictive is not None:
+            if predictive > reactive:
+                driver = f"the forecast (predictive {predictive} > reactive {reactive})"
+            elif reactive > predictive:
+                driver = f"the measured load (reactive {reactive} > predictive {predictive})"
+            else:
+                driver = f"forecast and measured load agree ({reactive})"
+        elif self.mode == "reactive":
+            driver = "the measured load (HPA rules)"
+        else:
+            driver = "the forecast and the measured load"
+        warming = (
+            ""
+            if self.forecast.ready or self.mode == "reactive"
+            else f"; forecast warming up ({self.forecast.num_bins} of "
+            f"{MIN_FORECAST_BINS} bins), measured load only"
+        )
+        if recommended == self.pool.max_replicas and recommended > provisioned:
+            driver += f", capped at maxReplicas {self.pool.max_replicas}"
+        return f"{direction} to {recommended}: {driver}{warming}"

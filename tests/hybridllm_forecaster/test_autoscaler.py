@@ -1,0 +1,240 @@
+"""The online autoscaler (what the operator runs) against the simulator's decisions."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridllm_forecaster import autoscaler, evaluate, fluid, forecast, loaders, policies
+from hybridllm_forecaster.capacity import PoolConfig
+
+SERVEGEN = Path(__file__).resolve().parents[3] / "shared" / "traces" / "servegen-2025"
+AGGREGATE = SERVEGEN / "m-large-aggregate-10min.csv"
+
+
+class Recording(policies.Policy):
+    """The simulator's policy, with every observation it was asked about and its answer."""
+
+    def __init__(self, inner: policies.Policy) -> None:
+        self.inner, self.name = inner, inner.name
+        self.calls: list[tuple[policies.Observation, int]] = []
+
+    def decide(self, obs: policies.Observation) -> int:
+        desired = self.inner.decide(obs)
+        self.calls.append((obs, desired))
+        return desired
+
+
+def _scaler(pool: PoolConfig, mode: str, bin_s: float, model: str) -> autoscaler.PoolScaler:
+    fc = autoscaler.OnlineForecast.for_pool(pool, bin_s, model=model)
+    return autoscaler.PoolScaler(pool, mode, fc)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not AGGREGATE.exists(), reason="shared traces not present")
+@pytest.mark.parametrize(("mode", "family"), [("hybrid", "predictive+floor"), ("reactive", "hpa"),
+                                              ("predictive", "predictive")])  # fmt: skip
+def test_online_loop_replays_a_servegen_day_with_the_simulators_decisions(mode, family):
+    """A day of the ServeGen trace through the fluid simulator, then the same observations
+    through the online autoscaler on a fake clock, its forecast fed one complete bin at a
+    time and its state saved and restored (an operator restart) every simulated hour: the
+    same replica count at every control interval once the forecast has its first four
+    bins (5,600 of the day's 5,760)."""
+    demand, _ = loaders.load_demand(AGGREGATE)
+    day = demand.slice(288, 288 + 144)  # the trace's third day, 10-minute bins
+    pool = PoolConfig(min_replicas=1, max_replicas=1000, cold_start_s=180.0)
+    y = pool.work_series(day)
+    bin_s = day.bin_s
+    model = "last"
+    online = _scaler(pool, mode, bin_s, model)
+    fc = forecast.run_model(model, y, online.forecast.spec())
+    truth = y[np.arange(int(day.duration_s // 15)) * 15 // int(bin_s)]
+    sim_policy = Recording(
+        evaluate.make_policy(
+            family,
+            pool.target_utilisation,
+            pool,
+            fc.upper,
+            bin_s,
+            0.0,
+            truth,
+            pool.control_interval_s,
+            bin_s,
+            0.0,
+        )
+    )
+    if family == "hpa":  # the operator's reactive mode uses the pool's own window
+        assert sim_policy.inner.behaviour.down_window_s == pool.scale_down_stabilisation_s
+    result = fluid.simulate_fluid(day, pool, sim_policy, initial_replicas=40)
+    assert len(sim_policy.calls) == 5760
+    assert len({d for _, d in sim_policy.calls}) > 10, "the day must move the pool"
+
+    mismatches = []
+    for k, (obs, want) in enumerate(sim_policy.calls):
+        if k % 240 == 0 and k:  # an hour: the operator restarts from its saved state
+            saved = online.state()
+            online = _scaler(pool, mode, bin_s, model)
+            online.restore(saved)
+        complete = int(obs.now_s // bin_s)
+        online.forecast.update(y[:complete], 0.0)
+        got = online.decide(
+            obs.now_s, obs.ready, obs.provisioned, autoscaler.Reading(obs.work_per_s, obs.in_flight)
+        )
+        # Before four complete bins the simulator peeks at the first bin's forecast; the
+        # online loop has none yet and plans from the measured load: compare after that.
+        if complete >= autoscaler.MIN_FORECAST_BINS and got.desired != want:
+            mismatches.append((k, obs.now_s, want, got.desired, got.reason))
+    assert not mismatches, mismatches[:5]
+    assert result.replica_hours > 0
+
+
+def test_without_a_metric_it_holds_and_says_so():
+    pool = PoolConfig(min_replicas=1, max_replicas=10)
+    scaler = _scaler(pool, "hybrid", 60.0, "last")
+    for work in (None, float("nan"), float("inf")):
+        d = scaler.decide(0.0, 3, 3, autoscaler.Reading(work))
+        assert (d.desired, d.metrics_available) == (3, False)
+        assert "no load metric" in d.reason
+    # zero is real load: the pool decays to its minimum (after the HPA floor's window)
+    assert scaler.decide(0.0, 3, 3, autoscaler.Reading(2.0)).desired == 3
+    for t in range(15, 75, 15):  # the metric is read one scrape late, over two scrapes
+        d = scaler.decide(float(t), 3, 3, autoscaler.Reading(0.0))
+    assert d.metrics_available and d.reactive == 3 and d.predictive == 1, d
+    d = scaler.decide(pool.scale_down_stabilisation_s + 30, 3, 3, autoscaler.Reading(0.0))
+    assert d.desired == 1, d.reason
+
+
+def test_pending_pods_stop_further_scale_up_and_the_status_says_why():
+    pool = PoolConfig(min_replicas=1, max_replicas=10)
+    scaler = _scaler(pool, "reactive", 60.0, "last")
+    d = scaler.decide(0.0, 2, 3, autoscaler.Reading(7.0), unschedulable=1)
+    assert d.recommended is not None
+    assert d.recommended > 3
+    assert d.desired == 3
+    assert d.capacity_bound
+    assert "1 pod(s) cannot be scheduled" in d.reason
+
+
+def test_advisory_decides_like_hybrid_and_changes_nothing():
+    pool = PoolConfig(min_replicas=1, max_replicas=10)
+    advisory = _scaler(pool, "advisory", 60.0, "last")
+    hybrid = _scaler(pool, "hybrid", 60.0, "last")
+    for t, work in enumerate([1.0, 4.0, 6.5, 6.5, 2.0]):
+        a = advisory.decide(t * 15.0, 2, 2, autoscaler.Reading(work))
+        h = hybrid.decide(t * 15.0, 2, 2, autoscaler.Reading(work))
+        assert a.recommended == h.desired
+        assert a.desired == 2
+        assert a.reason.startswith("advisory, not applied")
+
+
+@pytest.mark.parametrize("mode", ["off", "external"])
+def test_off_and_external_leave_replicas_alone(mode):
+    scaler = _scaler(PoolConfig(min_replicas=1, max_replicas=10), mode, 60.0, "last")
+    d = scaler.decide(0.0, 2, 7, autoscaler.Reading(100.0))
+    assert (d.desired, d.recommended) == (7, None)
+    assert mode in d.reason
+
+
+def test_a_state_saved_under_another_mode_is_not_taken():
+    pool = PoolConfig(min_replicas=1, max_replicas=10)
+    hybrid = _scaler(pool, "hybrid", 60.0, "last")
+    hybrid.decide(0.0, 5, 5, autoscaler.Reading(3.0))
+    reactive = _scaler(pool, "reactive", 60.0, "last")
+    reactive.restore(hybrid.state())
+    assert reactive.state()["policy"] == {"metric": [], "recent": []}
+
+
+# ---------------------------------------------------------------- properties
+
+MODES = st.sampled_from(["reactive", "predictive", "hybrid"])
+LOADS = st.lists(
+    st.one_of(st.none(), st.floats(min_value=0.0, max_value=500.0)), min_size=1, max_size=60
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    mode=MODES,
+    lo=st.integers(0, 20),
+    span=st.integers(0, 40),
+    start=st.integers(0, 80),
+    loads=LOADS,
+    pending=st.lists(st.integers(0, 3), min_size=60, max_size=60),
+)
+def test_decisions_stay_within_bounds(mode, lo, span, start, loads, pending):
+    pool = PoolConfig(min_replicas=lo, max_replicas=max(1, lo + span))
+    scaler = _scaler(pool, mode, 60.0, "last")
+    current = min(max(start, pool.min_replicas), pool.max_replicas)
+    history: list[float] = []
+    for k, work in enumerate(loads):
+        now = 15.0 * k
+        scaler.forecast.update(history, 0.0)
+        d = scaler.decide(now, current, current, autoscaler.Reading(work), unschedulable=pending[k])
+        assert pool.min_replicas <= d.desired <= pool.max_replicas
+        if pending[k] and d.desired > current:
+            raise AssertionError(f"scaled up with {pending[k]} unschedulable pods: {d}")
+        if work is None:
+            assert d.desired == current
+        current = d.desired
+        if k % 4 == 3:
+            history.append(work or 0.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    mode=MODES,
+    start=st.integers(1, 40),
+    loads=st.lists(st.floats(min_value=0.0, max_value=50.0), min_size=1, max_size=40),
+)
+def test_no_scale_down_while_the_slo_is_violated(mode, start, loads):
+    pool = PoolConfig(min_replicas=1, max_replicas=60, scale_down_stabilisation_s=0.0)
+    scaler = _scaler(pool, mode, 60.0, "last")
+    current = start
+    for k, work in enumerate(loads):
+        d = scaler.decide(15.0 * k, current, current, autoscaler.Reading(work, slo_violation="x"))
+        assert d.desired >= current, d
+        current = d.desired
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    mode=MODES,
+    start=st.integers(1, 40),
+    work=st.floats(min_value=0.0, max_value=20.0),
+    cold_steps=st.integers(0, 20),
+)
+def test_constant_load_changes_direction_at_most_once(mode, start, work, cold_steps):
+    """Under constant load, replicas move one way (perhaps in steps) and then stay: no
+    flapping between N and N-1. Pods take ``cold_steps`` intervals to become ready."""
+    pool = PoolConfig(min_replicas=1, max_replicas=60)
+    scaler = _scaler(pool, mode, 60.0, "last")
+    provisioned, starting = start, []  # ready-at step of each starting pod
+    ready = start
+    counts, history = [start], []
+    for k in range(160):
+        ready += sum(1 for s in starting if s == k)
+        starting = [s for s in starting if s > k]
+        if k % 4 == 0 and k:
+            history.append(work)
+        scaler.forecast.update(history, 0.0)
+        d = scaler.decide(15.0 * k, ready, provisioned, autoscaler.Reading(work))
+        if d.desired > provisioned:
+            starting += [k + cold_steps] * (d.desired - provisioned)
+        elif d.desired < provisioned:
+            drop = provisioned - d.desired
+            keep = max(0, len(starting) - drop)
+            drop -= len(starting) - keep
+            starting = starting[:keep]
+            ready -= drop
+        provisioned = d.desired
+        counts.append(provisioned)
+    steps = np.sign(np.diff(counts))
+    moves = steps[steps != 0]
+    assert int(np.sum(moves[1:] != moves[:-1])) <= 1, counts
+    want = math.ceil(work / pool.target_utilisation - 1e-9)
+    # it does carry the load (the HPA's 10% tolerance may leave it just short)
+    assert counts[-1] * (1 + policies.HPA_TOLERANCE) >= min(max(want, 1), 60) - 1e-6, counts
