@@ -103,7 +103,8 @@ def test_without_a_metric_it_holds_and_says_so():
     assert scaler.decide(0.0, 3, 3, autoscaler.Reading(2.0)).desired == 3
     for t in range(15, 75, 15):  # the metric is read one scrape late, over two scrapes
         d = scaler.decide(float(t), 3, 3, autoscaler.Reading(0.0))
-    assert d.metrics_available and d.reactive == 3 and d.predictive == 1, d
+    assert d.metrics_available, d
+    assert (d.reactive, d.predictive) == (3, 1), d
     d = scaler.decide(pool.scale_down_stabilisation_s + 30, 3, 3, autoscaler.Reading(0.0))
     assert d.desired == 1, d.reason
 

@@ -206,7 +206,7 @@ class PoolScaler:
         """
         predicted = self._predicted()
         error = self.forecast.recent_error()
-        common = dict(
+        common: dict[str, Any] = dict(
             predicted_p50=predicted[0] if predicted else None,
             predicted_p90=predicted[1] if predicted else None,
             forecast_error=error,
