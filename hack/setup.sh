@@ -44,4 +44,6 @@ if [ "${HYBRIDLLM_SKIP_TESTENV:-0}" != "1" ]; then
   fi
   echo "[setup] building the test control plane (first run: ~25 min on 2 cores; cached after)"
   hack/testenv/build.sh >/dev/null
+  echo "[setup] building Prometheus for the autoscaling tests (first run: ~5-7 min; cached after)"
+  hack/testenv/build-prometheus.sh >/dev/null
 fi

@@ -390,6 +390,56 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None, real_no
     return cluster
 
 
+# --------------------------------------------------------------------------- Prometheus
+
+
+def build_prometheus() -> Path:
+    """hack/testenv/build-prometheus.sh: the cached Prometheus binary's directory."""
+    result = subprocess.run([str(HERE / "build-prometheus.sh")], stdout=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0:
+        raise TestEnvError(f"hack/testenv/build-prometheus.sh failed with exit code {result.returncode}; its log is above")
+    return Path(result.stdout.strip())
+
+
+def prometheus_up(state_dir: Path, scrape_interval: str = "1s") -> str:
+    """A real Prometheus beside the control plane, scraping the targets that
+    `prometheus_targets` lists (file-based discovery, re-read every second); returns its
+    URL. `down` stops it with everything else."""
+    bin_dir = build_prometheus()
+    home = state_dir / "prometheus"
+    (home / "data").mkdir(parents=True, exist_ok=True)
+    targets = home / "targets.json"
+    if not targets.exists():
+        targets.write_text("[]")
+    (home / "prometheus.yml").write_text(json.dumps({
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+        "scrape_configs": [{
+            "job_name": "hybridllm",
+            "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
+        }],
+    }, indent=2))  # fmt: skip
+    port = _free_port()
+    _start(state_dir, "prometheus", [
+        str(bin_dir / "prometheus"), f"--config.file={home / 'prometheus.yml'}",
+        f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+        "--web.enable-lifecycle",
+        # apply new targets within 200 ms, not Prometheus's default 5 s
+        "--scrape.discovery-reload-interval=200ms",
+    ])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    _wait("Prometheus /-/ready", lambda: _http_ok(f"{url}/-/ready"), 60, state_dir, "prometheus")
+    (home / "url").write_text(url)
+    return url
+
+
+def prometheus_targets(state_dir: Path, targets: list[tuple[str, dict[str, str]]]) -> None:
+    """What Prometheus scrapes: (host:port, labels) pairs; written atomically."""
+    path = state_dir / "prometheus" / "targets.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([{"targets": [t], "labels": labels} for t, labels in targets]))
+    tmp.replace(path)
+
+
 def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
     """Stop everything and remove the state directory: what was started beside the control
     plane (the demo's operator), the real node (which puts the host back as it found it),

@@ -19,6 +19,16 @@ def make(**spec: object) -> builders.Service:
     return builders.Service(name="demo", namespace="team-a", uid="uid-1", spec=parsed)
 
 
+def build(spec: dict | None = None, scaled: dict[str, int] | None = None) -> list[dict]:
+    service = make(**(spec or {}))
+    if scaled:
+        service = builders.Service(
+            name=service.name, namespace=service.namespace, uid=service.uid, spec=service.spec,
+            scaled=scaled,
+        )  # fmt: skip
+    return builders.build_children(service)
+
+
 def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
 
@@ -32,9 +42,31 @@ def test_default_service_has_edge_monolithic_and_gateway() -> None:
     ]
     assert sorted(by_kind(objects, "Service")) == ["demo-edge", "demo-gateway", "demo-monolithic"]
     assert sorted(by_kind(objects, "ConfigMap")) == ["demo-routing"]
-    # gateway has 2 replicas by default -> a PDB; the single-replica pools get none
-    assert sorted(by_kind(objects, "PodDisruptionBudget")) == ["demo-gateway"]
+    # gateway has 2 replicas by default -> a PDB; so do the autoscaled pools (up to 4)
+    assert sorted(by_kind(objects, "PodDisruptionBudget")) == [
+        "demo-edge", "demo-gateway", "demo-monolithic",
+    ]  # fmt: skip
     assert objects[0]["kind"] == "ConfigMap"
+    # without autoscaling, pools of one replica get none
+    fixed = build({"autoscaling": {"mode": "off"}})
+    assert sorted(by_kind(fixed, "PodDisruptionBudget")) == ["demo-gateway"]
+
+
+def test_replicas_follow_the_autoscaler_and_an_external_one_owns_them_alone():
+    def replicas(objects, name):
+        deployment = by_kind(objects, "Deployment")[name]
+        return deployment["spec"].get("replicas")
+
+    spec = {"edge": {"pool": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6}}}
+    assert replicas(build(spec), "demo-edge") == 2  # no decision yet: the spec's
+    assert replicas(build(spec, scaled={"edge": 5}), "demo-edge") == 5
+    off = {**spec, "autoscaling": {"mode": "off"}}
+    assert replicas(build(off, scaled={"edge": 5}), "demo-edge") == 2
+    advisory = {**spec, "autoscaling": {"mode": "advisory"}}
+    assert replicas(build(advisory, scaled={"edge": 5}), "demo-edge") == 2
+    external = {**spec, "autoscaling": {"mode": "external"}}
+    assert replicas(build(external), "demo-edge") is None  # the HPA's field
+    assert replicas(build(external), "demo-gateway") == 2
 
 
 def test_disaggregated_mode_has_prefill_and_decode() -> None:

@@ -159,6 +159,25 @@ class Resources(_Model):
     gpu: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu devices per replica.")
 
 
+class ReplicaCapacity(_Model):
+    """What one replica of a pool sustains while meeting the SLO, in tokens per second.
+
+    The autoscaler divides a pool's demand (the gateway's token rates for its tier) by
+    these to get the replicas it needs. Measure them with the pool's own benchmark
+    (``bench/``) on the hardware it runs on; left out, the autoscaler assumes the
+    defaults of ``hybridllm forecast``'s pools (an 8B model on one H100 for cloud
+    pools, a small quantized model on a CPU node for the edge).
+    """
+
+    prefill_tokens_per_second: float = Field(
+        gt=0, le=10_000_000, description="Prompt tokens one replica prefills per second."
+    )
+    decode_tokens_per_second: float = Field(
+        gt=0, le=10_000_000,
+        description="Output tokens one replica generates per second at full batch.",
+    )  # fmt: skip
+
+
 class PoolSpec(_Model):
     """One scalable pool of identical replicas."""
 
@@ -186,10 +205,17 @@ class PoolSpec(_Model):
         description="Replicas when autoscaling is off; the starting point otherwise.",
     )
     min_replicas: int = Field(
-        default=0, ge=0, le=1000, description="Lower bound for the autoscaler."
+        default=1,
+        ge=0,
+        le=1000,
+        description="Lower bound for the autoscaler (0 needs scale from zero: not supported yet).",
     )
     max_replicas: int = Field(
         default=4, ge=1, le=1000, description="Upper bound for the autoscaler."
+    )
+    capacity: ReplicaCapacity | None = Field(
+        default=None,
+        description="Tokens per second one replica sustains, for the autoscaler.",
     )
     resources: Resources = _sub(Resources, "Compute per replica.")
     node_selector: dict[str, str] | None = Field(
@@ -456,14 +482,24 @@ class AutoscalingMode(StrEnum):
     off = "off"
     reactive = "reactive"
     predictive = "predictive"
+    hybrid = "hybrid"
+    advisory = "advisory"
+    external = "external"
 
 
 class AutoscalingSpec(_Model):
     """How replica counts follow demand."""
 
     mode: AutoscalingMode = Field(
-        default=AutoscalingMode.reactive,
-        description="off (spec replicas), reactive (utilisation) or predictive (forecast).",
+        default=AutoscalingMode.hybrid,
+        description=(
+            "hybrid (the larger of predictive and reactive), reactive (the HPA's rules on "
+            "measured load), predictive (forecast), advisory (decide and report, change "
+            "nothing), external (an HPA or KEDA owns replicas) or off (spec replicas)."
+        ),
+    )
+    interval_seconds: int = Field(
+        default=15, ge=5, le=600, description="How often each pool is sized."
     )
     target_utilization: float = Field(
         default=0.7, ge=0.05, le=1.0, description="Target share of each replica's capacity in use."
@@ -472,10 +508,14 @@ class AutoscalingSpec(_Model):
         default=180,
         ge=0,
         le=7200,
-        description="Time a new replica needs to become ready (the forecast horizon).",
+        description="Time a new replica needs to become ready (the forecast looks this far "
+        "ahead, plus one interval).",
     )
     scale_down_delay_seconds: int = Field(
-        default=300, ge=0, le=86_400, description="Stabilisation window before removing replicas."
+        default=300,
+        ge=0,
+        le=86_400,
+        description="The reactive policy's stabilisation window before removing replicas.",
     )
 
 
@@ -659,11 +699,38 @@ class Condition(_Model):
 
 
 class PoolStatus(_Model):
-    """Replicas of one pool, read from its Deployment."""
+    """Replicas of one pool, read from its Deployment, and the autoscaler's last decision."""
 
     desired_replicas: int = Field(default=0, description="Replicas the operator asked for.")
     ready_replicas: int = Field(default=0, description="Replicas passing their readiness probe.")
     revision: str | None = Field(default=None, description="Model revision the pool runs.")
+    recommended_replicas: int | None = Field(
+        default=None, description="What the autoscaler's policy wanted (advisory: not applied)."
+    )
+    reactive_replicas: int | None = Field(
+        default=None, description="The reactive (HPA) policy's part of the decision."
+    )
+    predictive_replicas: int | None = Field(
+        default=None, description="The predictive policy's part of the decision."
+    )
+    predicted_p50: str | None = Field(
+        default=None,
+        description="Median forecast of the load over the lead time, in replicas at target.",
+    )
+    predicted_p90: str | None = Field(
+        default=None,
+        description="Upper (P90) forecast of the load over the lead time, in replicas at target.",
+    )
+    forecast_error: str | None = Field(
+        default=None,
+        description="Recent error of the one-bin-ahead forecast (WAPE, percent).",
+    )
+    capacity_bound: bool | None = Field(
+        default=None, description="New pods cannot be scheduled: not scaled further up."
+    )
+    scaling_reason: str | None = Field(
+        default=None, max_length=1024, description="Why the autoscaler decided what it did."
+    )
 
 
 class Endpoints(_Model):
@@ -696,6 +763,9 @@ class LLMServiceStatus(_Model):
     )
     current_revision: str | None = Field(
         default=None, description="Model revision serving traffic."
+    )
+    autoscaling: str | None = Field(
+        default=None, description="The autoscaler's mode and last action, for kubectl get."
     )
     endpoints: Endpoints | None = Field(default=None, description="In-cluster endpoints.")
 
@@ -786,6 +856,37 @@ def _cloud_pools(cloud: CloudTierSpec) -> dict[str, PoolSpec]:
     return {"monolithic": cloud.monolithic}
 
 
+# Modes in which the operator sets replicas from demand.
+SCALING_MODES = frozenset(
+    {AutoscalingMode.reactive, AutoscalingMode.predictive, AutoscalingMode.hybrid}
+)
+
+
+def scaled_pools(spec: LLMServiceSpec) -> dict[str, PoolSpec]:
+    """The pools the autoscaler sizes (component -> spec): the edge pool and the cloud pools
+    of the enabled tiers. The gateway is stateless and keeps its spec replicas."""
+    pools = {"edge": spec.edge.pool} if spec.edge.enabled else {}
+    return pools | (_cloud_pools(spec.cloud) if spec.cloud.enabled else {})
+
+
+def _autoscaling_errors(spec: LLMServiceSpec) -> list[FieldError]:
+    if spec.autoscaling.mode not in SCALING_MODES:
+        return []
+    paths = {"edge": "spec.edge.pool"}
+    return [
+        FieldError(
+            field=f"{paths.get(name, f'spec.cloud.{name}')}.minReplicas",
+            message=(
+                "0 needs scale from zero (the gateway holding requests while a replica "
+                "starts), which is not supported yet; set minReplicas to 1 or more, or "
+                "autoscaling.mode off"
+            ),
+        )
+        for name, pool in scaled_pools(spec).items()
+        if pool.min_replicas == 0
+    ]
+
+
 _SOURCE_FORMS = {
     "pypi": (
         re.compile(r"^pypi://[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+#[^/#]+$"),
@@ -868,6 +969,7 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                     )
                 )
     errors.extend(_source_errors(spec.model.source))
+    errors.extend(_autoscaling_errors(spec))
     limits = spec.routing.edge_limits
     if (
         spec.edge.enabled

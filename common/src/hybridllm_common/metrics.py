@@ -69,3 +69,8 @@ GATEWAY_EJECTIONS_TOTAL = "hybridllm_gateway_ejections_total"  # label: tier
 GATEWAY_CONFIG_RELOADS_TOTAL = "hybridllm_gateway_config_reloads_total"
 GATEWAY_OUTSTANDING_REQUESTS = "hybridllm_gateway_outstanding_requests"  # gauge; label: tier
 GATEWAY_CASCADES_TOTAL = "hybridllm_gateway_cascades_total"
+# The demand each tier served, which the autoscaler sizes its pools by (label: tier).
+# Prompt tokens are the gateway's estimate (characters / 4, as its router counts them);
+# completion tokens come from the answer's usage, or one per streamed chunk.
+GATEWAY_PROMPT_TOKENS_TOTAL = "hybridllm_gateway_prompt_tokens_total"
+GATEWAY_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_completion_tokens_total"

@@ -70,6 +70,14 @@ class CapacityModel:
         )
 
     @classmethod
+    def from_rates(
+        cls, prefill_tok_s: float, decode_tok_s: float, max_batch: int = 32
+    ) -> CapacityModel:
+        """A replica given by what it sustains at the SLO (as measured): a decode step that
+        does not grow with the batch, so that ``decode_tok_s`` holds at any SLO."""
+        return cls(prefill_tok_s, max_batch / decode_tok_s, 0.0, max_batch)
+
+    @classmethod
     def from_benchmark(
         cls, prefill_tok_s: float, step_s_at: dict[int, float], kv_max_batch: int
     ) -> CapacityModel:

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.ensemble import HistGradientBoostingRegressor
 from threadpoolctl import threadpool_limits
 
 log = logging.getLogger(__name__)
@@ -234,6 +233,10 @@ def roll_sq(x: np.ndarray, k: int) -> np.ndarray:
 
 
 def _gbm(y: np.ndarray, spec: ForecastSpec) -> Forecast:
+    # imported here: the operator's autoscaler imports this module, and most of its
+    # models (and every command that loads it) need no scikit-learn
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
     n, horizon = len(y), spec.horizon
     eps = _eps(y, spec)
     ly = np.log(y + eps)

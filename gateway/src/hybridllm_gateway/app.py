@@ -59,6 +59,7 @@ class State:
     def set_routing(self, routing: config_mod.RoutingConfig) -> None:
         self.balancer.update(routing)
         self.limiter.update(routing.rate_limits)
+        self.metrics.serve_tiers(self.balancer.tiers)
         self.routing = routing
 
 
@@ -232,6 +233,9 @@ async def _handle(
         tokens = outcome.num_chunks
     m = state.metrics
     m.requests.labels(tier=outcome.tier, code=str(outcome.status)).inc()
+    if 200 <= outcome.status < 300:
+        m.prompt_tokens.labels(tier=outcome.tier).inc(features.prompt_tokens)
+        m.completion_tokens.labels(tier=outcome.tier).inc(tokens)
     m.added.observe(outcome.added_s)
     m.ttft.labels(tier=outcome.tier).observe(outcome.ttft_s)
     m.e2e.labels(tier=outcome.tier).observe(time.perf_counter() - t_start)

@@ -9,6 +9,8 @@ time between the first upstream byte and its write to the client. Its buckets st
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hybridllm_common import metrics as names
@@ -69,3 +71,20 @@ class GatewayMetrics:
             names.REQUESTS_REJECTED_TOTAL, "Requests refused by the gateway, by code.",
             ["code"], registry=r,
         )  # fmt: skip
+        self.prompt_tokens = Counter(
+            names.GATEWAY_PROMPT_TOKENS_TOTAL, "Prompt tokens (estimated) answered, by tier.",
+            ["tier"], registry=r,
+        )  # fmt: skip
+        self.completion_tokens = Counter(
+            names.GATEWAY_COMPLETION_TOKENS_TOTAL, "Completion tokens answered, by tier.",
+            ["tier"], registry=r,
+        )  # fmt: skip
+
+    def serve_tiers(self, tiers: Iterable[str]) -> None:
+        """Export the per-tier demand series at zero from the start: a tier nobody has asked
+        yet has no load, which an autoscaler must be able to tell from a missing metric."""
+        for tier in tiers:
+            self.prompt_tokens.labels(tier=tier)
+            self.completion_tokens.labels(tier=tier)
+            self.outstanding.labels(tier=tier)
+            self.ttft.labels(tier=tier)

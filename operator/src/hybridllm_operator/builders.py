@@ -12,6 +12,7 @@ immutable and the revision label changes on every rollout.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,21 @@ class Service:
     uid: str
     spec: crd.LLMServiceSpec
     images: Images = field(default_factory=Images)
+    # Replicas the autoscaler set, by component; a pool without one starts at the spec's.
+    scaled: Mapping[str, int] = field(default_factory=dict)
+
+    def replicas(self, component: str, pool: crd.PoolSpec) -> int | None:
+        """A scaled pool's replicas: the autoscaler's, the spec's until it has decided, or
+        None when an external autoscaler (an HPA, KEDA) owns them."""
+        if self.spec.autoscaling.mode == crd.AutoscalingMode.external:
+            return None
+        if self.spec.autoscaling.mode in crd.SCALING_MODES and component in self.scaled:
+            return self.scaled[component]
+        return pool.replicas
+
+    def autoscaled(self) -> bool:
+        mode = self.spec.autoscaling.mode
+        return mode in crd.SCALING_MODES or mode == crd.AutoscalingMode.external
 
     @property
     def served_name(self) -> str:
@@ -139,7 +155,7 @@ class Pool:
     """One component's desired shape, derived from the spec."""
 
     component: str
-    replicas: int
+    replicas: int | None  # None: an external autoscaler owns them
     resources: crd.Resources
     image: str
     args: list[str]
@@ -147,6 +163,7 @@ class Pool:
     node_selector: dict[str, str] | None = None
     revisioned: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    max_replicas: int | None = None  # the autoscaler's bound (None: not autoscaled)
 
 
 def cpu_threads(resources: crd.Resources) -> int:
@@ -193,7 +210,8 @@ def _edge_pool(service: Service) -> Pool:
         args += ["--no-cache"]
     return Pool(
         component="edge",
-        replicas=edge.pool.replicas,
+        replicas=service.replicas("edge", edge.pool),
+        max_replicas=edge.pool.max_replicas if service.autoscaled() else None,
         resources=edge.pool.resources,
         image=edge.pool.image or service.images.edge,
         args=args,
@@ -229,7 +247,8 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
         ]
     return Pool(
         component=role,
-        replicas=pool.replicas,
+        replicas=service.replicas(role, pool),
+        max_replicas=pool.max_replicas if service.autoscaled() else None,
         resources=pool.resources,
         image=pool.image or service.images.cloud,
         args=args,
@@ -368,7 +387,7 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
             service, child_name(service, pool.component), pool.component, revisioned=pool.revisioned
         ),
         "spec": {
-            "replicas": pool.replicas,
+            **({"replicas": pool.replicas} if pool.replicas is not None else {}),
             "selector": {"matchLabels": selector_labels(service, pool.component)},
             "strategy": {
                 "type": "RollingUpdate",
@@ -404,8 +423,10 @@ def build_service(service: Service, pool: Pool) -> dict[str, Any]:
 
 
 def build_pdb(service: Service, pool: Pool) -> dict[str, Any] | None:
-    """At most one replica of a pool down for voluntary disruptions; none for single replicas."""
-    if pool.replicas < 2:
+    """At most one replica of a pool down for voluntary disruptions; none for a pool that
+    never has more than one replica (an autoscaled pool: its maximum)."""
+    most = pool.max_replicas if pool.max_replicas is not None else pool.replicas
+    if most is None or most < 2:
         return None
     return {
         "apiVersion": "policy/v1",

@@ -182,6 +182,12 @@ _KINDS: list[dict[str, Any]] = [
                 "jsonPath": ".status.currentRevision",
                 "description": "Model revision serving traffic.",
             },
+            {
+                "name": "Scaling",
+                "type": "string",
+                "jsonPath": ".status.autoscaling",
+                "description": "Autoscaler mode and last action.",
+            },
             *_COMMON_COLUMNS,
         ],
     },

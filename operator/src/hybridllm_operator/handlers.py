@@ -43,7 +43,8 @@ import urllib3
 from kubernetes.client import exceptions as k8s_errors
 
 from hybridllm_common import crd
-from hybridllm_operator import builders, reconcile
+from hybridllm_forecaster.autoscaler import DECIDING
+from hybridllm_operator import autoscaling, builders, demand, reconcile
 from hybridllm_operator.settings import OperatorSettings
 
 LLMSERVICES = (crd.GROUP, crd.VERSION, "llmservices")
@@ -102,11 +103,22 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     wait_for_discovery(memo.cluster, logger)
     memo.images = operator_settings.images()
     memo.resync_seconds = operator_settings.resync_seconds
+    memo.prometheus_url = operator_settings.prometheus_url
+    memo.rate_window_s = operator_settings.prometheus_rate_window_seconds
+    memo.forecast_bin_s = operator_settings.forecast_bin_seconds
+    memo.forecast_model = operator_settings.forecast_model
+    memo.scalers = {}  # (namespace, name) -> autoscaling.ServiceAutoscaler
+    memo.gateways = {}  # (namespace, name) -> {pod name: metrics URL} of Ready gateway pods
     # Reconciles are short, blocking API calls: a bounded pool of threads runs them.
     memo.executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
     )
     memo.wakers = {}
+    # The autoscalers' reads (HTTP to Prometheus or the gateways) and forecasts run on
+    # threads of their own: a slow metrics endpoint never delays a reconcile.
+    memo.scale_executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=operator_settings.max_workers, thread_name_prefix="autoscale"
+    )
     logging.getLogger("kopf.objects").addFilter(_QuietEventHandlers())
     logger.info("hybridllm operator configured: images %s", memo.images)
 
@@ -218,6 +230,7 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
     if memo.get("watchdog") is not None:
         memo.watchdog.cancel()
     memo.executor.shutdown(wait=False, cancel_futures=True)
+    memo.scale_executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _key(meta: Mapping[str, Any]) -> tuple[str, str]:
@@ -233,6 +246,19 @@ async def _sleep_until_woken(waker: Waker, timeout: float | None) -> bool:
     return True
 
 
+def _scaling(memo: kopf.Memo, key: tuple[str, str], meta: Mapping[str, Any]) -> Any:
+    """This LLMService's autoscaler, shared by its two daemons; the first to ask makes it
+    from the state saved in the annotation (what it set before a restart)."""
+    scaling = memo.scalers.get(key)
+    if scaling is None:
+        scaling = autoscaling.ServiceAutoscaler(
+            bin_s=memo.forecast_bin_s, model=memo.forecast_model
+        )
+        scaling.restore((meta.get("annotations") or {}).get(autoscaling.STATE_ANNOTATION))
+        memo.scalers[key] = scaling
+    return scaling
+
+
 @kopf.daemon(*LLMSERVICES, cancellation_timeout=30.0)
 async def reconciler(
     body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
@@ -241,6 +267,7 @@ async def reconciler(
     key = _key(meta)
     waker = Waker()
     memo.wakers[key] = waker
+    scaling = _scaling(memo, key, meta)
     loop = asyncio.get_running_loop()
     retry_s = RETRY_FIRST_S
     try:
@@ -257,6 +284,7 @@ async def reconciler(
                     snapshot,
                     memo.images,
                     waker.applied,
+                    scaling,
                 )
             except reconcile.InvalidSpec as exc:
                 # Degraded, with the field named, is in the status; nothing to retry
@@ -285,6 +313,97 @@ async def reconciler(
     finally:
         if memo.wakers.get(key) is waker:
             del memo.wakers[key]
+        if memo.scalers.get(key) is scaling:  # the object is gone (or the operator stops)
+            del memo.scalers[key]
+
+
+PERSIST_EVERY_S = 60.0  # the autoscaler's state is saved at least this often while it runs
+
+
+def _demand_source(memo: kopf.Memo, key: tuple[str, str]) -> demand.DemandSource:
+    if memo.prometheus_url:
+        return demand.PrometheusDemand(
+            memo.prometheus_url, key[0], key[1], bin_s=memo.forecast_bin_s,
+            rate_window_s=memo.rate_window_s,
+        )  # fmt: skip
+    return demand.GatewayScrape(
+        lambda: list(memo.gateways.get(key, {}).values()), bin_s=memo.forecast_bin_s
+    )
+
+
+def _visible(scaling: Any) -> Any:
+    """What of the autoscaler the status shows: a reconcile is needed when it changes."""
+    return (
+        autoscaling.summary_key(scaling),
+        {c: autoscaling.pool_fields(d) for c, d in scaling.decisions.items()},
+    )
+
+
+def _save_state(cluster: reconcile.Cluster, namespace: str, name: str, state: str) -> None:
+    cluster.llmservices().patch(
+        name=name,
+        namespace=namespace,
+        body={"metadata": {"annotations": {autoscaling.STATE_ANNOTATION: state}}},
+        content_type="application/merge-patch+json",
+    )
+
+
+def _step(scaling: Any, source: demand.DemandSource) -> Any:
+    now = time.time()
+    return scaling.step(now, source.read(now), scaling.observed)
+
+
+@kopf.daemon(*LLMSERVICES, id="autoscaler", cancellation_timeout=30.0)
+async def autoscaler_loop(
+    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
+) -> None:
+    """Size this LLMService's pools every ``spec.autoscaling.intervalSeconds``: read the
+    demand, decide, hand the replicas to the reconciler (which writes them and the status),
+    post an Event for each change and save the autoscaler's state on the object."""
+    key = _key(meta)
+    scaling = _scaling(memo, key, meta)
+    loop = asyncio.get_running_loop()
+    source: demand.DemandSource | None = None
+    shown: Any = None
+    saved_at, saved = 0.0, None
+    try:
+        while True:
+            interval = 15.0
+            try:
+                spec = reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
+            except reconcile.InvalidSpec:
+                spec = None  # the reconciler says why in the status
+            if spec is not None:
+                interval = float(spec.autoscaling.interval_seconds)
+                scaling.configure(spec)
+            if spec is not None and scaling.mode in DECIDING and scaling.observed:
+                source = source or _demand_source(memo, key)
+                changed = await loop.run_in_executor(memo.scale_executor, _step, scaling, source)
+                for component, (old, new) in changed.items():
+                    reason = scaling.decisions[component].reason
+                    kopf.event(
+                        body, type="Normal", reason="Scaled",
+                        message=f"{component}: {old} -> {new} replicas ({reason})",
+                    )  # fmt: skip
+                    logger.info("scaled %s from %d to %d: %s", component, old, new, reason)
+                waker = cast(Waker | None, memo.wakers.get(key))
+                if waker is not None and (changed or _visible(scaling) != shown):
+                    shown = _visible(scaling)
+                    waker.event.set()
+                state = json.dumps(scaling.state(), separators=(",", ":"))
+                if state != saved and (changed or time.time() - saved_at >= PERSIST_EVERY_S):
+                    try:
+                        await loop.run_in_executor(
+                            memo.executor, _save_state, memo.cluster, key[0], key[1], state
+                        )
+                        saved, saved_at = state, time.time()
+                    except (k8s_errors.ApiException, OSError) as exc:
+                        logger.info("autoscaler state not saved (retrying later): %s", exc)
+            await asyncio.sleep(interval)
+    finally:
+        if memo.scalers.get(key) is scaling:
+            del memo.scalers[key]
+        memo.gateways.pop(key, None)
 
 
 @kopf.on.event(*LLMSERVICES)
@@ -295,13 +414,40 @@ async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, *
 
 
 @kopf.on.event("", "v1", "pods", labels=OWNED)
-async def pod_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def pod_changed(
+    type: str | None, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo, **_: Any
+) -> None:
     """A pool's pod changed (scheduled, pulling, crashing, ready): the status may say why a
     pool is not ready. Pods belong to ReplicaSets; their LLMService is in their labels."""
-    instance = (meta.get("labels") or {}).get(builders.LABEL_INSTANCE)
-    waker = cast(Waker | None, memo.wakers.get((meta.get("namespace"), instance)))
+    labels = meta.get("labels") or {}
+    key = (meta.get("namespace"), labels.get(builders.LABEL_INSTANCE))
+    if labels.get(builders.LABEL_COMPONENT) == "gateway":
+        _index_gateway(memo, key, type, meta, status)
+    waker = cast(Waker | None, memo.wakers.get(key))
     if waker is not None:
         waker.event.set()
+
+
+def _index_gateway(
+    memo: kopf.Memo,
+    key: tuple[Any, Any],
+    type: str | None,
+    meta: kopf.Meta,
+    status: Mapping[str, Any],
+) -> None:
+    """Keep the metrics URL of each Ready gateway pod, for the autoscaler's direct reads."""
+    pods = memo.gateways.setdefault(key, {})
+    name = str(meta.get("name"))
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    ip = status.get("podIP")
+    if type == "DELETED" or meta.get("deletionTimestamp") or not ready or not ip:
+        pods.pop(name, None)
+    else:
+        host = f"[{ip}]" if ":" in str(ip) else ip
+        pods[name] = f"http://{host}:{builders.PORT}/metrics"
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
@@ -325,4 +471,46 @@ async def child_changed(
             if waker is not None:
                 kind = str(body.get("kind") or resource.kind)
                 waker.applied.observe(kind, meta, deleted=type == "DELETED")
+                if kind == "Deployment" and type != "DELETED":
+                    _say_if_scaled_by_hand(memo, owner, body, meta)
                 waker.event.set()
+
+
+def _say_if_scaled_by_hand(
+    memo: kopf.Memo, owner: Mapping[str, Any], body: kopf.Body, meta: kopf.Meta
+) -> None:
+    """A Deployment whose replicas someone else set while the autoscaler owns them: the
+    reconcile sets them back; an Event on the LLMService says who and why."""
+    scaling = memo.scalers.get((meta.get("namespace"), owner["name"]))
+    component = (meta.get("labels") or {}).get(builders.LABEL_COMPONENT)
+    if scaling is None or not scaling.applies or component not in scaling.desired:
+        return
+    replicas = (body.get("spec") or {}).get("replicas")
+    by = replicas_manager(meta)
+    if by is None or replicas == scaling.desired[component]:
+        return
+    ref = {
+        "apiVersion": crd.API_VERSION, "kind": "LLMService", "metadata": {
+            "name": owner["name"], "namespace": meta.get("namespace"), "uid": owner.get("uid"),
+        },
+    }  # fmt: skip
+    kopf.event(
+        cast(kopf.Body, ref),
+        type="Warning",
+        reason="ReplicasReverted",
+        message=(
+            f"{meta.get('name')} was scaled to {replicas} by {by}; autoscaling (mode "
+            f"{scaling.mode}) owns the replicas of {component} and sets them back to "
+            f"{scaling.desired[component]}. To let an HPA or KEDA own them, set "
+            "spec.autoscaling.mode to external"
+        ),
+    )
+
+
+def replicas_manager(meta: Mapping[str, Any]) -> str | None:
+    """The field manager other than the operator that owns a Deployment's spec.replicas."""
+    for entry in meta.get("managedFields") or []:
+        fields = (entry.get("fieldsV1") or {}).get("f:spec") or {}
+        if "f:replicas" in fields and entry.get("manager") != reconcile.FIELD_MANAGER:
+            return str(entry.get("manager"))
+    return None

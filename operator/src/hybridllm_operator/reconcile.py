@@ -27,7 +27,7 @@ from kubernetes.client import exceptions as k8s_errors
 from pydantic import ValidationError
 
 from hybridllm_common import crd
-from hybridllm_operator import builders, status
+from hybridllm_operator import autoscaling, builders, status
 
 log = logging.getLogger(__name__)
 
@@ -211,12 +211,34 @@ def patch_status(
 
 
 def _service_from(
-    body: dict[str, Any], spec: crd.LLMServiceSpec, images: builders.Images
+    body: dict[str, Any],
+    spec: crd.LLMServiceSpec,
+    images: builders.Images,
+    scaled: dict[str, int] | None = None,
 ) -> builders.Service:
     meta = body["metadata"]
     return builders.Service(
-        name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec, images=images
-    )
+        name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec,
+        images=images, scaled=scaled or {},
+    )  # fmt: skip
+
+
+def observed_pools(
+    deployments: list[dict[str, Any]], pods: list[dict[str, Any]]
+) -> dict[str, autoscaling.Observed]:
+    """Each pool's replicas, ready replicas and unschedulable pods, for the autoscaler."""
+    stuck = status.unschedulable(pods)
+    out = {}
+    for deployment in deployments:
+        component = (deployment["metadata"].get("labels") or {}).get(builders.LABEL_COMPONENT)
+        if component is None:
+            continue
+        out[component] = autoscaling.Observed(
+            replicas=(deployment.get("spec") or {}).get("replicas") or 0,
+            ready=(deployment.get("status") or {}).get("readyReplicas") or 0,
+            unschedulable=stuck.get(component, 0),
+        )
+    return out
 
 
 def reconcile(
@@ -224,12 +246,14 @@ def reconcile(
     body: dict[str, Any],
     images: builders.Images,
     applied: Applied | None = None,
+    scaling: autoscaling.ServiceAutoscaler | None = None,
 ) -> crd.LLMServiceStatus:
     """Converge one LLMService (given as its API object) and return the status written.
 
     With ``applied`` (kept per LLMService between reconciles), unchanged children are not
     applied again, children are pruned only when the desired set changed, and an
-    unchanged status is not written.
+    unchanged status is not written. With ``scaling``, the pools get the autoscaler's
+    replicas, the status its decisions, and the autoscaler what the pools look like.
     """
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
@@ -245,7 +269,9 @@ def reconcile(
             known, applied,
         )  # fmt: skip
         raise
-    service = _service_from(body, spec, images)
+    if scaling is not None:
+        scaling.configure(spec)
+    service = _service_from(body, spec, images, scaling.replicas() if scaling else None)
     desired = apply_children(cluster, service, applied)
     keys = frozenset((o["kind"], o["metadata"]["name"]) for o in desired)
     if applied is None or applied.pruned_for != keys:
@@ -257,10 +283,13 @@ def reconcile(
         if applied is not None:
             applied.pruned_for = keys
     deployments = list_deployments(cluster, namespace, name)
-    new_status = status.build_status(service, generation, deployments, previous)
+    new_status = status.build_status(service, generation, deployments, previous, (), scaling)
+    pods: list[dict[str, Any]] = []
     if not status.is_ready(new_status):  # the pods say what keeps a pool from running
         pods = list_pods(cluster, namespace, name)
-        new_status = status.build_status(service, generation, deployments, previous, pods)
+        new_status = status.build_status(service, generation, deployments, previous, pods, scaling)
+    if scaling is not None:
+        scaling.observed = observed_pools(deployments, pods)
     wire = new_status.model_dump(mode="json", by_alias=True, exclude_none=True)
     if applied is None or wire != previous:
         _write_status(cluster, namespace, name, new_status, known, applied)

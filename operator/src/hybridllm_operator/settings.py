@@ -31,6 +31,29 @@ class OperatorSettings(BaseSettings):
         "net for an event lost while a watch reconnected).",
     )
 
+    prometheus_url: str | None = Field(
+        default=None,
+        description="Prometheus server the autoscaler reads demand from (its gateway series "
+        "labelled namespace and llmservice); unset: it reads each gateway pod's /metrics.",
+    )
+    prometheus_rate_window_seconds: float = Field(
+        default=60.0,
+        ge=1.0,
+        le=3600.0,
+        description="The window of the rate() queries (at least two scrape intervals).",
+    )
+    forecast_bin_seconds: float = Field(
+        default=60.0,
+        ge=1.0,
+        le=3600.0,
+        description="Width of the demand history's bins that the autoscaler forecasts from.",
+    )
+    forecast_model: str = Field(
+        default="holt-winters",
+        pattern="^(last|seasonal|holt-winters|gbm)$",
+        description="The forecaster's model for predictive and hybrid autoscaling.",
+    )
+
     def images(self) -> builders.Images:
         return builders.Images(
             edge=self.edge_image, cloud=self.cloud_image, gateway=self.gateway_image

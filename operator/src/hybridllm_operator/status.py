@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hybridllm_common import crd
-from hybridllm_operator import builders
+from hybridllm_operator import autoscaling, builders
 
 CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
 
@@ -112,6 +112,24 @@ def pod_problems(pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     return out
 
 
+def unschedulable(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Component -> pods the scheduler could not place (no node has room: e.g. no GPU left)."""
+    out: dict[str, int] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        component = (meta.get("labels") or {}).get(builders.LABEL_COMPONENT)
+        if component is None or meta.get("deletionTimestamp"):
+            continue
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"
+            ):
+                out[component] = out.get(component, 0) + 1
+    return out
+
+
 def pool_statuses(deployments: Iterable[Mapping[str, Any]]) -> dict[str, crd.PoolStatus]:
     """Component -> replicas, from Deployment objects (as returned by the API)."""
     out: dict[str, crd.PoolStatus] = {}
@@ -176,13 +194,21 @@ def build_status(
     deployments: Iterable[Mapping[str, Any]],
     previous: Mapping[str, Any] | None,
     pods: Iterable[Mapping[str, Any]] = (),
+    scaling: autoscaling.ServiceAutoscaler | None = None,
 ) -> crd.LLMServiceStatus:
     """The whole status: pools, ready/desired summaries, conditions and endpoints. ``pods``
-    (read only while some pool is not ready) name what keeps a pool from running."""
+    (read only while some pool is not ready) name what keeps a pool from running;
+    ``scaling`` adds the autoscaler's decisions and the MetricsAvailable condition."""
     old = _old_conditions(previous)
     problems = pod_problems(pods)
     deployments = list(deployments)
     pools = pool_statuses(deployments)
+    if scaling is not None:
+        for component, decision in scaling.decisions.items():
+            if component in pools:
+                pools[component] = pools[component].model_copy(
+                    update=autoscaling.pool_fields(decision)
+                )
     pending = rollouts_pending(deployments)
     wanted = [p.component for p in builders.pools(service)]
     missing = [c for c in wanted if c not in pools]
@@ -228,6 +254,9 @@ def build_status(
             generation,
         ),
     ]
+    metrics = autoscaling.metrics_condition(scaling) if scaling is not None else None
+    if metrics is not None:
+        conditions.append(_condition(old, "MetricsAvailable", *metrics, generation))
     revisions = {p.revision for c, p in pools.items() if c != "gateway" and p.revision}
     rolled_out = not [c for c in pools if c != "gateway" and c in pending]
     current = (
@@ -242,6 +271,7 @@ def build_status(
         edge_replicas=_summary(pools, ["edge"]),
         cloud_replicas=_summary(pools, CLOUD_COMPONENTS),
         current_revision=current,
+        autoscaling=autoscaling.summary(scaling) if scaling is not None else None,
         endpoints=builders.endpoints(service),
     )
 

@@ -132,6 +132,11 @@ def local_notes(service: builders.Service) -> list[str]:
             "spec.model.cache: the claim is a cluster volume; local processes use this "
             "machine's model store (HYBRIDLLM_MODEL_CACHE), verified by sha256 the same way"
         )
+    if spec.autoscaling.mode != crd.AutoscalingMode.off:
+        notes.append(
+            f"spec.autoscaling.mode is {spec.autoscaling.mode.value}: local mode does not run "
+            "the autoscaler yet; every pool keeps its spec replicas"
+        )
     if spec.edge.enabled and spec.edge.devices is not None:
         notes.append("spec.edge.devices: devices outside this machine are not enrolled locally")
     notes.append(
@@ -288,8 +293,10 @@ def make_plan(
     service = manifest.service()
     pools = builders.pools(service)
     runtime_pools = [p for p in pools if p.component != "gateway"]
-    needed = sum(p.replicas for p in runtime_pools) + sum(
-        p.replicas for p in runtime_pools if p.component == "prefill"
+    # Local mode does not run the autoscaler yet (a start-up note says so): spec replicas.
+    count = {c: p.replicas for c, p in crd.scaled_pools(service.spec).items()}
+    needed = sum(count[p.component] for p in runtime_pools) + sum(
+        count[p.component] for p in runtime_pools if p.component == "prefill"
     )
     port_iter = ports if ports is not None else iter(free_ports(needed))
     routing_path = state_dir / "routing.json"
@@ -297,7 +304,7 @@ def make_plan(
     prefill_kv: list[int] = []
     for pool in runtime_pools:
         if pool.component == "prefill":
-            prefill_kv = [next(port_iter) for _ in range(pool.replicas)]
+            prefill_kv = [next(port_iter) for _ in range(count[pool.component])]
     for pool in pools:
         program = program_path(pool.program)
         if pool.component == "gateway":
@@ -309,7 +316,7 @@ def make_plan(
                 Replica("gateway", 0, [program, *args], port=gateway_port, env=dict(pool.env))
             )
             continue
-        for index in range(pool.replicas):
+        for index in range(count[pool.component]):
             port = next(port_iter)
             values = {"--host": LOOPBACK, "--port": str(port)}
             kv_port = None

@@ -1,0 +1,260 @@
+"""The autoscaler of one LLMService's pools: spec to policies, demand to decisions.
+
+One `ServiceAutoscaler` per LLMService holds a `hybridllm_forecaster.autoscaler.PoolScaler`
+per scaled pool (the edge pool and the cloud pools; the gateway keeps its spec replicas).
+Each `step` reads the demand (`hybridllm_operator.demand`), turns each tier's token rates
+into the pool's work with the pool's capacity (`PoolConfig.work_per_s`: a prefill pool
+counts prompt tokens, a decode pool output tokens), feeds the forecast the tier's
+history and asks the policy. The operator's daemon (`handlers.autoscaler`) calls it every
+``spec.autoscaling.intervalSeconds``; the reconcile then writes the replicas into the
+Deployments and the decisions into the status.
+
+What it remembers (the policies' windows, the replicas it set) is `state()`, which the
+operator keeps in the LLMService's ``hybridllm.io/autoscaler`` annotation: a restarted
+operator starts from it instead of the spec's replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridllm_common import crd
+from hybridllm_forecaster import autoscaler
+from hybridllm_forecaster.capacity import DEFAULT_POOLS, CapacityModel, PoolConfig, Slo
+from hybridllm_operator.demand import Snapshot
+
+STATE_ANNOTATION = f"{crd.GROUP}/autoscaler"
+CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
+
+
+def tier_of(component: str) -> str:
+    return "edge" if component == "edge" else "cloud"
+
+
+def pool_config(component: str, pool: crd.PoolSpec, spec: crd.LLMServiceSpec) -> PoolConfig:
+    """The forecaster's view of one pool, from the spec."""
+    base = DEFAULT_POOLS[component]
+    scaling = spec.autoscaling
+    capacity = base.capacity
+    if pool.capacity is not None:
+        capacity = CapacityModel.from_rates(
+            pool.capacity.prefill_tokens_per_second, pool.capacity.decode_tokens_per_second
+        )
+    return base.with_(
+        name=component,
+        capacity=capacity,
+        slo=Slo(ttft_s=spec.slo.ttft_p95_seconds, tbt_s=spec.slo.tbt_p95_seconds),
+        cold_start_s=float(scaling.scale_up_lead_seconds),
+        control_interval_s=float(scaling.interval_seconds),
+        min_replicas=pool.min_replicas,
+        max_replicas=pool.max_replicas,
+        target_utilisation=scaling.target_utilization,
+        scale_down_stabilisation_s=float(scaling.scale_down_delay_seconds),
+    )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One pool as the last reconcile saw it."""
+
+    replicas: int  # the Deployment's spec.replicas
+    ready: int
+    unschedulable: int = 0  # pods the scheduler cannot place
+
+
+@dataclass
+class ServiceAutoscaler:
+    """The pools' autoscalers of one LLMService, their decisions and what they set."""
+
+    bin_s: float = 60.0
+    model: str = "holt-winters"
+    mode: str = "off"
+    scalers: dict[str, autoscaler.PoolScaler] = field(default_factory=dict)
+    desired: dict[str, int] = field(default_factory=dict)  # replicas this autoscaler set
+    decisions: dict[str, autoscaler.Decision] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)  # tier -> why demand is missing
+    observed: dict[str, Observed] = field(default_factory=dict)  # set by each reconcile
+    _saved: dict[str, Any] = field(default_factory=dict)  # restored state not yet used
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def configure(self, spec: crd.LLMServiceSpec) -> None:
+        """Policies for the spec's pools; a pool whose settings did not change keeps its
+        autoscaler (and what it remembers)."""
+        with self.lock:
+            self._configure(spec)
+
+    def _configure(self, spec: crd.LLMServiceSpec) -> None:
+        mode = spec.autoscaling.mode.value
+        wanted = {c: pool_config(c, p, spec) for c, p in crd.scaled_pools(spec).items()}
+        if (
+            mode == self.mode
+            and all(c in self.scalers and self.scalers[c].pool == cfg for c, cfg in wanted.items())
+            and len(wanted) == len(self.scalers)
+        ):
+            return
+        scalers: dict[str, autoscaler.PoolScaler] = {}
+        desired: dict[str, int] = {}
+        for component, config in wanted.items():
+            old = self.scalers.get(component)
+            if old is not None and old.pool == config and old.mode == mode:
+                scalers[component] = old
+            else:
+                fc = autoscaler.OnlineForecast.for_pool(config, self.bin_s, model=self.model)
+                scaler = autoscaler.PoolScaler(config, mode, fc)
+                if old is not None:
+                    scaler.restore(old.state())
+                else:
+                    scaler.restore((self._saved.pop(component, None) or {}).get("policy"))
+                scalers[component] = scaler
+            if component in self.desired:
+                desired[component] = min(
+                    config.max_replicas, max(config.min_replicas, self.desired[component])
+                )
+        # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
+        self.mode, self.scalers, self.desired = mode, scalers, desired
+        self.decisions = {c: d for c, d in self.decisions.items() if c in scalers}
+
+    @property
+    def applies(self) -> bool:
+        return self.mode in autoscaler.APPLYING
+
+    def replicas(self) -> dict[str, int]:
+        """Replicas the Deployments get (empty unless the mode applies its decisions)."""
+        return dict(self.desired) if self.applies else {}
+
+    def step(
+        self, now_s: float, snapshot: Snapshot, observed: Mapping[str, Observed]
+    ) -> dict[str, tuple[int, int]]:
+        """Decide every pool; returns {component: (old, new)} for the replicas it changed."""
+        with self.lock:
+            return self._step(now_s, snapshot, observed)
+
+    def _step(
+        self, now_s: float, snapshot: Snapshot, observed: Mapping[str, Observed]
+    ) -> dict[str, tuple[int, int]]:
+        changed: dict[str, tuple[int, int]] = {}
+        desired, decisions = dict(self.desired), dict(self.decisions)
+        for component, scaler in list(self.scalers.items()):
+            seen = observed.get(component)
+            if seen is None:  # the Deployment does not exist yet: nothing to size
+                continue
+            tier = tier_of(component)
+            demand = snapshot.tiers.get(tier)
+            work = None
+            violation = None
+            if demand is not None:
+                work = float(scaler.pool.work_per_s(demand.prompt_tok_s, demand.completion_tok_s))
+                slo = scaler.pool.slo.ttft_s
+                if demand.ttft_p95_s is not None and demand.ttft_p95_s > slo:
+                    violation = (
+                        f"{tier} p95 time to first token {demand.ttft_p95_s:.2f} s > {slo:g} s"
+                    )
+            history = snapshot.bins.get(tier) or []
+            y = [float(scaler.pool.work_per_s(p, c)) for p, c in history]
+            scaler.forecast.update(y, snapshot.bins_start_s)
+            current = desired.get(component, seen.replicas)
+            decision = scaler.decide(
+                now_s,
+                min(seen.ready, current),
+                current,
+                autoscaler.Reading(work, demand.in_flight if demand else 0.0, violation),
+                unschedulable=seen.unschedulable,
+            )
+            decisions[component] = decision
+            if self.applies:
+                if decision.desired != current:
+                    changed[component] = (current, decision.desired)
+                desired[component] = decision.desired
+        # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
+        self.problems, self.decisions, self.desired = dict(snapshot.problems), decisions, desired
+        return changed
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "pools": {
+                c: {"desired": self.desired.get(c), "policy": s.state()}
+                for c, s in self.scalers.items()
+            },
+        }
+
+    def restore(self, raw: str | None) -> None:
+        """Take back the annotation's state (before the first `configure`)."""
+        try:
+            state = json.loads(raw) if raw else {}
+        except ValueError:
+            state = {}
+        pools = state.get("pools") if isinstance(state, dict) else None
+        if not isinstance(pools, dict):
+            return
+        for component, saved in pools.items():
+            if not isinstance(saved, dict):
+                continue
+            if isinstance(saved.get("desired"), int):
+                self.desired[component] = saved["desired"]
+            self._saved[component] = saved
+
+    @staticmethod
+    def saved_replicas(raw: str | None) -> dict[str, int]:
+        """The replicas a saved state says were set (for a reconcile that runs before the
+        autoscaler's first step after a restart)."""
+        restored = ServiceAutoscaler()
+        restored.restore(raw)
+        return dict(restored.desired)
+
+
+def metrics_condition(scaler: ServiceAutoscaler) -> tuple[bool, str, str] | None:
+    """(status, reason, message) of MetricsAvailable, or None when nothing decides."""
+    if scaler.mode not in autoscaler.DECIDING:
+        return None
+    tiers = {tier_of(c) for c in scaler.scalers}
+    missing = {t: scaler.problems[t] for t in sorted(tiers) if t in scaler.problems}
+    if missing:
+        message = "; ".join(f"{t}: {why}" for t, why in missing.items())
+        return False, "MetricsMissing", message + " (holding replicas)"
+    if not scaler.decisions:
+        return False, "NotYetRead", "the autoscaler has not read the demand yet"
+    return True, "MetricsRead", "demand read for every scaled pool"
+
+
+def summary_key(scaler: ServiceAutoscaler) -> tuple[str, tuple[bool, str, str] | None]:
+    return summary(scaler), metrics_condition(scaler)
+
+
+def summary(scaler: ServiceAutoscaler) -> str:
+    """The printer column (one word): the mode, and what holds it back if anything does
+    (``hybrid:no-metrics``: holding, no demand metric; ``hybrid:capacity-bound``)."""
+    mode = scaler.mode
+    if mode not in autoscaler.DECIDING:
+        return mode
+    if any(t in scaler.problems for t in {tier_of(c) for c in scaler.scalers}):
+        return f"{mode}:no-metrics"
+    if any(d.capacity_bound for d in scaler.decisions.values()):
+        return f"{mode}:capacity-bound"
+    return mode
+
+
+def pool_fields(decision: autoscaler.Decision) -> dict[str, Any]:
+    """PoolStatus fields for a decision."""
+
+    def fmt(x: float | None) -> str | None:
+        return None if x is None else f"{x:.1f}"
+
+    return {
+        "recommended_replicas": decision.recommended,
+        "reactive_replicas": decision.reactive,
+        "predictive_replicas": decision.predictive,
+        "predicted_p50": fmt(decision.predicted_p50),
+        "predicted_p90": fmt(decision.predicted_p90),
+        "forecast_error": None
+        if decision.forecast_error is None
+        else f"{100 * decision.forecast_error:.0f}%",
+        "capacity_bound": decision.capacity_bound or None,
+        "scaling_reason": decision.reason[:1024],
+    }

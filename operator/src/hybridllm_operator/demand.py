@@ -1,0 +1,415 @@
+"""Each tier's demand as the autoscaler reads it: from Prometheus, or from the gateways.
+
+The gateway counts what every tier answered (``hybridllm_gateway_prompt_tokens_total``,
+``hybridllm_gateway_completion_tokens_total``, by ``tier``), the requests in flight to
+each tier and the time to first token. Those are the demand: pods that are not Ready get
+no traffic from the gateway, so nothing a starting replica reports (its model load, its
+warm-up) is ever counted as load.
+
+Two sources give the same `Snapshot`:
+
+- `PrometheusDemand` asks a Prometheus server over its HTTP API (the operator's
+  ``prometheusUrl`` setting). The gateway's series must carry the labels ``namespace``
+  and ``llmservice`` (the LLMService's name; the chart's scrape config relabels them from
+  the pod's namespace and its ``app.kubernetes.io/instance`` label). The history the
+  forecast needs comes from a range query, so a restarted operator has it at once.
+- `GatewayScrape` reads the gateways' ``/metrics`` itself (local mode, or a cluster
+  without Prometheus): rates from the counters' increase between two scrapes, summed over
+  the gateway replicas, and the history in bins it accumulates in memory.
+
+A value that cannot be trusted is left out, with the reason in ``Snapshot.problems``:
+no series yet, a NaN, a gateway that did not answer (a sum missing one replica would look
+like a drop in load), a counter seen for the first time. The autoscaler holds on those.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridllm_common import metrics as names
+
+log = logging.getLogger(__name__)
+
+TIERS = ("edge", "cloud")
+TTFT_QUANTILE = 0.95
+HTTP_TIMEOUT_S = 2.0
+MAX_RANGE_POINTS = 10_000  # Prometheus refuses range queries of more than 11,000 points
+
+
+@dataclass(frozen=True)
+class TierDemand:
+    prompt_tok_s: float
+    completion_tok_s: float
+    in_flight: float = 0.0
+    ttft_p95_s: float | None = None  # None: no request finished in the window
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Demand per tier now, the history in bins, and what could not be read."""
+
+    tiers: dict[str, TierDemand]
+    bins: dict[str, list[tuple[float, float]]]  # tier -> complete bins (prompt, completion tok/s)
+    bins_start_s: float  # when the first bin of every tier's list began
+    problems: dict[str, str] = field(default_factory=dict)  # tier -> why it is missing
+
+
+class DemandSource:
+    def read(self, now_s: float) -> Snapshot:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- histogram
+
+
+def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The q-quantile of a cumulative histogram ({upper bound: count}), interpolated
+    linearly inside the bucket as Prometheus's ``histogram_quantile`` does."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound  # in the +Inf bucket: the largest finite bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+# --------------------------------------------------------------------------- binning
+
+
+@dataclass
+class Bins:
+    """Token counts spread over fixed bins of wall-clock time, for the forecast's history."""
+
+    bin_s: float
+    max_bins: int
+    first: int | None = None  # index (time // bin_s) of the oldest bin kept
+    sums: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def add(self, t0: float, t1: float, prompt: float, completion: float) -> None:
+        """Tokens counted over [t0, t1], spread evenly over that interval."""
+        if t1 <= t0:
+            return
+        k0, k1 = int(t0 // self.bin_s), int(t1 // self.bin_s)
+        if self.first is None:
+            self.first = k0
+        while self.first + len(self.sums) <= k1:
+            self.sums.append((0.0, 0.0))
+        for k in range(max(k0, self.first), k1 + 1):
+            lo, hi = max(t0, k * self.bin_s), min(t1, (k + 1) * self.bin_s)
+            share = (hi - lo) / (t1 - t0)
+            p, c = self.sums[k - self.first]
+            self.sums[k - self.first] = (p + prompt * share, c + completion * share)
+        while len(self.sums) > self.max_bins + 1:
+            self.sums.popleft()
+            self.first += 1
+
+    def complete(self, now_s: float) -> tuple[list[tuple[float, float]], float]:
+        """Rates of the bins that ended before ``now_s``, and when the first began."""
+        if self.first is None:
+            return [], 0.0
+        done = min(len(self.sums), int(now_s // self.bin_s) - self.first)
+        rates = [(p / self.bin_s, c / self.bin_s) for p, c in list(self.sums)[: max(done, 0)]]
+        return rates, self.first * self.bin_s
+
+
+# --------------------------------------------------------------------------- scraping
+
+
+@dataclass
+class _Sample:
+    t: float
+    prompt: dict[str, float]
+    completion: dict[str, float]
+    in_flight: dict[str, float]
+    ttft: dict[str, dict[float, float]]  # tier -> cumulative buckets
+
+
+def parse_gateway_metrics(text: str, t: float) -> _Sample:
+    sample = _Sample(t, {}, {}, {}, {})
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            tier = s.labels.get("tier")
+            if tier is None:
+                continue
+            if s.name == names.GATEWAY_PROMPT_TOKENS_TOTAL:
+                sample.prompt[tier] = s.value
+            elif s.name == names.GATEWAY_COMPLETION_TOKENS_TOTAL:
+                sample.completion[tier] = s.value
+            elif s.name == names.GATEWAY_OUTSTANDING_REQUESTS:
+                sample.in_flight[tier] = s.value
+            elif s.name == names.TIME_TO_FIRST_TOKEN_SECONDS + "_bucket":
+                sample.ttft.setdefault(tier, {})[float(s.labels["le"])] = s.value
+    return sample
+
+
+def _increase(new: float, old: float | None) -> float:
+    """A counter's increase; a counter that went down restarted from zero."""
+    if old is None or new < old:
+        return new
+    return new - old
+
+
+class GatewayScrape(DemandSource):
+    """Demand read from the gateways' own ``/metrics``. ``urls`` gives the metrics URL of
+    every Ready gateway replica at the time of each read."""
+
+    def __init__(
+        self,
+        urls: Callable[[], Iterable[str]],
+        bin_s: float = 60.0,
+        max_bins: int = 2 * 24 * 60,
+        fetch: Callable[[str], str] | None = None,
+    ) -> None:
+        self.urls = urls
+        self.fetch = fetch or _http_get
+        self.last: dict[str, _Sample] = {}
+        self.bins = {tier: Bins(bin_s, max_bins) for tier in TIERS}
+        self.lock = threading.Lock()  # one read at a time (reads share `last` and `bins`)
+
+    def read(self, now_s: float) -> Snapshot:
+        with self.lock:
+            return self._read(now_s)
+
+    def _read(self, now_s: float) -> Snapshot:
+        urls = sorted(set(self.urls()))
+        problems: dict[str, str] = {}
+        if not urls:
+            problems = dict.fromkeys(TIERS, "no Ready gateway replica to read demand from")
+        fresh: dict[str, _Sample] = {}
+        failed: list[str] = []
+        for url in urls:
+            try:
+                fresh[url] = parse_gateway_metrics(self.fetch(url), now_s)
+            except (OSError, ValueError, urllib.error.URLError) as exc:
+                failed.append(f"{url}: {exc}")
+        prompt = dict.fromkeys(TIERS, 0.0)
+        completion = dict.fromkeys(TIERS, 0.0)
+        in_flight = dict.fromkeys(TIERS, 0.0)
+        buckets: dict[str, dict[float, float]] = {t: {} for t in TIERS}
+        spans: dict[str, float] = {}
+        new_replicas = []
+        for url, s in fresh.items():
+            old = self.last.get(url)
+            for tier in TIERS:
+                if tier not in s.prompt:
+                    continue
+                in_flight[tier] += s.in_flight.get(tier, 0.0)
+                if old is None or tier not in old.prompt:
+                    continue
+                dp = _increase(s.prompt[tier], old.prompt.get(tier))
+                dc = _increase(s.completion.get(tier, 0.0), old.completion.get(tier))
+                self.bins[tier].add(old.t, s.t, dp, dc)
+                span = s.t - old.t
+                spans[tier] = max(spans.get(tier, 0.0), span)
+                prompt[tier] += dp / span if span > 0 else 0.0
+                completion[tier] += dc / span if span > 0 else 0.0
+                for le, v in s.ttft.get(tier, {}).items():
+                    buckets[tier][le] = buckets[tier].get(le, 0.0) + _increase(
+                        v, old.ttft.get(tier, {}).get(le)
+                    )
+            if old is None:
+                new_replicas.append(url)
+        self.last = {**{u: s for u, s in self.last.items() if u in urls}, **fresh}
+        tiers: dict[str, TierDemand] = {}
+        for tier in TIERS:
+            if tier in problems:
+                continue
+            if failed:
+                problems[tier] = "gateway metrics could not be read: " + "; ".join(failed)
+            elif new_replicas:
+                problems[tier] = (
+                    "first sample of gateway(s) " + ", ".join(new_replicas) + ": a rate needs two"
+                )
+            elif tier not in spans:
+                problems[tier] = "the gateways export no demand series for this tier"
+            else:
+                tiers[tier] = TierDemand(
+                    prompt[tier],
+                    completion[tier],
+                    in_flight[tier],
+                    histogram_quantile(TTFT_QUANTILE, buckets[tier]),
+                )
+        bins, start = {}, 0.0
+        for tier in TIERS:
+            bins[tier], start = self.bins[tier].complete(now_s)
+        return Snapshot(tiers, bins, start, problems)
+
+
+def _http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+        return str(response.read().decode())
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+
+class PrometheusError(Exception):
+    pass
+
+
+class PrometheusDemand(DemandSource):
+    """Demand of one LLMService from a Prometheus server's HTTP API."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        llmservice: str,
+        *,
+        bin_s: float = 60.0,
+        lookback_s: float = 2 * 86_400.0,
+        rate_window_s: float = 60.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.selector = f'namespace="{namespace}",llmservice="{llmservice}"'
+        self.bin_s, self.lookback_s, self.rate_window_s = bin_s, lookback_s, rate_window_s
+        self._bins_until: float | None = None
+        self._bins: tuple[dict[str, list[tuple[float, float]]], float] = ({}, 0.0)
+
+    def _get(self, path: str, params: Mapping[str, str]) -> list[dict[str, object]]:
+        query = urllib.parse.urlencode(params)
+        try:
+            body = json.loads(_http_get(f"{self.url}{path}?{query}"))
+        except urllib.error.HTTPError as exc:  # a 4xx/5xx carries Prometheus's reason
+            try:
+                reason = json.loads(exc.read()).get("error") or exc.reason
+            except (OSError, ValueError):
+                reason = exc.reason
+            raise PrometheusError(
+                f"Prometheus at {self.url} refused {params.get('query')!r}: {exc.code} {reason}"
+            ) from exc
+        except (OSError, ValueError) as exc:
+            raise PrometheusError(f"Prometheus at {self.url} did not answer: {exc}") from exc
+        if body.get("status") != "success":
+            raise PrometheusError(
+                f"Prometheus refused the query: {body.get('errorType')}: {body.get('error')}"
+            )
+        result = body["data"]["result"]
+        assert isinstance(result, list)
+        return result
+
+    def _by_tier(self, expr: str, at: float) -> dict[str, float]:
+        out = {}
+        for series in self._get("/api/v1/query", {"query": expr, "time": f"{at:.3f}"}):
+            tier = str(series["metric"].get("tier", ""))  # type: ignore[attr-defined]
+            out[tier] = float(series["value"][1])  # type: ignore[index]
+        return out
+
+    def read(self, now_s: float) -> Snapshot:
+        w = f"{int(self.rate_window_s)}s"
+        sel = self.selector
+        problems: dict[str, str] = {}
+        try:
+            prompt = self._by_tier(
+                f"sum by (tier) (rate({names.GATEWAY_PROMPT_TOKENS_TOTAL}{{{sel}}}[{w}]))", now_s
+            )
+            completion = self._by_tier(
+                f"sum by (tier) (rate({names.GATEWAY_COMPLETION_TOKENS_TOTAL}{{{sel}}}[{w}]))",
+                now_s,
+            )
+            in_flight = self._by_tier(
+                f"sum by (tier) ({names.GATEWAY_OUTSTANDING_REQUESTS}{{{sel}}})", now_s
+            )
+            ttft = self._by_tier(
+                f"histogram_quantile({TTFT_QUANTILE}, sum by (tier, le) "
+                f"(rate({names.TIME_TO_FIRST_TOKEN_SECONDS}_bucket{{{sel}}}[{w}])))",
+                now_s,
+            )
+            bins, start = self._history(now_s)
+        except PrometheusError as exc:
+            return Snapshot({}, {}, 0.0, dict.fromkeys(TIERS, str(exc)))
+        tiers = {}
+        for tier in TIERS:
+            p, c = prompt.get(tier), completion.get(tier)
+            if p is None or c is None:
+                problems[tier] = (
+                    f"Prometheus has no series of {names.GATEWAY_PROMPT_TOKENS_TOTAL}"
+                    f'{{{sel},tier="{tier}"}} over the last {w} (is it scraping the gateway '
+                    "with the labels namespace and llmservice?)"
+                )
+            elif not (math.isfinite(p) and math.isfinite(c)):
+                problems[tier] = f"Prometheus answered NaN for the demand of tier {tier}"
+            else:
+                q = ttft.get(tier)
+                tiers[tier] = TierDemand(
+                    p,
+                    c,
+                    in_flight.get(tier, 0.0),
+                    q if q is not None and math.isfinite(q) else None,
+                )
+        return Snapshot(tiers, bins, start, problems)
+
+    def _history(self, now_s: float) -> tuple[dict[str, list[tuple[float, float]]], float]:
+        """Complete bins over the lookback (one range query per counter, once per bin)."""
+        end = math.floor(now_s / self.bin_s) * self.bin_s  # the end of the last complete bin
+        if self._bins_until == end:
+            return self._bins
+        # Prometheus answers at most 11,000 points per series
+        bins = min(math.floor(self.lookback_s / self.bin_s), MAX_RANGE_POINTS)
+        start = end - bins * self.bin_s
+        b = f"{int(self.bin_s)}s"
+        series: dict[str, dict[str, dict[float, float]]] = {}
+        for key, metric in (
+            ("prompt", names.GATEWAY_PROMPT_TOKENS_TOTAL),
+            ("completion", names.GATEWAY_COMPLETION_TOKENS_TOTAL),
+        ):
+            rows = self._get(
+                "/api/v1/query_range",
+                {
+                    "query": f"sum by (tier) (increase({metric}{{{self.selector}}}[{b}]))",
+                    "start": f"{start + self.bin_s:.3f}",
+                    "end": f"{end:.3f}",
+                    "step": b,
+                },
+            )
+            for row in rows:
+                tier = str(row["metric"].get("tier", ""))  # type: ignore[attr-defined]
+                values = {float(t): float(v) for t, v in row["values"]}  # type: ignore[attr-defined]
+                series.setdefault(tier, {})[key] = values
+        bins: dict[str, list[tuple[float, float]]] = {}
+        first = None
+        for kinds in series.values():
+            times = sorted(kinds.get("prompt", {}))
+            if not times:
+                continue
+            first = times[0] if first is None else min(first, times[0])
+        for tier, kinds in series.items():
+            p, c = kinds.get("prompt", {}), kinds.get("completion", {})
+            if first is None:
+                break
+            out = []
+            t = first
+            while t <= end + 1e-6:
+                pv, cv = p.get(t, 0.0), c.get(t, 0.0)
+                out.append(
+                    (pv / self.bin_s if math.isfinite(pv) else 0.0,
+                     cv / self.bin_s if math.isfinite(cv) else 0.0)
+                )  # fmt: skip
+                t += self.bin_s
+            bins[tier] = out
+        # a value at t is the increase over (t - bin, t]: the first bin began one bin earlier
+        self._bins_until = end
+        self._bins = (bins, (first - self.bin_s) if first is not None else 0.0)
+        return self._bins

@@ -1,0 +1,94 @@
+"""The gateway's demand series and the operator's direct reader of them (`GatewayScrape`),
+on real gateway processes in front of token servers. Read times are passed in, so rates
+are exact: tokens counted between two reads over the seconds between them."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridllm_operator import demand
+
+
+def _tokens(gw_url: str) -> demand._Sample:
+    return demand.parse_gateway_metrics(demand._http_get(gw_url + "/metrics"), 0.0)
+
+
+def test_demand_series_exist_at_zero_and_count_what_each_tier_answered(procs, table, ask):
+    edge, cloud = procs.tokenservers(["edge-a", "cloud-a"])
+    gw = procs.gateway(table(edge=[edge.url], cloud=[cloud.url]))
+    before = _tokens(gw.url)
+    # no request yet: the series exist, at zero (zero load, not a missing metric)
+    assert before.prompt == {"edge": 0.0, "cloud": 0.0}
+    assert before.completion == {"edge": 0.0, "cloud": 0.0}
+
+    scrape = demand.GatewayScrape(lambda: [gw.url + "/metrics"], bin_s=10.0)
+    first = scrape.read(1000.0)
+    assert first.tiers == {}
+    assert "a rate needs two" in first.problems["edge"]
+    idle = scrape.read(1010.0)
+    assert idle.problems == {}
+    assert idle.tiers["edge"].prompt_tok_s == 0.0
+    assert idle.tiers["cloud"].completion_tok_s == 0.0
+
+    content = "x" * 40  # 40 characters: 10 prompt tokens by the gateway's estimate
+    for _ in range(6):
+        assert ask(gw.url, content, headers={"x-hybridllm-tier": "edge"}, max_tokens=5).is_success
+    for _ in range(2):
+        assert ask(gw.url, content, headers={"x-hybridllm-tier": "cloud"}, max_tokens=7).is_success
+    bad = ask(gw.url, content, headers={"x-hybridllm-tier": "moon"})
+    assert bad.status_code == 400  # refused: no tier's work
+    after = _tokens(gw.url)
+    assert after.completion == {"edge": 30.0, "cloud": 14.0}
+    assert after.prompt["edge"] == 6 * after.prompt["cloud"] / 2 > 0
+
+    busy = scrape.read(1020.0)
+    assert busy.tiers["edge"].completion_tok_s == pytest.approx(3.0)  # 30 tokens in 10 s
+    assert busy.tiers["cloud"].completion_tok_s == pytest.approx(1.4)
+    assert busy.tiers["edge"].prompt_tok_s == pytest.approx(after.prompt["edge"] / 10)
+    assert busy.tiers["edge"].ttft_p95_s is not None
+    # the history: bins [1000, 1010) idle, [1010, 1020) busy; the bin of 1020 is not complete
+    bins, start = busy.bins["edge"], busy.bins_start_s
+    assert start == 1000.0
+    assert bins == [(0.0, 0.0), (pytest.approx(after.prompt["edge"] / 10), pytest.approx(3.0))]
+
+
+def test_a_gateway_that_does_not_answer_holds_the_tier_and_a_restart_is_not_a_drop(
+    procs, table, ask
+):
+    edge = procs.tokenserver("edge-a")
+    gws = [procs.gateway(table(edge=[edge.url]), name=f"r{i}.json") for i in range(2)]
+    urls = [g.url + "/metrics" for g in gws]
+    scrape = demand.GatewayScrape(lambda: urls, bin_s=60.0)
+    scrape.read(0.0)
+    for gw in gws:
+        assert ask(gw.url, "hello", max_tokens=4).is_success
+    both = scrape.read(10.0)
+    assert both.tiers["edge"].completion_tok_s == pytest.approx(0.8)  # 2 x 4 tokens in 10 s
+
+    gws[1].kill()  # one replica gone: a sum without it would look like a fall in demand
+    held = scrape.read(20.0)
+    assert "edge" not in held.tiers
+    assert "could not be read" in held.problems["edge"]
+    assert urls[1] in held.problems["edge"]
+
+    # the dead replica leaves the list of Ready gateways; a new one (a restart) appears:
+    # its first sample is not a rate yet, then its counters count from zero again
+    urls[1] = procs.gateway(table(edge=[edge.url]), name="r2.json").url + "/metrics"
+    assert "a rate needs two" in scrape.read(30.0).problems["edge"]
+    assert ask(urls[1].removesuffix("/metrics"), "hello", max_tokens=4).is_success
+    again = scrape.read(40.0)
+    assert again.tiers["edge"].completion_tok_s == pytest.approx(0.4)
+
+
+def test_no_gateway_means_no_reading():
+    snap = demand.GatewayScrape(lambda: []).read(0.0)
+    assert snap.tiers == {}
+    assert snap.problems["edge"] == "no Ready gateway replica to read demand from"
+
+
+def test_histogram_quantile_interpolates_like_prometheus():
+    buckets = {0.1: 10.0, 0.5: 60.0, 1.0: 90.0, float("inf"): 100.0}
+    assert demand.histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 40 / 50)
+    assert demand.histogram_quantile(0.95, buckets) == 1.0  # in +Inf: the largest bound
+    assert demand.histogram_quantile(0.05, buckets) == pytest.approx(0.05)
+    assert demand.histogram_quantile(0.5, {0.1: 0.0, float("inf"): 0.0}) is None

