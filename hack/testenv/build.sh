@@ -37,10 +37,8 @@ if have_all; then
   exit 0
 fi
 
-command -v go >/dev/null || { log "Go is required (https://go.dev/dl); none on PATH"; exit 1; }
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOSUMDB=off GOFLAGS=-mod=mod
-export GOMODCACHE="${GOMODCACHE:-$HOME/.cache/hybridllm/go/mod}"
-export GOCACHE="${GOCACHE:-$HOME/.cache/hybridllm/go/build}"
+# shellcheck source=go-env.sh
+source "$here/go-env.sh"
 mkdir -p "$bin.partial"
 start=$SECONDS
 

@@ -210,3 +210,18 @@ def test_longest_allowed_name_gives_valid_service_names(name: str) -> None:
         spec=crd.LLMServiceSpec.model_validate({"model": {"source": SOURCE}}),
     )
     assert len(builders.child_name(mono, "monolithic")) <= 63
+
+
+def test_every_pod_drains_before_it_stops():
+    """preStop keeps a leaving pod serving while it leaves the endpoints; the grace period
+    covers the longest request the gateway allows, so SIGTERM cuts nothing off."""
+    from hybridllm_common import termination
+
+    for deployment in by_kind(build(), "Deployment").values():
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["lifecycle"]["preStop"] == {
+            "sleep": {"seconds": termination.DRAIN_DELAY_SECONDS}
+        }
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace > termination.DRAIN_DELAY_SECONDS + termination.MAX_REQUEST_SECONDS

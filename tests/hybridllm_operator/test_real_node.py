@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,8 @@ def _manifest(name: str, claim: str) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "examples" / "hybrid-cpu-cluster.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": NAMESPACE}
     doc["spec"]["model"]["cache"] = {"persistentVolumeClaim": claim}
+    # the tests ask back to back from one address, for minutes: not what the limit is for
+    doc["spec"]["gateway"]["requestsPerMinute"] = 100_000
     return dict(doc)
 
 
@@ -227,6 +230,17 @@ def test_a_deleted_pod_is_replaced_and_requests_keep_succeeding(
     assert "cloud" in tiers, "the edge tier never went away: the test proved nothing"
 
 
+def _delete_all(kube: Any) -> None:
+    """Delete the services of earlier tests and wait for their pods to be gone: a leaving
+    pod keeps its CPU until it has drained and exited."""
+    kube.run("delete", "llms", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+    kube.eventually(
+        lambda: not kube.run("get", "pods", "-n", NAMESPACE, "-o", "name").stdout.strip(),
+        120,
+        "the pods of earlier tests gone",
+    )
+
+
 def _degraded(kube: Any, name: str) -> str | None:
     obj = kube.get("llms", name, NAMESPACE)
     conds = ((obj or {}).get("status") or {}).get("conditions", [])
@@ -241,7 +255,7 @@ def test_a_bad_image_or_a_missing_model_is_named_in_the_status(
     tmp_path: Path,
 ) -> None:
     _, kube = real_cluster
-    kube.run("delete", "llms", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+    _delete_all(kube)
     empty = tmp_path / "empty-store"
     empty.mkdir()
     os.chown(empty, IMAGE_UID, IMAGE_UID)
@@ -276,3 +290,86 @@ def test_a_bad_image_or_a_missing_model_is_named_in_the_status(
     except AssertionError as exc:
         report = _describe(kube, "badimage") + _describe(kube, "nomodel")
         raise AssertionError(report + operator_process.read_text()[-3000:]) from exc
+
+
+def test_scaling_a_pool_from_3_to_1_under_load_fails_no_request(
+    real_cluster: tuple[Any, Any], model_claim: str, operator_process: Path
+) -> None:
+    """Three edge pods answer a steady stream of requests, streamed and not, through the
+    gateway; the pool goes to one replica. The two that leave are first taken out of the
+    Service (their preStop delay), then finish what they are answering and exit: no
+    request fails. (The spec drives the replica count here, for a deterministic 3 -> 1;
+    the autoscaler lowers the same Deployment field.)"""
+    cluster, kube = real_cluster
+    _delete_all(kube)
+    doc = _manifest("drain", model_claim)
+    doc["spec"]["cloud"] = {"enabled": False}
+    doc["spec"]["routing"]["policy"] = "edge-only"
+    doc["spec"]["edge"]["pool"] = {
+        "replicas": 3, "minReplicas": 1, "maxReplicas": 3,
+        "resources": {"cpu": "250m", "memory": "1Gi"},
+    }  # fmt: skip
+    doc["spec"]["gateway"]["resources"] = {"cpu": "100m", "memory": "256Mi"}
+    doc["spec"]["autoscaling"] = {"mode": "off"}
+    kube.apply(doc, NAMESPACE)
+    selector = "app.kubernetes.io/instance=drain,app.kubernetes.io/component=edge"
+    try:
+        kube.eventually(lambda: _ready(kube, "drain"), 300, "drain Ready with 3 edge pods")
+    except AssertionError as exc:
+        raise AssertionError(
+            _describe(kube, "drain") + operator_process.read_text()[-3000:]
+        ) from exc
+    assert len(kube.names("pods", NAMESPACE, selector)) == 3
+    answers: list[str] = []
+    failures: list[str] = []
+    stop = threading.Event()
+    with port_forward(cluster, "service/drain-gateway", 80) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(stream: bool) -> None:
+            while not stop.is_set():
+                messages = [{"role": "user", "content": "Count from one to twenty."}]
+                try:
+                    if stream:
+                        chunks = client.chat.completions.create(
+                            model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]
+                            max_tokens=32, temperature=0, stream=True,
+                        )  # fmt: skip
+                        text = "".join(
+                            c.choices[0].delta.content or "" for c in chunks if c.choices
+                        )
+                    else:
+                        answer = client.chat.completions.create(
+                            model="smollm2-135m-instruct", messages=messages,  # type: ignore[arg-type]
+                            max_tokens=16, temperature=0,
+                        )  # fmt: skip
+                        text = answer.choices[0].message.content or ""
+                    if not re.search(r"\w", text):
+                        failures.append(f"empty answer (stream={stream})")
+                    answers.append(text)
+                except openai.OpenAIError as exc:
+                    failures.append(repr(exc))
+
+        askers = [threading.Thread(target=ask, args=(s,), daemon=True) for s in (True, False)]
+        for asker in askers:
+            asker.start()
+        try:
+            kube.eventually(lambda: len(answers) >= 6, 120, "answers from the three pods")
+            doc["spec"]["edge"]["pool"]["replicas"] = 1
+            kube.apply(doc, NAMESPACE)
+            before, t0 = len(answers), time.monotonic()
+            kube.eventually(
+                lambda: len(kube.names("pods", NAMESPACE, selector)) == 1, 300,
+                "two edge pods gone",
+            )  # fmt: skip
+            during, gone_s = len(answers) - before, time.monotonic() - t0
+            kube.eventually(lambda: len(answers) >= before + during + 4, 120, "answers after")
+        finally:
+            stop.set()
+            for asker in askers:
+                asker.join(timeout=150)
+    assert failures == [], failures[:3]
+    assert during > 0, "nothing was asked while the pods left: the test proved nothing"
+    # they left once drained (the preStop delay and the answers in flight), not at the end
+    # of the grace period that bounds the longest request
+    assert gone_s < 120, gone_s

@@ -5,6 +5,8 @@ reason written to the container's termination message (``/dev/termination-log``,
 Kubernetes mounts it) reaches the LLMService's status through the operator. Without the
 flag, a runtime stays up with ``/health`` answering 503 and the reason, which suits a
 terminal or local mode, where a restart loop would only hide the message.
+
+It also holds how long a replica that is asked to stop takes to drain (below).
 """
 
 from __future__ import annotations
@@ -33,3 +35,13 @@ def exit_for(reason: str, log: logging.Logger) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_CODE)  # from inside the server's startup: no shutdown to run
+
+
+# How a replica leaves: Kubernetes runs its preStop hook (a sleep of DRAIN_DELAY_SECONDS,
+# while the endpoint controllers and kube-proxy stop sending it new connections), then
+# sends SIGTERM; the servers stop accepting, finish the requests in flight and exit.
+# No request outlives MAX_REQUEST_SECONDS (the gateway's request timeout), so a
+# termination grace period of the two plus a margin lets every one of them finish.
+DRAIN_DELAY_SECONDS = 5
+MAX_REQUEST_SECONDS = 600
+TERMINATION_GRACE_SECONDS = DRAIN_DELAY_SECONDS + MAX_REQUEST_SECONDS + 5

@@ -66,6 +66,8 @@ def run_worker(settings: config_mod.GatewaySettings, reuse_port: bool) -> None:
         handler_cancellation=True,
         backlog=4096,
         print=None,
+        # SIGTERM (a pod leaving): stop accepting, let the answers in flight finish
+        shutdown_timeout=settings.request_timeout_s,
     )
 
 

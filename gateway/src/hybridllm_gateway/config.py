@@ -27,6 +27,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from hybridllm_common import termination
+
 log = logging.getLogger(__name__)
 
 
@@ -147,7 +149,7 @@ class GatewaySettings(BaseModel):
         default=5.0, gt=0, description="Above the 1 s + 3 s SYN retries."
     )
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(default=float(termination.MAX_REQUEST_SECONDS), gt=0)
     max_attempts: int = Field(default=3, ge=1, le=10)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_tokens_limit: int = Field(default=32_768, ge=1)

@@ -147,12 +147,20 @@ class Forwarder:
         url = replica.url + path
         t_send = time.perf_counter()
         pre_s = t_send - t_start
-        try:
-            resp = await self.session.post(url, data=payload, headers=headers, timeout=timeout)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            self._fail(replica, "connect")
-            outcome.status = 0
-            return None, f"{url}: {type(exc).__name__}: {exc}"
+        for fresh in (False, True):
+            try:
+                resp = await self.session.post(url, data=payload, headers=headers, timeout=timeout)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                if not fresh and _stale_connection(exc):
+                    # A pooled keep-alive connection the replica closed while it was idle
+                    # (a replica shutting down closes its idle connections): the request
+                    # never reached it. Once more, on a new connection.
+                    log.debug("pooled connection to %s was closed while idle: %s", url, exc)
+                    continue
+                self._fail(replica, "connect")
+                outcome.status = 0
+                return None, f"{url}: {type(exc).__name__}: {exc}"
+            break
         self.metrics.upstream_latency.labels(tier=replica.tier).observe(
             time.perf_counter() - t_send
         )
@@ -409,6 +417,15 @@ class Forwarder:
             except TimeoutError:
                 if conn.num_reads == reads or loop.time() >= end:
                     raise
+
+
+def _stale_connection(exc: BaseException) -> bool:
+    """A reused connection found closed (not a replica that refuses connections)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(
+        exc, aiohttp.ClientConnectorError
+    )
 
 
 def usage_tokens(body: bytes | None) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from hybridllm_common import crd
+from hybridllm_common import crd, termination
 
 MANAGED_BY = "hybridllm-operator"
 PORT = 8000
@@ -327,6 +327,10 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
             *({"name": k, "value": v} for k, v in sorted(pool.env.items())),
         ],
         "resources": _resources(pool.resources),
+        # Leaving (a scale-down, a rollout, a drain): the pod is taken out of its Service's
+        # endpoints while this sleep runs, so no new request reaches it; then SIGTERM, and
+        # the server finishes what it is answering before it exits.
+        "lifecycle": {"preStop": {"sleep": {"seconds": termination.DRAIN_DELAY_SECONDS}}},
         # A container that exits with an error leaves its last log lines as its termination
         # message: the status names the cause (a missing model, a bad flag) from there.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -370,6 +374,9 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         "containers": [container],
         "volumes": volumes,
         "enableServiceLinks": False,
+        # the preStop delay plus the longest request the gateway lets run: nothing in
+        # flight is cut off (a replica that has drained exits at once)
+        "terminationGracePeriodSeconds": termination.TERMINATION_GRACE_SECONDS,
         # The images run as uid 10001; a claim's files become writable to it (the model
         # store takes locks and writes conversions), checked at the root only once.
         "securityContext": {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"},

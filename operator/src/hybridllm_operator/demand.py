@@ -367,8 +367,8 @@ class PrometheusDemand(DemandSource):
         if self._bins_until == end:
             return self._bins
         # Prometheus answers at most 11,000 points per series
-        bins = min(math.floor(self.lookback_s / self.bin_s), MAX_RANGE_POINTS)
-        start = end - bins * self.bin_s
+        count = min(math.floor(self.lookback_s / self.bin_s), MAX_RANGE_POINTS)
+        start = end - count * self.bin_s
         b = f"{int(self.bin_s)}s"
         series: dict[str, dict[str, dict[float, float]]] = {}
         for key, metric in (

