@@ -80,10 +80,11 @@ def test_create_builds_every_pool_and_reports_ready(
         "SCALING",
         "READY",
     ]
-    # kwok's pods have no address the operator can read the gateway's metrics from: the
-    # autoscaler holds the replicas and says so
     row = table.split("\n")[1].split()[:7]
-    assert row == ["demo", "monolithic", "2/2", "1/1", "v1", "hybrid:no-metrics", "True"]
+    assert row[:5] + row[6:] == ["demo", "monolithic", "2/2", "1/1", "v1", "True"]
+    # the example's mode; kwok's pods have no address the operator can read the gateway's
+    # metrics from, so once it has tried, the autoscaler holds and says so (":no-metrics")
+    assert row[5] in ("reactive", "reactive:no-metrics"), row
 
 
 def test_update_replicas_and_switch_to_disaggregated(
