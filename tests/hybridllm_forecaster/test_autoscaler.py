@@ -131,6 +131,25 @@ def test_advisory_decides_like_hybrid_and_changes_nothing():
         assert a.reason.startswith("advisory, not applied")
 
 
+@pytest.mark.parametrize("mode", ["reactive", "predictive", "hybrid", "advisory"])
+def test_a_pool_at_zero_wakes_on_waiting_requests_and_otherwise_stays_down(mode):
+    pool = PoolConfig(min_replicas=0, max_replicas=10)
+    scaler = _scaler(pool, mode, 60.0, "last")
+    for t in range(0, 600, 15):  # idle at zero: no flapping back to one
+        d = scaler.decide(float(t), 0, 0, autoscaler.Reading(0.0))
+        assert (d.desired, d.recommended) == (0, 0), d
+    d = scaler.decide(600.0, 0, 0, autoscaler.Reading(0.0, waiting=2))
+    assert d.recommended == 1
+    assert "scale from zero to 1: 2 request(s) waiting" in d.reason
+    assert d.desired == (0 if mode == "advisory" else 1)
+    held = scaler.decide(615.0, 0, 0, autoscaler.Reading(None, waiting=2))
+    assert held.desired == 0  # no metrics: hold, even at zero
+    # idle again with one replica: back to zero after the reactive window
+    for t in range(630, 630 + 400, 15):
+        d = scaler.decide(float(t), 1, 1, autoscaler.Reading(0.0))
+    assert d.recommended == 0, d
+
+
 @pytest.mark.parametrize("mode", ["off", "external"])
 def test_off_and_external_leave_replicas_alone(mode):
     scaler = _scaler(PoolConfig(min_replicas=1, max_replicas=10), mode, 60.0, "last")

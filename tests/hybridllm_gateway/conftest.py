@@ -76,8 +76,14 @@ class Procs:
             wait_healthy(s.url, s.proc)
         return servers
 
-    def _start_tokenserver(self, name: str, *args: str) -> Server:
-        port = free_port()
+    def tokenserver_on(self, port: int, name: str, *args: str) -> Server:
+        """A token server on a chosen port (a replica coming up where one was expected)."""
+        server = self._start_tokenserver(name, *args, port=port)
+        wait_healthy(server.url, server.proc)
+        return server
+
+    def _start_tokenserver(self, name: str, *args: str, port: int | None = None) -> Server:
+        port = port or free_port()
         cmd = [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(port),
                "--id", name, "--model", MODEL, *args]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -141,16 +141,15 @@ def test_modes_that_do_not_apply_leave_the_deployments_to_the_spec_or_an_hpa():
     assert scaler.desired["edge"] == 3
 
 
-def test_scale_from_zero_is_refused_by_name():
+def test_a_pool_at_zero_wakes_on_requests_waiting_at_the_gateway():
     doc = spec().model_dump(by_alias=True)
-    doc["edge"]["pool"]["minReplicas"] = 0
-
-    def min_errors() -> list[crd.FieldError]:
-        errors = crd.semantic_errors("demo", crd.LLMServiceSpec.model_validate(doc))
-        return [e for e in errors if e.field.endswith("minReplicas")]
-
-    errors = min_errors()
-    assert [e.field for e in errors] == ["spec.edge.pool.minReplicas"]
-    assert "scale from zero" in errors[0].message
-    doc["autoscaling"]["mode"] = "off"
-    assert min_errors() == []
+    doc["edge"]["pool"].update(replicas=0, minReplicas=0)
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(crd.LLMServiceSpec.model_validate(doc))
+    at_zero = {**OBSERVED, "edge": autoscaling.Observed(replicas=0, ready=0)}
+    idle = TierDemand(prompt_tok_s=0, completion_tok_s=0)
+    assert scaler.step(0.0, snapshot(idle, idle), at_zero) == {"monolithic": (2, 1)}
+    assert scaler.desired["edge"] == 0
+    waiting = TierDemand(prompt_tok_s=0, completion_tok_s=0, waiting=3)
+    assert scaler.step(15.0, snapshot(waiting, idle), at_zero) == {"edge": (0, 1)}
+    assert "scale from zero" in scaler.decisions["edge"].reason

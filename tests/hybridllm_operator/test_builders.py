@@ -225,3 +225,19 @@ def test_every_pod_drains_before_it_stops():
         }
         grace = pod["terminationGracePeriodSeconds"]
         assert grace > termination.DRAIN_DELAY_SECONDS + termination.MAX_REQUEST_SECONDS
+
+
+def test_a_tier_whose_pools_may_stop_is_held_by_the_gateway():
+    spec = {"edge": {"pool": {"replicas": 1, "minReplicas": 0, "maxReplicas": 3}}}
+    children = build(spec)
+    routing = json.loads(by_kind(children, "ConfigMap")["demo-routing"]["data"]["routing.json"])
+    assert routing["tiers"]["edge"]["scaleFromZero"] is True
+    assert routing["tiers"]["cloud"]["scaleFromZero"] is False  # monolithic: minReplicas 1
+    args = by_kind(children, "Deployment")["demo-gateway"]["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    assert args[args.index("--hold-timeout-s") + 1] == str(180 + 2 * 15 + 60)
+    # without the autoscaler nothing scales to zero, so nothing is held
+    off = build({**spec, "autoscaling": {"mode": "off"}})
+    routing = json.loads(by_kind(off, "ConfigMap")["demo-routing"]["data"]["routing.json"])
+    assert routing["tiers"]["edge"]["scaleFromZero"] is False

@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from hybridllm_operator import autoscaling
+from hybridllm_common import crd
+from hybridllm_operator import autoscaling, builders
 
 from .conftest import own_control_plane
 
@@ -121,25 +122,34 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
         try:
             prometheus = testenv.prometheus_up(cluster.state_dir)
             backend_port, gateway_port = _free_port(), _free_port()
-            procs.append(_serve(
-                [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port",
-                 str(backend_port), "--id", "edge-a", "--model", "smollm2", "--rate", "400"],
-                tmp_path / "tokenserver.log", backend_port,
-            ))  # fmt: skip
-            routing = tmp_path / "routing.json"
-            routing.write_text(json.dumps({
-                "service": NAME, "namespace": NAMESPACE, "model": "smollm2", "revision": "v1",
-                "policy": "edge-only",
-                "rateLimits": {"requestsPerMinute": 1_000_000, "tokensPerMinute": 1_000_000_000},
-                "tiers": {"edge": {"backends": [
-                    {"url": f"http://127.0.0.1:{backend_port}", "revision": "v1", "weight": 100}
-                ]}},
-            }))  # fmt: skip
-            procs.append(_serve(
-                [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config",
-                 str(routing), "--port", str(gateway_port), "--host", "127.0.0.1"],
-                tmp_path / "gateway.log", gateway_port,
-            ))  # fmt: skip
+
+            def serve_backend() -> None:
+                """The edge replica's server, on the port the gateway's table names."""
+                procs.append(_serve(
+                    [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port",
+                     str(backend_port), "--id", "edge-a", "--model", "smollm2", "--rate", "400"],
+                    tmp_path / "tokenserver.log", backend_port,
+                ))  # fmt: skip
+
+            def serve_gateway(manifest: dict[str, Any]) -> None:
+                """The gateway with the routing table the operator renders for the manifest
+                (its backend: the replica's port on this host)."""
+                spec = crd.LLMServiceSpec.model_validate(manifest["spec"])
+                service = builders.Service(NAME, NAMESPACE, "uid", spec)
+                table = builders.routing_config(
+                    service, {"edge": [f"http://127.0.0.1:{backend_port}"]}
+                )
+                table["model"] = "smollm2"
+                table["rateLimits"]["requestsPerMinute"] = 1_000_000
+                routing = tmp_path / "routing.json"
+                routing.write_text(json.dumps(table))
+                procs.append(_serve(
+                    [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config",
+                     str(routing), "--port", str(gateway_port), "--host", "127.0.0.1",
+                     "--hold-timeout-s", "120"],
+                    tmp_path / "gateway.log", gateway_port,
+                ))  # fmt: skip
+
             testenv.prometheus_targets(
                 cluster.state_dir,
                 [(f"127.0.0.1:{gateway_port}", {"namespace": NAMESPACE, "llmservice": NAME})],
@@ -154,6 +164,7 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
             yield {
                 "cluster": cluster, "kube": kube, "testenv": testenv, "env": env,
                 "gateway": f"http://127.0.0.1:{gateway_port}", "log": tmp_path / "operator.log",
+                "serve_backend": serve_backend, "serve_gateway": serve_gateway,
             }  # fmt: skip
         finally:
             for proc in procs:
@@ -210,6 +221,8 @@ def test_load_scales_the_pool_within_bounds_hand_scaling_is_reverted_missing_met
             if e["reason"] == reason and e["involvedObject"]["name"] == NAME
         ]
 
+    stack["serve_backend"]()
+    stack["serve_gateway"](MANIFEST)
     operator.start()
     try:
         kube.apply(MANIFEST, NAMESPACE)
@@ -275,6 +288,50 @@ def test_load_scales_the_pool_within_bounds_hand_scaling_is_reverted_missing_met
         assert min(seen) == 1
     except AssertionError:
         print(json.dumps(llms().get("status"), indent=1))
+        print(stack["log"].read_text()[-8000:])
+        raise
+    finally:
+        operator.kill()
+
+
+def test_an_idle_pool_stops_and_a_request_for_it_starts_it_again(stack: dict[str, Any]) -> None:
+    """minReplicas 0: the idle edge pool goes to zero replicas; a request is held by the
+    gateway, the autoscaler sees it waiting and starts a replica, and once that replica
+    serves, the held request is answered."""
+    kube = stack["kube"]
+    manifest = json.loads(json.dumps(MANIFEST))
+    manifest["spec"]["edge"]["pool"].update(replicas=1, minReplicas=0, maxReplicas=2)
+    stack["serve_gateway"](manifest)
+    operator = Operator(stack["env"], stack["log"])
+    operator.start()
+
+    def replicas() -> int | None:
+        deployment = kube.get("deployment", f"{NAME}-edge", NAMESPACE)
+        return None if deployment is None else deployment["spec"].get("replicas")
+
+    try:
+        kube.apply(manifest, NAMESPACE)
+        kube.eventually(lambda: replicas() == 0, timeout=120, what="the idle pool at zero")
+        answers: list[httpx.Response] = []
+
+        def ask() -> None:
+            body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4}  # fmt: skip
+            answers.append(httpx.post(stack["gateway"] + "/v1/chat/completions", json=body,
+                                      timeout=180))  # fmt: skip
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        kube.eventually(lambda: replicas() == 1, timeout=120, what="a replica started for it")
+        obj = kube.get("llmservice", NAME, NAMESPACE)
+        assert obj is not None
+        assert "scale from zero" in obj["status"]["pools"]["edge"]["scalingReason"]
+        assert not answers, "answered before any replica was up"
+        stack["serve_backend"]()  # the new replica serves
+        asker.join(timeout=120)
+        assert answers, "the held request never came back"
+        assert answers[0].status_code == 200, answers[0].text
+    except AssertionError:
         print(stack["log"].read_text()[-8000:])
         raise
     finally:

@@ -84,7 +84,10 @@ def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path)
         k: v for k, v in cluster.items() if k != "tiers"
     }
     assert table["tiers"] == {
-        "edge": {"backends": [{"url": edge, "revision": "v1", "weight": 100}]}
+        "edge": {
+            "backends": [{"url": edge, "revision": "v1", "weight": 100}],
+            "scaleFromZero": False,
+        }
     }
     assert plan.tiers == {"edge": "edge", "cloud": "monolithic"}
 

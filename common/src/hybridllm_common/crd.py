@@ -208,7 +208,8 @@ class PoolSpec(_Model):
         default=1,
         ge=0,
         le=1000,
-        description="Lower bound for the autoscaler (0 needs scale from zero: not supported yet).",
+        description="Lower bound for the autoscaler; 0 lets an idle pool stop (the gateway "
+        "holds its requests while the autoscaler starts one again).",
     )
     max_replicas: int = Field(
         default=4, ge=1, le=1000, description="Upper bound for the autoscaler."
@@ -869,24 +870,6 @@ def scaled_pools(spec: LLMServiceSpec) -> dict[str, PoolSpec]:
     return pools | (_cloud_pools(spec.cloud) if spec.cloud.enabled else {})
 
 
-def _autoscaling_errors(spec: LLMServiceSpec) -> list[FieldError]:
-    if spec.autoscaling.mode not in SCALING_MODES:
-        return []
-    paths = {"edge": "spec.edge.pool"}
-    return [
-        FieldError(
-            field=f"{paths.get(name, f'spec.cloud.{name}')}.minReplicas",
-            message=(
-                "0 needs scale from zero (the gateway holding requests while a replica "
-                "starts), which is not supported yet; set minReplicas to 1 or more, or "
-                "autoscaling.mode off"
-            ),
-        )
-        for name, pool in scaled_pools(spec).items()
-        if pool.min_replicas == 0
-    ]
-
-
 _SOURCE_FORMS = {
     "pypi": (
         re.compile(r"^pypi://[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+#[^/#]+$"),
@@ -969,7 +952,6 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                     )
                 )
     errors.extend(_source_errors(spec.model.source))
-    errors.extend(_autoscaling_errors(spec))
     limits = spec.routing.edge_limits
     if (
         spec.edge.enabled

@@ -74,3 +74,7 @@ GATEWAY_CASCADES_TOTAL = "hybridllm_gateway_cascades_total"
 # completion tokens come from the answer's usage, or one per streamed chunk.
 GATEWAY_PROMPT_TOKENS_TOTAL = "hybridllm_gateway_prompt_tokens_total"
 GATEWAY_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_completion_tokens_total"
+# Requests waiting for a replica of a tier scaled to zero (gauge), and those that found
+# none (counter): what wakes a pool at zero (label: tier).
+GATEWAY_HELD_REQUESTS = "hybridllm_gateway_held_requests"
+GATEWAY_COLD_REQUESTS_TOTAL = "hybridllm_gateway_cold_requests_total"

@@ -55,6 +55,7 @@ class Reading:
     work_per_s: float | None
     in_flight: float = 0.0
     slo_violation: str | None = None  # e.g. "p95 TTFT 3.1 s > 1.0 s"; None: met or unknown
+    waiting: float = 0.0  # requests held (or turned away) for want of a replica
 
     @property
     def available(self) -> bool:
@@ -227,6 +228,21 @@ class PoolScaler:
                 metrics_available=False, **common,
             )  # fmt: skip
         assert reading.work_per_s is not None
+        if provisioned == 0:
+            # At zero, the policies have nothing to measure (no replica, no load served):
+            # the pool wakes on requests waiting for it, and otherwise stays down.
+            want = 1 if reading.waiting > 0 or reading.work_per_s > 0 else 0
+            want = min(max(want, self.pool.min_replicas), self.pool.max_replicas)
+            why = (
+                f"scale from zero to {want}: {reading.waiting:g} request(s) waiting for a replica"
+                if want
+                else "at zero replicas: no request is waiting"
+            )
+            if self.mode == "advisory":
+                return Decision(0, want, None, None, reason=f"advisory, not applied: {why}",
+                                metrics_available=True, **common)  # fmt: skip
+            return Decision(want, want, None, None, reason=why, metrics_available=True,
+                            **common)  # fmt: skip
         obs = policies.Observation(
             now_s, ready, provisioned, float(reading.work_per_s), reading.in_flight
         )

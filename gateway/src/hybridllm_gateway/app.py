@@ -293,6 +293,8 @@ async def _startup(app: web.Application) -> None:
         request_timeout_s=s.request_timeout_s,
         max_attempts=s.max_attempts,
         pool=relay.Pool(s.connect_timeout_s) if s.stream_relay == "raw" else None,
+        hold_timeout_s=s.hold_timeout_s,
+        max_held_requests=s.max_held_requests,
     )
     state.watchers = _watchers(state)
     state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]

@@ -82,8 +82,11 @@ class Ring:
 class TierPool:
     """The replicas of one tier and the ring over them."""
 
-    def __init__(self, name: str, replicas: list[Replica], load_factor: float) -> None:
+    def __init__(
+        self, name: str, replicas: list[Replica], load_factor: float, scale_from_zero: bool = False
+    ) -> None:
         self.name, self.replicas, self.load_factor = name, replicas, load_factor
+        self.scale_from_zero = scale_from_zero
         self.ring = Ring.build(replicas)
         self.total_weight = sum(r.weight for r in replicas if r.weight > 0)
 
@@ -163,7 +166,7 @@ class Balancer:
                 r.revision, r.weight = b.revision, b.weight
                 self.by_url[(name, b.url)] = r
                 replicas.append(r)
-            tiers[name] = TierPool(name, replicas, self.settings.load_factor)
+            tiers[name] = TierPool(name, replicas, self.settings.load_factor, tier.scale_from_zero)
         self.tiers = tiers
 
     def record_success(self, r: Replica) -> None:

@@ -54,6 +54,9 @@ class Backend(_Wire):
 
 class Tier(_Wire):
     backends: list[Backend] = Field(default_factory=list)
+    # The tier's pools may be at zero replicas (minReplicas 0): a request that finds no
+    # replica waits for one (the autoscaler sees it waiting and starts one).
+    scale_from_zero: bool = False
 
 
 class EdgeLimits(_Wire):
@@ -162,6 +165,14 @@ class GatewaySettings(BaseModel):
     load_factor: float = Field(default=1.25, ge=1.0, description="Bound on a replica's share.")
     upstream_connections: int = Field(
         default=4096, ge=1, description="Connection limit of the non-streaming upstream client."
+    )
+    hold_timeout_s: float = Field(
+        default=240.0,
+        gt=0,
+        description="How long a request waits for a replica of a tier scaled to zero.",
+    )
+    max_held_requests: int = Field(
+        default=256, ge=0, description="Requests that may wait so, per tier; beyond: 503."
     )
     stream_relay: str = Field(
         default="raw",

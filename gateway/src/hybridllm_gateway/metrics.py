@@ -80,6 +80,15 @@ class GatewayMetrics:
             ["tier"], registry=r,
         )  # fmt: skip
 
+        self.held = Gauge(
+            names.GATEWAY_HELD_REQUESTS, "Requests waiting for a replica of a tier at zero.",
+            ["tier"], registry=r,
+        )  # fmt: skip
+        self.cold = Counter(
+            names.GATEWAY_COLD_REQUESTS_TOTAL, "Requests that found a tier at zero replicas.",
+            ["tier"], registry=r,
+        )  # fmt: skip
+
     def serve_tiers(self, tiers: Iterable[str]) -> None:
         """Export the per-tier demand series at zero from the start: a tier nobody has asked
         yet has no load, which an autoscaler must be able to tell from a missing metric."""
@@ -88,3 +97,5 @@ class GatewayMetrics:
             self.completion_tokens.labels(tier=tier)
             self.outstanding.labels(tier=tier)
             self.ttft.labels(tier=tier)
+            self.held.labels(tier=tier)
+            self.cold.labels(tier=tier)

@@ -35,6 +35,7 @@ from hybridllm_gateway.errors import APIError
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+HOLD_POLL_S = 0.5  # how often a tier at zero is asked whether a replica is up
 
 
 @dataclass
@@ -61,6 +62,10 @@ class Forwarder:
     request_timeout_s: float
     max_attempts: int
     pool: relay.Pool | None = None  # None: streams go through aiohttp's client too
+    hold_timeout_s: float = 240.0
+    max_held_requests: int = 256
+    _wakers: dict[str, asyncio.Task[bool]] = field(default_factory=dict)
+    _held: dict[str, int] = field(default_factory=dict)  # requests waiting, per tier
 
     def _fail(self, replica: balancer_mod.Replica, kind: str) -> None:
         self.metrics.upstream_errors.labels(tier=replica.tier, kind=kind).inc()
@@ -91,46 +96,127 @@ class Forwarder:
             sock_read=self.first_byte_timeout_s,
         )
         last_error = "no healthy replica"
-        for tier in tiers:
+        for i, tier in enumerate(tiers):
             pool = self.balancer.tiers.get(tier)
-            while pool is not None and len(outcome.attempts) < self.max_attempts:
-                replica = pool.pick(key, tried)
-                if replica is None:
+            limit, held = self.max_attempts, False
+            while pool is not None:
+                while len(outcome.attempts) < limit:
+                    replica = pool.pick(key, tried)
+                    if replica is None:
+                        break
+                    done, last_error = await self._try(
+                        request, replica, path, payload, headers, timeout, stream, t_start,
+                        outcome, tried,
+                    )  # fmt: skip
+                    if done is not None:
+                        return done, outcome
+                    if outcome.status and outcome.status not in RETRYABLE_STATUS:
+                        return None, outcome  # a 4xx/200 non-stream body, passed through
+                if held or not pool.scale_from_zero or outcome.tier != tier or outcome.status:
                     break
-                tried.add(replica.url)
-                outcome.attempts.append(replica.url)
-                outcome.tier = tier
-                replica.num_outstanding += 1
-                gauge = self.metrics.outstanding.labels(tier=tier)
-                gauge.inc()
-                raw = (
-                    stream
-                    and self.pool is not None
-                    and relay.supports(replica.url)
-                    and request.version == aiohttp.HttpVersion11
-                )
-                try:
-                    if raw:
-                        done, last_error = await self._attempt_raw(
-                            request, replica, path, payload, headers, t_start, outcome
-                        )
-                    else:
-                        done, last_error = await self._attempt(
-                            request, replica, path, payload, headers, timeout, stream, t_start,
-                            outcome,
-                        )  # fmt: skip
-                finally:
-                    replica.num_outstanding -= 1
-                    gauge.dec()
-                if done is not None:
-                    return done, outcome
-                if outcome.status and outcome.status not in RETRYABLE_STATUS:
-                    return None, outcome  # a 4xx/200 non-stream body, passed through
+                # No replica of a tier that may be at zero answered at all: count it (the
+                # autoscaler wakes the pool on it), and if no other tier is left, wait for
+                # a replica to come up.
+                self.metrics.cold.labels(tier=tier).inc()
+                if i + 1 < len(tiers):
+                    break
+                await self._hold(tier, pool)
+                held = True
+                tried.difference_update(r.url for r in pool.replicas)
+                limit = len(outcome.attempts) + self.max_attempts
         raise APIError(
             oai.UPSTREAM_UNAVAILABLE,
             f"no replica of tier(s) {'/'.join(tiers)} answered after {len(outcome.attempts)} "
             f"attempt(s): {last_error}",
         )
+
+    async def _try(
+        self,
+        request: web.Request,
+        replica: balancer_mod.Replica,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+        timeout: aiohttp.ClientTimeout,
+        stream: bool,
+        t_start: float,
+        outcome: Outcome,
+        tried: set[str],
+    ) -> tuple[web.StreamResponse | None, str]:
+        """One attempt on one replica, counted in its outstanding requests."""
+        tried.add(replica.url)
+        outcome.attempts.append(replica.url)
+        outcome.tier = replica.tier
+        replica.num_outstanding += 1
+        gauge = self.metrics.outstanding.labels(tier=replica.tier)
+        gauge.inc()
+        raw = (
+            stream
+            and self.pool is not None
+            and relay.supports(replica.url)
+            and request.version == aiohttp.HttpVersion11
+        )
+        try:
+            if raw:
+                return await self._attempt_raw(
+                    request, replica, path, payload, headers, t_start, outcome
+                )
+            return await self._attempt(
+                request, replica, path, payload, headers, timeout, stream, t_start, outcome
+            )
+        finally:
+            replica.num_outstanding -= 1
+            gauge.dec()
+
+    async def _hold(self, tier: str, pool: balancer_mod.TierPool) -> None:
+        """Wait until a replica of a tier at zero answers its health check (the autoscaler
+        starts one when it sees requests waiting); 503 with Retry-After when the queue is
+        full or none comes up within ``hold_timeout_s``."""
+        if self._held.get(tier, 0) >= self.max_held_requests:
+            raise APIError(
+                oai.SERVER_OVERLOADED,
+                f"tier {tier!r} has no replica yet and {self.max_held_requests} requests "
+                "already wait for one; retry later",
+                headers={"Retry-After": "10"},
+            )
+        waker = self._wakers.get(tier)
+        if waker is None or waker.done():
+            waker = asyncio.get_running_loop().create_task(self._wait_healthy(pool))
+            self._wakers[tier] = waker
+        gauge = self.metrics.held.labels(tier=tier)
+        gauge.inc()
+        self._held[tier] = self._held.get(tier, 0) + 1
+        try:
+            async with asyncio.timeout(self.hold_timeout_s):
+                await asyncio.shield(waker)
+        except TimeoutError:
+            raise APIError(
+                oai.SERVER_OVERLOADED,
+                f"tier {tier!r} is scaled to zero and no replica became ready within "
+                f"{self.hold_timeout_s:.0f} s; retry later",
+                headers={"Retry-After": "30"},
+            ) from None
+        finally:
+            gauge.dec()
+            self._held[tier] -= 1
+            if not self._held[tier] and not waker.done():
+                waker.cancel()  # nobody waits any more: stop asking
+        for replica in pool.replicas:  # what failed while it was at zero is not held against it
+            self.balancer.record_success(replica)
+            replica.ejected_until = 0.0
+
+    async def _wait_healthy(self, pool: balancer_mod.TierPool) -> bool:
+        """Poll the tier's backends' /health until one answers 200."""
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        while True:
+            for replica in pool.replicas:
+                try:
+                    async with self.session.get(replica.url + "/health", timeout=timeout) as r:
+                        if r.status == 200:
+                            return True
+                except (aiohttp.ClientError, TimeoutError, OSError):
+                    pass
+            await asyncio.sleep(HOLD_POLL_S)
 
     async def _attempt(
         self,

@@ -161,7 +161,12 @@ class ServiceAutoscaler:
                 now_s,
                 min(seen.ready, current),
                 current,
-                autoscaler.Reading(work, demand.in_flight if demand else 0.0, violation),
+                autoscaler.Reading(
+                    work,
+                    demand.in_flight if demand else 0.0,
+                    violation,
+                    demand.waiting if demand else 0.0,
+                ),
                 unschedulable=seen.unschedulable,
             )
             decisions[component] = decision

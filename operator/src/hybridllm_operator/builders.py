@@ -260,6 +260,12 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
 def _gateway_pool(service: Service) -> Pool:
     gateway = service.spec.gateway
     args = ["serve", "--config", f"{ROUTING_MOUNT}/{ROUTING_CONFIG_KEY}", "--port", str(PORT)]
+    if any(scales_from_zero(service, t) for t in tier_components(service)):
+        # a request for a tier at zero waits for a replica: its start plus the autoscaler's
+        # reaction (a metrics window and an interval or two)
+        scaling = service.spec.autoscaling
+        wait = scaling.scale_up_lead_seconds + 2 * scaling.interval_seconds + 60
+        args += ["--hold-timeout-s", str(wait)]
     if gateway.api_keys_secret:
         args += ["--api-keys-file", "/etc/hybridllm-keys/keys"]
     return Pool(
@@ -460,6 +466,17 @@ def tier_components(service: Service) -> dict[str, str]:
     return out
 
 
+def scales_from_zero(service: Service, tier: str) -> bool:
+    """Whether the autoscaler may take every pool of a tier to zero replicas (the gateway
+    then holds the tier's requests while it brings one back)."""
+    if service.spec.autoscaling.mode not in crd.SCALING_MODES:
+        return False
+    pools = [
+        p for c, p in crd.scaled_pools(service.spec).items() if (c == "edge") == (tier == "edge")
+    ]
+    return bool(pools) and all(p.min_replicas == 0 for p in pools)
+
+
 def build_routing_config(service: Service) -> dict[str, Any]:
     """The gateway's routing table: tiers, their backends and the routing policy."""
     return routing_config(
@@ -473,7 +490,10 @@ def routing_config(service: Service, backends: dict[str, list[str]]) -> dict[str
     out): one Service URL per tier in a cluster, one URL per ready replica locally."""
     spec = service.spec
     tiers = {
-        tier: {"backends": [{"url": u, "revision": service.revision, "weight": 100} for u in urls]}
+        tier: {
+            "backends": [{"url": u, "revision": service.revision, "weight": 100} for u in urls],
+            "scaleFromZero": scales_from_zero(service, tier),
+        }
         for tier, urls in backends.items()
         if urls
     }

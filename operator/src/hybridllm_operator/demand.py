@@ -53,6 +53,8 @@ class TierDemand:
     completion_tok_s: float
     in_flight: float = 0.0
     ttft_p95_s: float | None = None  # None: no request finished in the window
+    # requests held for want of a replica now, plus those that found none in the window
+    waiting: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ class _Sample:
     completion: dict[str, float]
     in_flight: dict[str, float]
     ttft: dict[str, dict[float, float]]  # tier -> cumulative buckets
+    held: dict[str, float] = field(default_factory=dict)
+    cold: dict[str, float] = field(default_factory=dict)
 
 
 def parse_gateway_metrics(text: str, t: float) -> _Sample:
@@ -159,6 +163,10 @@ def parse_gateway_metrics(text: str, t: float) -> _Sample:
                 sample.completion[tier] = s.value
             elif s.name == names.GATEWAY_OUTSTANDING_REQUESTS:
                 sample.in_flight[tier] = s.value
+            elif s.name == names.GATEWAY_HELD_REQUESTS:
+                sample.held[tier] = s.value
+            elif s.name == names.GATEWAY_COLD_REQUESTS_TOTAL:
+                sample.cold[tier] = s.value
             elif s.name == names.TIME_TO_FIRST_TOKEN_SECONDS + "_bucket":
                 sample.ttft.setdefault(tier, {})[float(s.labels["le"])] = s.value
     return sample
@@ -207,6 +215,7 @@ class GatewayScrape(DemandSource):
         prompt = dict.fromkeys(TIERS, 0.0)
         completion = dict.fromkeys(TIERS, 0.0)
         in_flight = dict.fromkeys(TIERS, 0.0)
+        waiting = dict.fromkeys(TIERS, 0.0)
         buckets: dict[str, dict[float, float]] = {t: {} for t in TIERS}
         spans: dict[str, float] = {}
         new_replicas = []
@@ -216,8 +225,10 @@ class GatewayScrape(DemandSource):
                 if tier not in s.prompt:
                     continue
                 in_flight[tier] += s.in_flight.get(tier, 0.0)
+                waiting[tier] += s.held.get(tier, 0.0)
                 if old is None or tier not in old.prompt:
                     continue
+                waiting[tier] += _increase(s.cold.get(tier, 0.0), old.cold.get(tier))
                 dp = _increase(s.prompt[tier], old.prompt.get(tier))
                 dc = _increase(s.completion.get(tier, 0.0), old.completion.get(tier))
                 self.bins[tier].add(old.t, s.t, dp, dc)
@@ -250,6 +261,7 @@ class GatewayScrape(DemandSource):
                     completion[tier],
                     in_flight[tier],
                     histogram_quantile(TTFT_QUANTILE, buckets[tier]),
+                    waiting[tier],
                 )
         bins, start = {}, 0.0
         for tier in TIERS:
@@ -332,6 +344,11 @@ class PrometheusDemand(DemandSource):
             in_flight = self._by_tier(
                 f"sum by (tier) ({names.GATEWAY_OUTSTANDING_REQUESTS}{{{sel}}})", now_s
             )
+            waiting = self._by_tier(
+                f"sum by (tier) ({names.GATEWAY_HELD_REQUESTS}{{{sel}}}) + sum by (tier) "
+                f"(increase({names.GATEWAY_COLD_REQUESTS_TOTAL}{{{sel}}}[{w}]))",
+                now_s,
+            )
             ttft = self._by_tier(
                 f"histogram_quantile({TTFT_QUANTILE}, sum by (tier, le) "
                 f"(rate({names.TIME_TO_FIRST_TOKEN_SECONDS}_bucket{{{sel}}}[{w}])))",
@@ -353,11 +370,13 @@ class PrometheusDemand(DemandSource):
                 problems[tier] = f"Prometheus answered NaN for the demand of tier {tier}"
             else:
                 q = ttft.get(tier)
+                held = waiting.get(tier, 0.0)
                 tiers[tier] = TierDemand(
                     p,
                     c,
                     in_flight.get(tier, 0.0),
                     q if q is not None and math.isfinite(q) else None,
+                    held if math.isfinite(held) else 0.0,
                 )
         return Snapshot(tiers, bins, start, problems)
 
