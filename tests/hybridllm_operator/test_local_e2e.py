@@ -168,7 +168,11 @@ def test_up_serves_both_tiers_through_the_gateway(hybrid: Local) -> None:
         "edge-0": "ready",
         "monolithic-0": "ready",
         "gateway-0": "ready",
+        # the example scales: one slot more per pool, started when the load asks for it
+        "edge-1": "standby",
+        "monolithic-1": "standby",
     }
+    assert state["autoscaling"]["mode"] == "reactive"
     client = hybrid.client()
     assert MODEL in [m.id for m in client.models.list().data]
     tier, text = _chat(client, SHORT)
@@ -412,3 +416,69 @@ def test_killing_one_of_three_cloud_replicas_fails_no_request_that_had_not_start
     assert not truncated, f"{len(truncated)} streams ended without a finish_reason or an error"
     assert all(o.started for o in failed), [o.error for o in failed if not o.started]
     assert len(finished) >= 18
+
+
+def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_idle(
+    tmp_path: Path,
+) -> None:
+    """`hybridllm up` of an edge-only service whose replicas carry little (its capacity
+    says 20 prompt tokens a second): a client asking back to back takes the edge pool from
+    one replica to two, both in the routing table; idle, the second is retired (out of
+    the table, then SIGTERM) and its slot goes back on standby. No request fails."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "scaler"
+    doc["spec"]["cloud"] = {"enabled": False}
+    doc["spec"]["routing"]["policy"] = "edge-only"
+    doc["spec"]["gateway"] = {"requestsPerMinute": 100_000}  # one client, back to back
+    doc["spec"]["edge"]["pool"]["capacity"] = {
+        "prefillTokensPerSecond": 20,
+        "decodeTokensPerSecond": 2,
+    }
+    doc["spec"]["autoscaling"] = {
+        "mode": "hybrid",
+        "intervalSeconds": 5,
+        "scaleUpLeadSeconds": 5,
+        "scaleDownDelaySeconds": 5,
+    }
+    manifest = tmp_path / "scaler.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    local = _up_detached(tmp_path / "root", manifest, "scaler")
+    failures: list[str] = []
+    answered: list[str] = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        client = local.client()
+        while not stop.is_set():
+            try:
+                answered.append(_chat(client, SHORT)[1])
+            except openai.OpenAIError as exc:
+                failures.append(repr(exc))
+
+    asker = threading.Thread(target=ask, daemon=True)
+    try:
+        assert local.process("edge-1")["status"] == "standby"
+        asker.start()
+        wait_for(
+            "a second edge replica ready", lambda: local.process("edge-1")["status"] == "ready",
+            timeout_s=180,
+        )  # fmt: skip
+        log = (tmp_path / "root" / "scaler" / "supervisor.log").read_text()
+        assert "autoscaler: edge 1 -> 2 replicas (scale up to 2:" in log, log[-3000:]
+        assert local.status()["autoscaling"]["pools"]["edge"]["desired"] == 2
+        routing = json.loads((tmp_path / "root" / "scaler" / "routing.json").read_text())
+        assert len(routing["tiers"]["edge"]["backends"]) == 2
+        stop.set()
+        asker.join(timeout=60)
+        wait_for(
+            "the second replica retired", lambda: local.process("edge-1")["status"] == "standby",
+            timeout_s=120,
+        )  # fmt: skip
+        assert local.process("edge-1")["pid"] is None
+        assert local.process("edge-0")["status"] == "ready"
+        assert _chat(local.client(), SHORT)[0] == "edge"  # the one left serves
+    finally:
+        stop.set()
+        local.down()
+    assert failures == [], failures[:3]
+    assert len(answered) > 0

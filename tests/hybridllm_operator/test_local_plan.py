@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hybridllm_common import crd
 from hybridllm_operator import builders
 from hybridllm_operator.local import plan as plan_mod
 
@@ -52,7 +53,12 @@ def test_local_runs_the_pools_commands_and_flags_the_operator_renders(
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         local = plan.pool(component)
         expected = 1 if component == "gateway" else deployment["spec"]["replicas"]
-        assert len(local) == expected, component
+        assert len([r for r in local if not r.standby]) == expected, component
+        # a pool the local autoscaler sizes has a slot up to its maximum, the rest standby
+        spec_pool = crd.scaled_pools(manifest.service().spec).get(component)
+        if component in plan_mod.local_scaled_pools(manifest.service().spec):
+            assert spec_pool is not None
+            assert len(local) == max(spec_pool.max_replicas, expected), component
         for replica in local:
             assert Path(replica.command[0]).name == container["command"][0]
             assert _without_addresses(replica.command[1:]) == _without_addresses(container["args"])

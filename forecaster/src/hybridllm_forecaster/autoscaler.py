@@ -309,4 +309,5 @@ class PoolScaler:
         )
         if recommended == self.pool.max_replicas and recommended > provisioned:
             driver += f", capped at maxReplicas {self.pool.max_replicas}"
-        return f"{direction} to {recommended}: {driver}{warming}"
+        verb = f"{direction} at" if direction == "hold" else f"{direction} to"
+        return f"{verb} {recommended}: {driver}{warming}"

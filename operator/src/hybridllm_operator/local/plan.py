@@ -117,6 +117,17 @@ def local_problems(
     return problems
 
 
+def local_scaled_pools(spec: crd.LLMServiceSpec) -> dict[str, crd.PoolSpec]:
+    """The pools the local supervisor's autoscaler sizes: the edge and monolithic pools
+    when the mode scales (not prefill and decode: each decode process is started with the
+    addresses of its prefill replicas)."""
+    if spec.autoscaling.mode not in crd.SCALING_MODES and (
+        spec.autoscaling.mode != crd.AutoscalingMode.advisory
+    ):
+        return {}
+    return {c: p for c, p in crd.scaled_pools(spec).items() if c in ("edge", "monolithic")}
+
+
 def local_notes(service: builders.Service) -> list[str]:
     """Fields that have no effect on one machine, said once at start-up."""
     spec = service.spec
@@ -132,10 +143,22 @@ def local_notes(service: builders.Service) -> list[str]:
             "spec.model.cache: the claim is a cluster volume; local processes use this "
             "machine's model store (HYBRIDLLM_MODEL_CACHE), verified by sha256 the same way"
         )
-    if spec.autoscaling.mode != crd.AutoscalingMode.off:
+    if spec.autoscaling.mode == crd.AutoscalingMode.external:
         notes.append(
-            f"spec.autoscaling.mode is {spec.autoscaling.mode.value}: local mode does not run "
-            "the autoscaler yet; every pool keeps its spec replicas"
+            "spec.autoscaling.mode is external: there is no HPA here; every pool keeps its "
+            "spec replicas"
+        )
+    fixed = sorted(set(crd.scaled_pools(spec)) - set(local_scaled_pools(spec)))
+    if spec.autoscaling.mode in crd.SCALING_MODES and fixed:
+        notes.append(
+            f"autoscaling: the {' and '.join(fixed)} pools keep their spec replicas here "
+            "(a decode replica is told its prefill replicas when it starts)"
+        )
+    zero = [c for c, p in local_scaled_pools(spec).items() if p.min_replicas == 0]
+    if zero:
+        notes.append(
+            f"minReplicas 0 ({', '.join(zero)}): local mode keeps one replica (its gateway "
+            "routes to running processes only, so nothing would wake a stopped pool)"
         )
     if spec.edge.enabled and spec.edge.devices is not None:
         notes.append("spec.edge.devices: devices outside this machine are not enrolled locally")
@@ -169,6 +192,7 @@ class Replica:
     port: int
     kv_port: int | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    standby: bool = False  # a slot the autoscaler may start (not started at first)
 
     @property
     def name(self) -> str:
@@ -293,10 +317,14 @@ def make_plan(
     service = manifest.service()
     pools = builders.pools(service)
     runtime_pools = [p for p in pools if p.component != "gateway"]
-    # Local mode does not run the autoscaler yet (a start-up note says so): spec replicas.
+    # Pools start at their spec replicas; a pool the autoscaler sizes gets a slot (a port
+    # and a command line) for each replica up to its maximum, the rest on standby.
+    scaled = local_scaled_pools(service.spec)
     count = {c: p.replicas for c, p in crd.scaled_pools(service.spec).items()}
-    needed = sum(count[p.component] for p in runtime_pools) + sum(
-        count[p.component] for p in runtime_pools if p.component == "prefill"
+    slots = {c: max(count[c], p.max_replicas) if c in scaled else count[c]
+             for c, p in crd.scaled_pools(service.spec).items()}  # fmt: skip
+    needed = sum(slots[p.component] for p in runtime_pools) + sum(
+        slots[p.component] for p in runtime_pools if p.component == "prefill"
     )
     port_iter = ports if ports is not None else iter(free_ports(needed))
     routing_path = state_dir / "routing.json"
@@ -316,7 +344,7 @@ def make_plan(
                 Replica("gateway", 0, [program, *args], port=gateway_port, env=dict(pool.env))
             )
             continue
-        for index in range(count[pool.component]):
+        for index in range(slots[pool.component]):
             port = next(port_iter)
             values = {"--host": LOOPBACK, "--port": str(port)}
             kv_port = None
@@ -334,6 +362,7 @@ def make_plan(
                     port=port,
                     kv_port=kv_port,
                     env=dict(pool.env),
+                    standby=index >= count[pool.component],
                 )
             )
     shown_host = LOOPBACK if host in ("0.0.0.0", "::") else host

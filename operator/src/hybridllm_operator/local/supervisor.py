@@ -15,6 +15,11 @@ What a kubelet and a Service do for pods, on one machine:
   and SIGKILL after it; a second Ctrl-C skips the grace. Every child runs in its own
   process group (so its own children go with it) and gets SIGTERM from the kernel if the
   supervisor itself dies (``PR_SET_PDEATHSIG``): no orphan outlives a supervisor;
+- **autoscaling** (edge and monolithic pools, when ``spec.autoscaling.mode`` scales): the
+  operator's own autoscaler (`hybridllm_operator.autoscaling`) reads the gateway's
+  ``/metrics`` every interval and the supervisor starts standby slots or retires replicas:
+  a retired replica leaves the routing table first, then gets SIGTERM and finishes what
+  it is answering;
 - **state on disk**: ``state.json`` (phase, pids, ports, restarts; rewritten atomically
   on every change) lets ``status``, ``logs`` and ``down`` work from another shell, and
   ``supervisor.lock`` (an flock held for the supervisor's life) keeps a second
@@ -38,7 +43,9 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from hybridllm_operator.local.plan import Plan, Replica
+from hybridllm_forecaster.autoscaler import DECIDING
+from hybridllm_operator import autoscaling, demand
+from hybridllm_operator.local.plan import Plan, Replica, local_scaled_pools
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -54,6 +61,7 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 BACKOFF_RESET_AFTER_S = 60.0
 DEFAULT_GRACE_S = 30.0
+RETIRE_DELAY_S = 3.0  # a retired replica's wait between leaving the table and SIGTERM
 
 _PR_SET_PDEATHSIG = 1
 
@@ -105,7 +113,10 @@ class Proc:
 
     replica: Replica
     log: Path
-    status: str = "pending"  # pending, starting, ready, unready, backoff, stopped
+    # pending, starting, ready, unready, backoff, stopped; standby (a slot not running),
+    # draining (being retired by the autoscaler)
+    status: str = "pending"
+    retiring: bool = False
     pid: int | None = None
     start_time: int | None = None
     restarts: int = 0
@@ -146,7 +157,16 @@ class Supervisor:
         self.state_dir = state_dir
         self.grace_s = grace_s
         self.out = out or sys.stdout
-        self.procs = [Proc(r, state_dir / LOG_DIR / f"{r.name}.log") for r in plan.replicas]
+        self.procs = [
+            Proc(
+                r,
+                state_dir / LOG_DIR / f"{r.name}.log",
+                status="standby" if r.standby else "pending",
+            )
+            for r in plan.replicas
+        ]
+        self.tasks: list[asyncio.Task[None]] = []
+        self.scaling: autoscaling.ServiceAutoscaler | None = None
         self.phase = "starting"
         self.t0 = time.monotonic()
         self.started_wall = time.time()
@@ -173,12 +193,18 @@ class Supervisor:
             "started_at": self.started_wall,
             "processes": [p.to_state() for p in self.procs],
         }
+        if self.scaling is not None:
+            state["autoscaling"] = {
+                "mode": self.scaling.mode,
+                "pools": {c: {"desired": d.desired, "reason": d.reason}
+                          for c, d in self.scaling.decisions.items()},
+            }  # fmt: skip
         _atomic_write(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
 
     def _update_phase(self) -> None:
         if self.phase == "stopping":
             return
-        all_ready = all(p.status == "ready" for p in self.procs)
+        all_ready = all(p.status == "ready" for p in self.procs if p.status != "standby")
         if all_ready and self.phase == "starting":
             self.phase = "ready"
             self._banner()
@@ -189,7 +215,7 @@ class Supervisor:
     def _banner(self) -> None:
         url = self.plan.gateway_url
         model = self.plan.service().served_name
-        names = ", ".join(p.replica.name for p in self.procs)
+        names = ", ".join(p.replica.name for p in self.procs if p.status != "standby")
         self.say(f"{self.plan.name} is ready at {url}/v1 ({names})")
         self.out.write(
             f"""
@@ -281,7 +307,9 @@ class Supervisor:
         failures = 0
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                if await self._probe_once(session, proc):
+                if proc.retiring:  # leaving: out of the routing table for good
+                    pass
+                elif await self._probe_once(session, proc):
                     failures = 0
                     if proc.status != "ready":
                         assert proc.started_at is not None
@@ -321,9 +349,10 @@ class Supervisor:
                     await probe
                 proc.last_exit = describe_exit(code)
                 ran = time.monotonic() - proc.started_at
-                if self._stop.is_set():
+                if self._stop.is_set() or proc.retiring:
                     proc.pid = None
-                    self._set_status(proc, "stopped")
+                    self._set_status(proc, "standby" if proc.retiring else "stopped")
+                    proc.retiring = False
                     return
                 if ran >= BACKOFF_RESET_AFTER_S:
                     backoff = BACKOFF_FIRST_S
@@ -346,6 +375,76 @@ class Supervisor:
         for w in pending:
             w.cancel()
         return event.is_set() and not self._stop.is_set()
+
+    # ----------------------------------------------------------------- autoscaling
+
+    async def _autoscale(self) -> None:
+        """Every interval: the gateway's demand, the autoscaler's decision, then start
+        standby slots or retire replicas of each pool it sizes."""
+        spec = self.plan.service().spec
+        local = local_scaled_pools(spec)
+        for pool in local.values():  # nothing here wakes a stopped pool: keep one
+            pool.min_replicas = max(pool.min_replicas, 1)
+        scaling = autoscaling.ServiceAutoscaler()
+        scaling.configure(spec)
+        self.scaling = scaling
+        metrics = f"{self.plan.gateway_url}/metrics"
+        gateway = [p for p in self.procs if p.replica.component == "gateway"]
+        source = demand.GatewayScrape(
+            lambda: [metrics] if any(p.status == "ready" for p in gateway) else []
+        )
+        loop = asyncio.get_running_loop()
+        interval = float(spec.autoscaling.interval_seconds)
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
+            if self._stop.is_set():
+                return
+            observed = {
+                c: autoscaling.Observed(
+                    replicas=len(self._active(c)),
+                    ready=sum(p.status == "ready" for p in self._active(c)),
+                )
+                for c in local
+            }
+            now = time.time()
+            snapshot = await loop.run_in_executor(None, source.read, now)
+            changed = scaling.step(now, snapshot, observed)
+            for component, (old, new) in changed.items():
+                reason = scaling.decisions[component].reason
+                self.say(f"autoscaler: {component} {old} -> {new} replicas ({reason})")
+                self._resize(component, new)
+            self.write_state()
+
+    def _active(self, component: str) -> list[Proc]:
+        return [
+            p for p in self.procs
+            if p.replica.component == component and p.status != "standby" and not p.retiring
+        ]  # fmt: skip
+
+    def _resize(self, component: str, replicas: int) -> None:
+        active = self._active(component)
+        if replicas > len(active):
+            standby = [
+                p for p in self.procs
+                if p.replica.component == component and p.status == "standby"
+            ]  # fmt: skip
+            for proc in standby[: replicas - len(active)]:
+                proc.status = "pending"
+                self.tasks.append(asyncio.create_task(self._keep(proc)))
+        for proc in sorted(active, key=lambda p: p.replica.index)[replicas:]:
+            self.tasks.append(asyncio.create_task(self._retire(proc)))
+
+    async def _retire(self, proc: Proc) -> None:
+        """Out of the routing table first; once the gateway has reloaded it, SIGTERM: the
+        server finishes what it is answering and exits; `_keep` then leaves the slot on
+        standby."""
+        proc.retiring = True
+        self._set_status(proc, "draining")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), RETIRE_DELAY_S)
+        if not self._stop.is_set():
+            await self._terminate([proc])
 
     # ----------------------------------------------------------------- stopping
 
@@ -404,7 +503,12 @@ class Supervisor:
             + ", ".join(p.replica.name for p in self.procs)
         )
         self.write_state()
-        tasks = [asyncio.create_task(self._keep(p)) for p in self.procs]
+        self.tasks = [
+            asyncio.create_task(self._keep(p)) for p in self.procs if p.status != "standby"
+        ]
+        spec = self.plan.service().spec
+        if local_scaled_pools(spec) and spec.autoscaling.mode.value in DECIDING:
+            self.tasks.append(asyncio.create_task(self._autoscale()))
         await self._stop.wait()
         self.phase = "stopping"
         self.write_state()
@@ -414,7 +518,7 @@ class Supervisor:
         for group in (gateway, rest, prefill):  # the front door first, the KV source last
             await self._terminate(group)
         await self._terminate(self.procs)  # any replica that was starting meanwhile
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         for path in (self.state_dir / STATE_FILE, Path(self.plan.routing_path)):
             path.unlink(missing_ok=True)
         self.say(f"{self.plan.name} stopped")
