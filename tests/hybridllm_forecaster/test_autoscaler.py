@@ -257,3 +257,30 @@ def test_constant_load_changes_direction_at_most_once(mode, start, work, cold_st
     # it does carry the load (the HPA's 10% tolerance may leave it just short)
     need = min(work / pool.target_utilisation, 60)
     assert counts[-1] * (1 + policies.HPA_TOLERANCE) >= need - 1e-6, counts
+
+
+def test_hybrid_raises_the_pool_before_a_daily_rise_and_reactive_after_it():
+    """Four days of a demand that steps from 10 to 40 replicas' worth at 09:00 every day,
+    through the online loop (Holt-Winters learns the daily season from the bins it is fed):
+    on the fourth day, hybrid scales up one lead time before 09:00, reactive after."""
+    bin_s, per_day, days = 600.0, 144, 4
+    hour = (np.arange(days * per_day) % per_day) / 6.0
+    work = np.where((hour >= 9) & (hour < 17), 40.0, 10.0)
+    pool = PoolConfig(min_replicas=1, max_replicas=200, cold_start_s=600.0)
+    first_up = {}
+    for mode in ("reactive", "hybrid"):
+        scaler = _scaler(pool, mode, bin_s, "holt-winters")
+        current, ups = 15, []
+        for k in range(int(days * per_day * bin_s // 15)):
+            now = k * 15.0
+            b = int(now // bin_s)
+            if k % 40 == 0:
+                scaler.forecast.update(work[:b], 0.0)
+            d = scaler.decide(now, current, current, autoscaler.Reading(float(work[b])))
+            if d.desired > current and now >= 3 * 86_400:
+                ups.append((now - 3 * 86_400) / 3600)
+            current = d.desired
+        first_up[mode] = ups[0]
+    lead_h = pool.lead_time_s / 3600
+    assert 9.0 - lead_h - 0.05 <= first_up["hybrid"] < 9.0, first_up
+    assert first_up["reactive"] >= 9.0, first_up

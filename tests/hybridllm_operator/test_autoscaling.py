@@ -48,8 +48,11 @@ def test_each_pool_is_sized_by_its_own_tier_and_capacity():
     for t in range(0, 60, 15):  # the reactive metric is read one scrape late
         changed = scaler.step(float(t), snapshot(busy, idle), OBSERVED)
     assert changed == {}  # the last step changed nothing
-    # the idle cloud pool went to its minimum at the first step (the HPA's window starts
-    # empty, as a new HPA's does); the edge pool carries its load
+    # the idle cloud pool keeps the replicas it started with for one stabilisation window
+    # (they count as a recommendation made at the start); the edge pool carries its load
+    assert scaler.replicas() == {"edge": 5, "monolithic": 2}
+    for t in range(60, 400, 15):
+        scaler.step(float(t), snapshot(busy, idle), OBSERVED)
     assert scaler.replicas() == {"edge": 5, "monolithic": 1}
     assert autoscaling.metrics_condition(scaler) == (
         True,
@@ -148,7 +151,7 @@ def test_a_pool_at_zero_wakes_on_requests_waiting_at_the_gateway():
     scaler.configure(crd.LLMServiceSpec.model_validate(doc))
     at_zero = {**OBSERVED, "edge": autoscaling.Observed(replicas=0, ready=0)}
     idle = TierDemand(prompt_tok_s=0, completion_tok_s=0)
-    assert scaler.step(0.0, snapshot(idle, idle), at_zero) == {"monolithic": (2, 1)}
+    assert scaler.step(0.0, snapshot(idle, idle), at_zero) == {}
     assert scaler.desired["edge"] == 0
     waiting = TierDemand(prompt_tok_s=0, completion_tok_s=0, waiting=3)
     assert scaler.step(15.0, snapshot(waiting, idle), at_zero) == {"edge": (0, 1)}

@@ -267,6 +267,9 @@ def test_a_status_equal_to_a_stale_view_of_the_object_is_still_written(
 
     cluster, kube = own_cluster
     doc = _base("stale")
+    # the edge pods can run nowhere until a node gets this label: the first status is
+    # not Ready however fast kwok readies pods
+    doc["spec"]["edge"]["pool"]["nodeSelector"] = {"hybridllm.io/stale-test": "go"}
     kube.apply(doc, NAMESPACE)
     api = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
     client = reconcile.Cluster.connect(api)
@@ -283,6 +286,7 @@ def test_a_status_equal_to_a_stale_view_of_the_object_is_still_written(
     reconcile.reconcile(client, fetch(), images, applied)  # children just made: not Ready
     written_first = fetch()["status"]
     assert ready(fetch()) == "False"
+    kube.run("label", "node", "kwok-edge-0", "hybridllm.io/stale-test=go")
     deadline = time.monotonic() + 120
     while ready(fetch()) != "True":  # reconciles with fresh views until the pods are up
         assert time.monotonic() < deadline, fetch().get("status")

@@ -91,6 +91,9 @@ def test_update_replicas_and_switch_to_disaggregated(
     kube: Any, operator: Any, namespace: str
 ) -> None:
     body = example("svc")
+    # the spec's replicas drive the pools here (with autoscaling on, the autoscaler owns
+    # them from its first interval: tests/hybridllm_operator/test_k8s_autoscaling.py)
+    body["spec"]["autoscaling"] = {"mode": "off"}
     kube.apply(body, namespace)
     kube.eventually(lambda: ready(kube, "svc", namespace), 90, "svc Ready")
 

@@ -42,6 +42,6 @@ def exit_for(reason: str, log: logging.Logger) -> NoReturn:
 # sends SIGTERM; the servers stop accepting, finish the requests in flight and exit.
 # No request outlives MAX_REQUEST_SECONDS (the gateway's request timeout), so a
 # termination grace period of the two plus a margin lets every one of them finish.
-DRAIN_DELAY_SECONDS = 5
+DRAIN_DELAY_SECONDS = 10
 MAX_REQUEST_SECONDS = 600
 TERMINATION_GRACE_SECONDS = DRAIN_DELAY_SECONDS + MAX_REQUEST_SECONDS + 5

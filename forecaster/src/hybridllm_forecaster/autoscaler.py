@@ -177,6 +177,7 @@ class PoolScaler:
             )  # fmt: skip
         else:
             self.policy = None
+        self._started = False  # the first decision seeds the reactive window
 
     # ------------------------------------------------------------------ state
 
@@ -187,6 +188,7 @@ class PoolScaler:
         """Take back a saved state; one saved under another mode is ignored."""
         if state and state.get("mode") == self.mode and self.policy is not None:
             self.policy.restore(state.get("policy") or {})
+            self._started = True
 
     # ------------------------------------------------------------------ the decision
 
@@ -228,6 +230,16 @@ class PoolScaler:
                 metrics_available=False, **common,
             )  # fmt: skip
         assert reading.work_per_s is not None
+        if not self._started:
+            # The replicas the pool starts with hold for one reactive window (unless the
+            # load needs more); the forecast's own part has no window to seed.
+            self._started = True
+            floor = (
+                self.policy.floor if isinstance(self.policy, policies.PredictiveWithFloor)
+                else self.policy
+            )  # fmt: skip
+            if isinstance(floor, policies.Hpa):
+                floor.behaviour.seed(now_s, provisioned)
         if provisioned == 0:
             # At zero, the policies have nothing to measure (no replica, no load served):
             # the pool wakes on requests waiting for it, and otherwise stays down.
@@ -238,6 +250,11 @@ class PoolScaler:
                 if want
                 else "at zero replicas: no request is waiting"
             )
+            if want and unschedulable > 0:
+                return Decision(0, want, None, None, reason=(
+                    f"capacity-bound: {unschedulable} pod(s) cannot be scheduled, so the pool "
+                    f"stays at 0 (wanted {want})"
+                ), metrics_available=True, capacity_bound=True, **common)  # fmt: skip
             if self.mode == "advisory":
                 return Decision(0, want, None, None, reason=f"advisory, not applied: {why}",
                                 metrics_available=True, **common)  # fmt: skip

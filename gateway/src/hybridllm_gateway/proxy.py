@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 HOLD_POLL_S = 0.5  # how often a tier at zero is asked whether a replica is up
+SERVICE_RETRY_S = 0.25  # the pause before trying a Service address again, times attempts
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Outcome:
     added_s: float = 0.0
     ttft_s: float = 0.0
     attempts: list[str] = field(default_factory=list)
+    unsent: bool = False  # the last attempt could not connect: the request never left
 
 
 @dataclass
@@ -112,6 +114,13 @@ class Forwarder:
                         return done, outcome
                     if outcome.status and outcome.status not in RETRYABLE_STATUS:
                         return None, outcome  # a 4xx/200 non-stream body, passed through
+                    if outcome.unsent and len(pool.replicas) == 1 and i + 1 == len(tiers):
+                        # One address for the tier is a Service: a refused connection means
+                        # one of its pods just left (its endpoint not yet removed), not the
+                        # tier. The request never left, and no other tier is left to try:
+                        # the address again, after a beat.
+                        tried.discard(replica.url)
+                        await asyncio.sleep(SERVICE_RETRY_S * len(outcome.attempts))
                 if held or not pool.scale_from_zero or outcome.tier != tier or outcome.status:
                     break
                 # No replica of a tier that may be at zero answered at all: count it (the
@@ -146,7 +155,7 @@ class Forwarder:
         """One attempt on one replica, counted in its outstanding requests."""
         tried.add(replica.url)
         outcome.attempts.append(replica.url)
-        outcome.tier = replica.tier
+        outcome.tier, outcome.unsent = replica.tier, False
         replica.num_outstanding += 1
         gauge = self.metrics.outstanding.labels(tier=replica.tier)
         gauge.inc()
@@ -244,7 +253,7 @@ class Forwarder:
                     log.debug("pooled connection to %s was closed while idle: %s", url, exc)
                     continue
                 self._fail(replica, "connect")
-                outcome.status = 0
+                outcome.status, outcome.unsent = 0, True
                 return None, f"{url}: {type(exc).__name__}: {exc}"
             break
         self.metrics.upstream_latency.labels(tier=replica.tier).observe(
@@ -354,7 +363,7 @@ class Forwarder:
                         conn, reused = await self.pool.acquire(replica.url)
                 except (OSError, TimeoutError) as exc:
                     self._fail(replica, "connect")
-                    outcome.status = 0
+                    outcome.status, outcome.unsent = 0, True
                     return None, f"{url}: {type(exc).__name__}: {exc}"
                 conn.send(path, replica.url[len("http://") :].split("/", 1)[0], payload, extra)
                 async with asyncio.timeout_at(deadline):
