@@ -23,7 +23,7 @@ batches); the single-stream comparison then uses our file on both sides.
 
 ``llama_cpp.server`` needs the ``server`` extra's packages that the workspace does not lock
 (sse-starlette, starlette-context); ``--peer-deps`` points at a folder holding them
-(``uv pip install --no-deps --target /tmp/llama_server_deps sse-starlette
+(``uv pip install --no-deps --target .bench-deps/llama_server sse-starlette
 "starlette-context<0.4"``), put on the peer's PYTHONPATH only.
 """
 
@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--per-client", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternating ours/peer rounds")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--peer-deps", default="/tmp/llama_server_deps")
+    parser.add_argument("--peer-deps", default=".bench-deps/llama_server")
     parser.add_argument("--lengths", type=int, nargs="+",
                         help="mixed max_tokens per request in the load tests")  # fmt: skip
     args = parser.parse_args()
