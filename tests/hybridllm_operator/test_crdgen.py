@@ -62,7 +62,7 @@ def test_cel_rules_and_defaults_are_emitted() -> None:
     assert cloud["properties"]["kvCache"]["properties"]["blockSize"]["enum"] == [8, 16, 32, 64, 128]
     assert "metadata.name" in root["x-kubernetes-validations"][0]["rule"]
     columns = [c["name"] for c in doc["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert columns[:6] == ["Mode", "Edge", "Cloud", "Revision", "Scaling", "Ready"]
+    assert columns[:7] == ["Mode", "Edge", "Cloud", "Revision", "Scaling", "Rollout", "Ready"]
 
 
 def test_cli_check_fails_on_drift_and_generate_fixes_it(tmp_path: Path) -> None:

@@ -536,16 +536,52 @@ class RolloutStep(_Model):
 
 
 class RolloutAnalysis(_Model):
-    """Thresholds that fail a rollout stage."""
+    """How each stage is judged: the canary against the stable revision over the same
+    window, from the gateway's per-revision metrics."""
 
-    max_error_rate: float = Field(
-        default=0.02, ge=0, le=1, description="Largest share of failed requests."
-    )
-    max_ttft_p95_seconds: float = Field(
-        default=2.0, gt=0, le=600, description="Largest p95 time to first token."
+    interval_seconds: int = Field(
+        default=30, ge=5, le=3600, description="How often a stage is analysed while it runs."
     )
     min_requests: int = Field(
-        default=50, ge=0, le=10_000_000, description="Requests needed before judging a stage."
+        default=50,
+        ge=1,
+        le=10_000_000,
+        description="Requests each revision must have answered in the window before a stage "
+        "is judged; fewer holds the stage (inconclusive).",
+    )
+    max_error_rate: float = Field(
+        default=0.02, ge=0, le=1,
+        description="A canary failing more than this share of its attempts, significantly "
+        "more than the stable revision, fails the stage.",
+    )  # fmt: skip
+    max_ttft_p95_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="A canary p95 time to first token above this, while the stable "
+        "revision's is below it, fails the stage.",
+    )
+    max_tbt_p95_seconds: float = Field(
+        default=0.2,
+        gt=0,
+        le=60,
+        description="A canary p95 time between tokens above this, while the stable "
+        "revision's is below it, fails the stage.",
+    )
+    max_latency_increase: float = Field(
+        default=0.2,
+        ge=0,
+        le=100,
+        description="A canary p95 (TTFT or time between tokens) more than this fraction "
+        "above the stable revision's fails the stage (0.2: 20% slower).",
+    )
+    significance: float = Field(
+        default=0.01,
+        gt=0,
+        le=0.5,
+        description="A difference fails a stage only when a one-sided test (Mann-Whitney U "
+        "on the latency histograms, a two-proportion z-test on errors) gives a p-value "
+        "below this.",
     )
 
 
@@ -744,6 +780,67 @@ class Endpoints(_Model):
     )
 
 
+class RolloutPhase(StrEnum):
+    progressing = "Progressing"  # a step is running
+    paused = "Paused"  # held by hand (hybridllm rollout pause)
+    inconclusive = "Inconclusive"  # the analysis cannot judge yet; the step holds
+    failed = "Failed"  # a step failed and autoRollback is off: held at that step
+    promoting = "Promoting"  # every step passed: the stable pools take the new revision
+    finalizing = "Finalizing"  # traffic back on the stable pools; the canary drains
+    aborting = "Aborting"  # traffic back on the stable revision; the canary drains
+    aborted = "Aborted"  # the canary is gone; the stable revision serves
+    completed = "Completed"  # the new revision is the stable one (or no rollout ran)
+
+
+class MetricVerdict(_Model):
+    """One analysed metric of a step: the canary's and the stable revision's values."""
+
+    metric: str = Field(description="errorRate, ttftP95 or tbtP95.")
+    canary: float | None = Field(default=None, description="The canary's value.")
+    stable: float | None = Field(default=None, description="The stable revision's value.")
+    p_value: float | None = Field(default=None, description="One-sided test of canary worse.")
+    result: str = Field(description="pass, fail or inconclusive.")
+
+
+class RolloutStatus(_Model):
+    """The rollout of a new model revision, step by step. The operator keeps its whole
+    state here, so a restarted operator resumes at the same step."""
+
+    phase: RolloutPhase = Field(description="Where the rollout is.")
+    stable_revision: str = Field(
+        description="The revision that serves when the rollout ends or aborts."
+    )
+    canary_revision: str | None = Field(default=None, description="The revision being rolled out.")
+    step: int = Field(default=0, ge=0, description="Index of the current step (0-based).")
+    steps: int = Field(default=0, ge=0, description="Number of steps.")
+    weight: int = Field(
+        default=0, ge=0, le=100, description="Percent of traffic on the canary now."
+    )
+    step_started_at: float | None = Field(
+        default=None,
+        description="Unix time the step's window began (the canary serving at its weight).",
+    )
+    message: str = Field(default="", max_length=2048, description="Why the rollout is where it is.")
+    analysis: list[MetricVerdict] = Field(
+        default_factory=list, max_length=8, description="The last analysis of the step."
+    )
+    stable_spec: str | None = Field(
+        default=None,
+        max_length=65_536,
+        description="The spec the stable revision's pools run, as JSON (a rollout renders "
+        "them from it while the new revision is the spec's).",
+    )
+    started_at: float | None = Field(default=None, description="Unix time the rollout started.")
+    routing_generation: int = Field(
+        default=0, ge=0,
+        description="Bumped at every change of the weights; the gateways export the one "
+        "they serve, so a step starts only once every gateway routes by it.",
+    )  # fmt: skip
+    handled_action: str | None = Field(
+        default=None, description="The last hybridllm.io/rollout-action annotation acted on."
+    )
+
+
 class LLMServiceStatus(_Model):
     """What the operator observed."""
 
@@ -767,6 +864,12 @@ class LLMServiceStatus(_Model):
     )
     autoscaling: str | None = Field(
         default=None, description="The autoscaler's mode and last action, for kubectl get."
+    )
+    rollout: RolloutStatus | None = Field(
+        default=None, description="The rollout of a new revision, while one runs or last ran."
+    )
+    rollout_summary: str | None = Field(
+        default=None, description="Rollout phase, step and canary weight, for kubectl get."
     )
     endpoints: Endpoints | None = Field(default=None, description="In-cluster endpoints.")
 

@@ -78,3 +78,20 @@ GATEWAY_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_completion_tokens_total"
 # none (counter): what wakes a pool at zero (label: tier).
 GATEWAY_HELD_REQUESTS = "hybridllm_gateway_held_requests"
 GATEWAY_COLD_REQUESTS_TOTAL = "hybridllm_gateway_cold_requests_total"
+# Per model revision, for the rollout analysis (labels: tier, revision): each upstream
+# attempt and whether it failed (result: ok, error; a retried failure still counts), the
+# time to first token and the time per output token of answered requests, and each
+# revision's weight and healthy backends in the routing table the gateway serves.
+GATEWAY_REVISION_ATTEMPTS_TOTAL = "hybridllm_gateway_revision_attempts_total"
+GATEWAY_REVISION_TTFT_SECONDS = "hybridllm_gateway_revision_time_to_first_token_seconds"
+GATEWAY_REVISION_TPOT_SECONDS = "hybridllm_gateway_revision_time_per_output_token_seconds"
+GATEWAY_REVISION_WEIGHT = "hybridllm_gateway_revision_weight"
+GATEWAY_REVISION_HEALTHY_BACKENDS = "hybridllm_gateway_revision_healthy_backends"
+# The routing table's generation the gateway serves (the operator bumps it with every
+# change of the weights): a rollout step starts once every gateway serves it.
+GATEWAY_ROUTING_GENERATION = "hybridllm_gateway_routing_generation"
+# Time-per-output-token buckets (seconds): a CPU edge replica decodes at 10-100 ms a token.
+TPOT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.5, 1.0, 2.5,
+)  # fmt: skip

@@ -60,6 +60,8 @@ class State:
         self.balancer.update(routing)
         self.limiter.update(routing.rate_limits)
         self.metrics.serve_tiers(self.balancer.tiers)
+        self.metrics.serve_revisions(self.balancer.tiers)
+        self.metrics.routing_generation.set(routing.generation)
         self.routing = routing
 
 
@@ -238,7 +240,16 @@ async def _handle(
         m.completion_tokens.labels(tier=outcome.tier).inc(tokens)
     m.added.observe(outcome.added_s)
     m.ttft.labels(tier=outcome.tier).observe(outcome.ttft_s)
-    m.e2e.labels(tier=outcome.tier).observe(time.perf_counter() - t_start)
+    e2e_s = time.perf_counter() - t_start
+    m.e2e.labels(tier=outcome.tier).observe(e2e_s)
+    if outcome.status < 500 and not outcome.broken:
+        m.revision_attempts.labels(tier=outcome.tier, revision=outcome.revision, result="ok").inc()
+    if 200 <= outcome.status < 300 and not outcome.broken:
+        m.revision_ttft.labels(tier=outcome.tier, revision=outcome.revision).observe(outcome.ttft_s)
+        if stream and tokens >= 2:  # a whole answer at once says nothing of token times
+            m.revision_tpot.labels(tier=outcome.tier, revision=outcome.revision).observe(
+                (e2e_s - outcome.ttft_s) / (tokens - 1)
+            )
     state.limiter.charge(key_name, tokens)
     return response
 
@@ -269,7 +280,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    data = generate_latest(request.app[STATE].metrics.registry)
+    state = request.app[STATE]
+    state.metrics.serve_revisions(state.balancer.tiers)  # ejections change between reloads
+    data = generate_latest(state.metrics.registry)
     return web.Response(body=data, headers={"content-type": CONTENT_TYPE_LATEST})
 
 

@@ -12,8 +12,14 @@ warm, and no replica carries more than ~1.25x the mean. The ring hashes with BLA
 Python's per-process ``hash``, so every gateway replica maps a key to the same backend.
 
 Without a key the replica with the fewest outstanding requests per unit of weight wins,
-ties broken at random in proportion to weight; weights split traffic between revisions
-(canary). A weight of 0 drains a backend.
+ties broken at random in proportion to weight. A weight of 0 drains a backend.
+
+Weights split traffic between model revisions (a canary rollout): every backend of a
+revision carries the revision's percent. When a tier has more than one revision with a
+weight, the revision is chosen first, in proportion to the weights (by the key's hash
+when there is one, so a session stays on one revision; at random otherwise), and the
+replica is then chosen among that revision's; a revision with no replica left to try
+gives way to the others.
 
 Ejection is passive: ``eject_after_failures`` consecutive failures (connection errors,
 timeouts, 5xx before the first byte) eject a replica for ``eject_base_s``, doubling on each
@@ -99,6 +105,32 @@ class TierPool:
         Envoy does below its panic threshold): failing every request is never better."""
         return self.healthy(now) or [r for r in self.replicas if r.weight > 0]
 
+    def revision_weights(self) -> dict[str, int]:
+        """Revision -> its weight (the largest of its backends')."""
+        out: dict[str, int] = {}
+        for r in self.replicas:
+            out[r.revision] = max(out.get(r.revision, 0), r.weight)
+        return out
+
+    def _revision_candidates(self, key: str | None, candidates: list[Replica]) -> list[Replica]:
+        """The candidates of one revision, chosen by weight, when several revisions have one."""
+        weights: dict[str, int] = {}
+        for r in candidates:
+            weights[r.revision] = max(weights.get(r.revision, 0), r.weight)
+        if len(weights) < 2:
+            return candidates
+        revisions = sorted(weights)
+        total = sum(weights.values())
+        if key is not None:
+            point = stable_hash("revision#" + key) % total
+            for revision in revisions:
+                point -= weights[revision]
+                if point < 0:
+                    break
+        else:
+            revision = random.choices(revisions, weights=[weights[v] for v in revisions])[0]
+        return [r for r in candidates if r.revision == revision]
+
     def overloaded(self, max_outstanding: int) -> bool:
         """True when every healthy replica already has more than ``max_outstanding``."""
         healthy = self.healthy()
@@ -111,6 +143,7 @@ class TierPool:
         candidates = [r for r in self.candidates(now) if r.url not in exclude]
         if not candidates:
             return None
+        candidates = self._revision_candidates(key, candidates)
         if len(candidates) == 1:
             return candidates[0]
         if key is not None:

@@ -85,6 +85,7 @@ class RoutingConfig(_Wire):
     namespace: str = ""
     model: str = ""
     revision: str = ""
+    generation: int = Field(default=0, ge=0)  # bumped by the operator with every new weight
     policy: Policy = Policy.auto
     edge_limits: EdgeLimits = Field(default_factory=EdgeLimits)
     session_affinity: SessionAffinity = Field(default_factory=SessionAffinity)

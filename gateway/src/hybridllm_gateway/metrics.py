@@ -9,7 +9,8 @@ time between the first upstream byte and its write to the client. Its buckets st
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -88,6 +89,50 @@ class GatewayMetrics:
             names.GATEWAY_COLD_REQUESTS_TOTAL, "Requests that found a tier at zero replicas.",
             ["tier"], registry=r,
         )  # fmt: skip
+
+        self.revision_attempts = Counter(
+            names.GATEWAY_REVISION_ATTEMPTS_TOTAL,
+            "Upstream attempts by tier, model revision and result (ok, error).",
+            ["tier", "revision", "result"], registry=r,
+        )  # fmt: skip
+        self.revision_ttft = Histogram(
+            names.GATEWAY_REVISION_TTFT_SECONDS,
+            "Time to first byte of answered requests, by tier and model revision.",
+            ["tier", "revision"], buckets=names.LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.revision_tpot = Histogram(
+            names.GATEWAY_REVISION_TPOT_SECONDS,
+            "Mean time between output tokens of answers of two or more tokens, by tier and "
+            "model revision.",
+            ["tier", "revision"], buckets=names.TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.revision_weight = Gauge(
+            names.GATEWAY_REVISION_WEIGHT,
+            "Percent of a tier's traffic the routing table gives each model revision.",
+            ["tier", "revision"], registry=r,
+        )  # fmt: skip
+        self.revision_healthy = Gauge(
+            names.GATEWAY_REVISION_HEALTHY_BACKENDS,
+            "Backends of each model revision that are not ejected.",
+            ["tier", "revision"], registry=r,
+        )  # fmt: skip
+
+        self.routing_generation = Gauge(
+            names.GATEWAY_ROUTING_GENERATION,
+            "Generation of the routing table in use (the operator's rollout counter).",
+            registry=r,
+        )
+
+    def serve_revisions(self, tiers: Mapping[str, Any]) -> None:
+        """Export each revision's weight and healthy backends as the routing table says
+        now (called on every reload and every scrape); revisions gone are dropped."""
+        for gauge in (self.revision_weight, self.revision_healthy):
+            gauge.clear()
+        for name, pool in tiers.items():
+            for revision, weight in pool.revision_weights().items():
+                self.revision_weight.labels(tier=name, revision=revision).set(weight)
+                healthy = [r for r in pool.healthy() if r.revision == revision]
+                self.revision_healthy.labels(tier=name, revision=revision).set(len(healthy))
 
     def serve_tiers(self, tiers: Iterable[str]) -> None:
         """Export the per-tier demand series at zero from the start: a tier nobody has asked

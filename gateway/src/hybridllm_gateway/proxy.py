@@ -52,6 +52,8 @@ class Outcome:
     ttft_s: float = 0.0
     attempts: list[str] = field(default_factory=list)
     unsent: bool = False  # the last attempt could not connect: the request never left
+    revision: str = ""  # model revision of the replica that answered (the last attempt)
+    broken: bool = False  # the answer started and then broke (counted as a failed attempt)
 
 
 @dataclass
@@ -71,6 +73,9 @@ class Forwarder:
 
     def _fail(self, replica: balancer_mod.Replica, kind: str) -> None:
         self.metrics.upstream_errors.labels(tier=replica.tier, kind=kind).inc()
+        self.metrics.revision_attempts.labels(
+            tier=replica.tier, revision=replica.revision, result="error"
+        ).inc()
         if self.balancer.record_failure(replica):
             self.metrics.ejections.labels(tier=replica.tier).inc()
             log.warning("ejected %s (%s tier) after repeated failures", replica.url, replica.tier)
@@ -156,6 +161,7 @@ class Forwarder:
         tried.add(replica.url)
         outcome.attempts.append(replica.url)
         outcome.tier, outcome.unsent = replica.tier, False
+        outcome.revision = replica.revision
         replica.num_outstanding += 1
         gauge = self.metrics.outstanding.labels(tier=replica.tier)
         gauge.inc()
@@ -318,6 +324,7 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("upstream %s broke mid-stream: %s", replica.url, exc)
             self._fail(replica, "mid_stream")
+            outcome.broken = True
             try:  # every write re-framed by aiohttp: always at a chunk boundary
                 await out.write(stream_error_event(replica))
                 completed = True
@@ -466,6 +473,7 @@ class Forwarder:
         except TimeoutError:
             log.warning("upstream %s stalled mid-stream; closing it", replica.url)
             self._fail(replica, "mid_stream")
+            outcome.broken = True
             conn.abort()
             return out
         except BaseException:
@@ -477,6 +485,7 @@ class Forwarder:
         if conn.lost is not None:
             log.warning("upstream %s broke mid-stream: %r", replica.url, conn.lost)
             self._fail(replica, "mid_stream")
+            outcome.broken = True
             conn.abort()
             if framed and conn.scanner is not None and conn.scanner.left:
                 # Cut inside an upstream chunk: no valid framing can follow, so the

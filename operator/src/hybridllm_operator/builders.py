@@ -7,6 +7,14 @@ component is one pool: ``edge``, ``monolithic`` or ``prefill`` + ``decode``, and
 has two or more replicas); the gateway also gets the ConfigMap with its routing table.
 Selectors carry only name, instance and component, because a Deployment's selector is
 immutable and the revision label changes on every rollout.
+
+During a rollout (:mod:`hybridllm_operator.rollout`) the new revision's pools run beside
+the stable ones as ``<name>-<component>-canary``, labelled ``hybridllm.io/track:
+canary`` and selected by it; the stable pools keep their names and run the spec recorded
+in the rollout's status. The stable pools' Services then also select the stable
+revision, so neither Service reaches the other revision's pods, and the gateway's table
+gives each revision a weight. The canary is sized by its share of the traffic; the
+stable pools keep their replicas, so an abort has somewhere to go.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from hybridllm_common import crd, termination
+from hybridllm_operator import rollout as rollout_mod
 
 MANAGED_BY = "hybridllm-operator"
 PORT = 8000
@@ -35,6 +44,8 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_REVISION = "hybridllm.io/revision"
+LABEL_TRACK = "hybridllm.io/track"  # "canary" on the new revision's pools during a rollout
+CANARY = "canary"
 
 # The program each component runs: the ENTRYPOINT of its image in docker/, and the
 # console script of its distribution that local mode starts.
@@ -72,6 +83,8 @@ class Service:
     images: Images = field(default_factory=Images)
     # Replicas the autoscaler set, by component; a pool without one starts at the spec's.
     scaled: Mapping[str, int] = field(default_factory=dict)
+    # The rollout's state (status.rollout): the stable pools' spec, the canary's weight.
+    rollout: crd.RolloutStatus | None = None
 
     def replicas(self, component: str, pool: crd.PoolSpec) -> int | None:
         """A scaled pool's replicas: the autoscaler's, the spec's until it has decided, or
@@ -94,24 +107,69 @@ class Service:
     def revision(self) -> str:
         return self.spec.model.revision
 
+    @property
+    def stable(self) -> crd.LLMServiceSpec:
+        """The spec the stable pools run: the live one, unless a rollout recorded another."""
+        if self.rollout is None or not rollout_mod.has_canary(self.rollout):
+            return self.spec
+        return rollout_mod.stable_spec(self.rollout, self.spec)
 
-def child_name(service: Service, component: str) -> str:
-    return f"{service.name}-{component}"
+    @property
+    def canary(self) -> crd.LLMServiceSpec | None:
+        """The spec the canary pools run while a rollout has them (the stable one once the
+        stable pools have taken it over)."""
+        if not rollout_mod.has_canary(self.rollout):
+            return None
+        assert self.rollout is not None
+        if self.rollout.phase in (crd.RolloutPhase.promoting, crd.RolloutPhase.finalizing):
+            return self.stable
+        return self.spec
+
+    def canary_replicas(self, component: str, pool: crd.PoolSpec) -> int | None:
+        """The canary's share of a pool: its traffic share of the replicas the pool has
+        now (at least one), for the weight of the step it is at or heading for."""
+        total = self.replicas(component, pool)
+        if total is None or self.rollout is None:
+            return total
+        plan = rollout_mod.steps(self.spec)
+        weight = (
+            100
+            if self.rollout.phase in (crd.RolloutPhase.promoting, crd.RolloutPhase.finalizing)
+            else plan[min(self.rollout.step, len(plan) - 1)].weight
+        )
+        return max(1, -(-total * weight // 100))
+
+
+def child_name(service: Service, component: str, track: str | None = None) -> str:
+    return f"{service.name}-{component}" + (f"-{track}" if track else "")
 
 
 def routing_configmap_name(service: Service) -> str:
     return f"{service.name}-routing"
 
 
-def selector_labels(service: Service, component: str) -> dict[str, str]:
-    return {LABEL_NAME: "hybridllm", LABEL_INSTANCE: service.name, LABEL_COMPONENT: component}
+def selector_labels(service: Service, component: str, track: str | None = None) -> dict[str, str]:
+    out = {LABEL_NAME: "hybridllm", LABEL_INSTANCE: service.name, LABEL_COMPONENT: component}
+    return out | ({LABEL_TRACK: track} if track else {})
 
 
-def labels(service: Service, component: str, *, revisioned: bool = True) -> dict[str, str]:
-    out = {**selector_labels(service, component), LABEL_MANAGED_BY: MANAGED_BY}
+def labels(
+    service: Service,
+    component: str,
+    *,
+    revisioned: bool = True,
+    revision: str | None = None,
+    track: str | None = None,
+) -> dict[str, str]:
+    out = {**selector_labels(service, component, track), LABEL_MANAGED_BY: MANAGED_BY}
     if revisioned:
-        out[LABEL_REVISION] = service.revision
+        out[LABEL_REVISION] = revision or service.revision
     return out
+
+
+def is_canary(obj_labels: Mapping[str, str] | None) -> bool:
+    """Whether a child (by its labels) belongs to a rollout's canary pools."""
+    return (obj_labels or {}).get(LABEL_TRACK) == CANARY
 
 
 def owner_reference(service: Service) -> dict[str, Any]:
@@ -126,25 +184,33 @@ def owner_reference(service: Service) -> dict[str, Any]:
 
 
 def _metadata(
-    service: Service, name: str, component: str, *, revisioned: bool = True
+    service: Service,
+    name: str,
+    component: str,
+    *,
+    revisioned: bool = True,
+    revision: str | None = None,
+    track: str | None = None,
 ) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": service.namespace,
-        "labels": labels(service, component, revisioned=revisioned),
+        "labels": labels(service, component, revisioned=revisioned, revision=revision, track=track),
         "ownerReferences": [owner_reference(service)],
     }
 
 
-def service_url(service: Service, component: str) -> str:
+def service_url(service: Service, component: str, track: str | None = None) -> str:
     port = GATEWAY_SERVICE_PORT if component == "gateway" else PORT
-    return f"http://{child_name(service, component)}.{service.namespace}.svc:{port}"
+    return f"http://{child_name(service, component, track)}.{service.namespace}.svc:{port}"
 
 
-def kv_url(service: Service) -> str:
+def kv_url(service: Service, track: str | None = None) -> str:
     """The prefill pool's KV endpoint; its Service is headless, so the name resolves to
-    every prefill pod and the decode workers balance and fail over between them."""
-    return f"tcp://{child_name(service, 'prefill')}.{service.namespace}.svc:{KV_PORT}"
+    every prefill pod and the decode workers balance and fail over between them. A
+    canary's decode pool asks the canary's prefill pool (the KV layout is the model's)."""
+    name = child_name(service, "prefill", track)
+    return f"tcp://{name}.{service.namespace}.svc:{KV_PORT}"
 
 
 # --------------------------------------------------------------------------- pools
@@ -164,6 +230,8 @@ class Pool:
     revisioned: bool = True
     env: dict[str, str] = field(default_factory=dict)
     max_replicas: int | None = None  # the autoscaler's bound (None: not autoscaled)
+    revision: str | None = None  # the model revision its pods run (None: the spec's)
+    track: str | None = None  # "canary" for a rollout's new revision, else None
 
 
 def cpu_threads(resources: crd.Resources) -> int:
@@ -176,19 +244,19 @@ def cpu_threads(resources: crd.Resources) -> int:
     return max(1, int(parse_quantity(resources.cpu)))  # type: ignore[no-untyped-call]
 
 
-def _model_args(service: Service) -> list[str]:
+def _model_args(service: Service, spec: crd.LLMServiceSpec) -> list[str]:
     # A runtime that cannot load its model exits with the reason as its termination
     # message, which the status then shows (see status.pod_problem).
-    args = ["--model", service.spec.model.source, "--served-model-name", service.served_name]
+    args = ["--model", spec.model.source, "--served-model-name", service.served_name]
     args += ["--exit-on-load-error"]
-    if service.spec.model.context_length is not None:
-        args += ["--max-model-len", str(service.spec.model.context_length)]
+    if spec.model.context_length is not None:
+        args += ["--max-model-len", str(spec.model.context_length)]
     return args
 
 
-def _edge_pool(service: Service) -> Pool:
-    edge = service.spec.edge
-    args = ["serve", *_model_args(service), "--backend", edge.runtime.value]
+def _edge_pool(service: Service, spec: crd.LLMServiceSpec, track: str | None = None) -> Pool:
+    edge = spec.edge
+    args = ["serve", *_model_args(service, spec), "--backend", edge.runtime.value]
     args += [
         "--quantization",
         edge.quantization.value,
@@ -210,19 +278,27 @@ def _edge_pool(service: Service) -> Pool:
         args += ["--no-cache"]
     return Pool(
         component="edge",
-        replicas=service.replicas("edge", edge.pool),
+        replicas=(service.canary_replicas if track else service.replicas)("edge", edge.pool),
         max_replicas=edge.pool.max_replicas if service.autoscaled() else None,
         resources=edge.pool.resources,
         image=edge.pool.image or service.images.edge,
         args=args,
         program=PROGRAMS["edge"],
         node_selector=edge.pool.node_selector,
+        revision=spec.model.revision,
+        track=track,
     )
 
 
-def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
-    cloud = service.spec.cloud
-    args = ["serve", *_model_args(service), "--role", role, "--port", str(PORT)]
+def _cloud_pool(
+    service: Service,
+    spec: crd.LLMServiceSpec,
+    role: str,
+    pool: crd.PoolSpec,
+    track: str | None = None,
+) -> Pool:
+    cloud = spec.cloud
+    args = ["serve", *_model_args(service, spec), "--role", role, "--port", str(PORT)]
     args += ["--dtype", cloud.dtype.value, "--quantization", cloud.quantization.value]
     args += [
         "--block-size",
@@ -241,19 +317,21 @@ def _cloud_pool(service: Service, role: str, pool: crd.PoolSpec) -> Pool:
     if role == "decode":
         args += [
             "--prefill-url",
-            kv_url(service),
+            kv_url(service, track),
             "--local-prefill-threshold",
             str(cloud.local_prefill_threshold),
         ]
     return Pool(
         component=role,
-        replicas=service.replicas(role, pool),
+        replicas=(service.canary_replicas if track else service.replicas)(role, pool),
         max_replicas=pool.max_replicas if service.autoscaled() else None,
         resources=pool.resources,
         image=pool.image or service.images.cloud,
         args=args,
         program=PROGRAMS[role],
         node_selector=pool.node_selector,
+        revision=spec.model.revision,
+        track=track,
     )
 
 
@@ -279,21 +357,28 @@ def _gateway_pool(service: Service) -> Pool:
     )
 
 
-def pools(service: Service) -> list[Pool]:
-    """Every pool the spec asks for, in a stable order."""
-    spec = service.spec
+def model_pools(service: Service, spec: crd.LLMServiceSpec, track: str | None = None) -> list[Pool]:
+    """The pools that serve the model as ``spec`` says (one revision's), in a stable order."""
     out: list[Pool] = []
     if spec.edge.enabled:
-        out.append(_edge_pool(service))
+        out.append(_edge_pool(service, spec, track))
     if spec.cloud.enabled:
         if spec.cloud.mode == crd.CloudMode.disaggregated:
             assert spec.cloud.prefill is not None
             assert spec.cloud.decode is not None
-            out.append(_cloud_pool(service, "prefill", spec.cloud.prefill))
-            out.append(_cloud_pool(service, "decode", spec.cloud.decode))
+            out.append(_cloud_pool(service, spec, "prefill", spec.cloud.prefill, track))
+            out.append(_cloud_pool(service, spec, "decode", spec.cloud.decode, track))
         else:
-            out.append(_cloud_pool(service, "monolithic", spec.cloud.monolithic))
-    out.append(_gateway_pool(service))
+            out.append(_cloud_pool(service, spec, "monolithic", spec.cloud.monolithic, track))
+    return out
+
+
+def pools(service: Service) -> list[Pool]:
+    """Every pool: the stable revision's, the gateway, then a rollout's canary pools."""
+    out = [*model_pools(service, service.stable), _gateway_pool(service)]
+    canary = service.canary
+    if canary is not None:
+        out += model_pools(service, canary, CANARY)
     return out
 
 
@@ -393,32 +478,38 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         pod_spec["tolerations"] = [
             {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
         ]
+    pod_labels = labels(
+        service, pool.component, revisioned=pool.revisioned, revision=pool.revision,
+        track=pool.track,
+    )  # fmt: skip
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(
-            service, child_name(service, pool.component), pool.component, revisioned=pool.revisioned
-        ),
+        "metadata": {
+            **_metadata(service, child_name(service, pool.component, pool.track), pool.component),
+            "labels": pod_labels,
+        },
         "spec": {
             **({"replicas": pool.replicas} if pool.replicas is not None else {}),
-            "selector": {"matchLabels": selector_labels(service, pool.component)},
+            "selector": {"matchLabels": selector_labels(service, pool.component, pool.track)},
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
-            "template": {
-                "metadata": {"labels": labels(service, pool.component, revisioned=pool.revisioned)},
-                "spec": pod_spec,
-            },
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
         },
     }
 
 
 def build_service(service: Service, pool: Pool) -> dict[str, Any]:
     port = GATEWAY_SERVICE_PORT if pool.component == "gateway" else PORT
+    selector = selector_labels(service, pool.component, pool.track)
+    if pool.track is None and pool.revisioned and service.canary is not None:
+        # a rollout: the stable pool's Service must not reach the canary's pods
+        selector[LABEL_REVISION] = pool.revision or service.revision
     spec: dict[str, Any] = {
         "type": "ClusterIP",
-        "selector": selector_labels(service, pool.component),
+        "selector": selector,
         "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
     }
     if pool.component == "prefill":
@@ -429,7 +520,11 @@ def build_service(service: Service, pool: Pool) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(
-            service, child_name(service, pool.component), pool.component, revisioned=False
+            service,
+            child_name(service, pool.component, pool.track),
+            pool.component,
+            revisioned=False,
+            track=pool.track,
         ),
         "spec": spec,
     }
@@ -445,19 +540,23 @@ def build_pdb(service: Service, pool: Pool) -> dict[str, Any] | None:
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(
-            service, child_name(service, pool.component), pool.component, revisioned=False
+            service,
+            child_name(service, pool.component, pool.track),
+            pool.component,
+            revisioned=False,
+            track=pool.track,
         ),
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(service, pool.component)},
+            "selector": {"matchLabels": selector_labels(service, pool.component, pool.track)},
         },
     }
 
 
-def tier_components(service: Service) -> dict[str, str]:
+def tier_components(service: Service, spec: crd.LLMServiceSpec | None = None) -> dict[str, str]:
     """The pool that answers each enabled tier: the gateway sends cloud requests to the
     decode pool (which asks the prefill pool itself) or to the monolithic pool."""
-    spec = service.spec
+    spec = spec or service.stable
     out = {}
     if spec.edge.enabled:
         out["edge"] = "edge"
@@ -478,30 +577,49 @@ def scales_from_zero(service: Service, tier: str) -> bool:
 
 
 def build_routing_config(service: Service) -> dict[str, Any]:
-    """The gateway's routing table: tiers, their backends and the routing policy."""
-    return routing_config(
-        service,
-        {tier: [service_url(service, c)] for tier, c in tier_components(service).items()},
-    )
-
-
-def routing_config(service: Service, backends: dict[str, list[str]]) -> dict[str, Any]:
-    """The routing table with the given backend URLs per tier (a tier with none is left
-    out): one Service URL per tier in a cluster, one URL per ready replica locally."""
-    spec = service.spec
-    tiers = {
-        tier: {
-            "backends": [{"url": u, "revision": service.revision, "weight": 100} for u in urls],
-            "scaleFromZero": scales_from_zero(service, tier),
+    """The gateway's routing table: tiers, their backends and the routing policy; during a
+    rollout each tier has the stable and the canary Service, weighted."""
+    stable = {t: [service_url(service, c)] for t, c in tier_components(service).items()}
+    canary_spec = service.canary
+    canary = (
+        {
+            t: [service_url(service, c, CANARY)]
+            for t, c in tier_components(service, canary_spec).items()
         }
-        for tier, urls in backends.items()
-        if urls
-    }
+        if canary_spec is not None
+        else {}
+    )
+    return routing_config(service, stable, canary)
+
+
+def routing_config(
+    service: Service, backends: dict[str, list[str]], canary: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
+    """The routing table with the given backend URLs per tier (a tier with none is left
+    out): one Service URL per tier in a cluster, one URL per ready replica locally; and a
+    rollout's canary URLs, at the canary's weight."""
+    spec = service.spec
+    weight = rollout_mod.canary_weight(service.rollout)
+    stable_revision = service.stable.model.revision
+    canary_revision = service.canary.model.revision if service.canary is not None else ""
+    tiers: dict[str, Any] = {}
+    for tier in sorted(set(backends) | set(canary or {})):
+        rows = [
+            {"url": u, "revision": stable_revision, "weight": 100 - weight}
+            for u in backends.get(tier, [])
+        ]
+        rows += [
+            {"url": u, "revision": canary_revision, "weight": weight}
+            for u in (canary or {}).get(tier, [])
+        ]
+        if rows:
+            tiers[tier] = {"backends": rows, "scaleFromZero": scales_from_zero(service, tier)}
     return {
         "service": service.name,
         "namespace": service.namespace,
         "model": service.served_name,
-        "revision": service.revision,
+        "revision": stable_revision,
+        "generation": service.rollout.routing_generation if service.rollout else 0,
         "policy": spec.routing.policy.value,
         "edgeLimits": spec.routing.edge_limits.to_wire(),
         "sessionAffinity": spec.routing.session_affinity.to_wire(),

@@ -188,6 +188,12 @@ _KINDS: list[dict[str, Any]] = [
                 "jsonPath": ".status.autoscaling",
                 "description": "Autoscaler mode and last action.",
             },
+            {
+                "name": "Rollout",
+                "type": "string",
+                "jsonPath": ".status.rolloutSummary",
+                "description": "Rollout phase, step and canary weight.",
+            },
             *_COMMON_COLUMNS,
         ],
     },

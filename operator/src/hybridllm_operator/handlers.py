@@ -44,7 +44,7 @@ from kubernetes.client import exceptions as k8s_errors
 
 from hybridllm_common import crd
 from hybridllm_forecaster.autoscaler import DECIDING
-from hybridllm_operator import autoscaling, builders, demand, reconcile
+from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
 from hybridllm_operator.settings import OperatorSettings
 
 LLMSERVICES = (crd.GROUP, crd.VERSION, "llmservices")
@@ -109,6 +109,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     memo.forecast_model = operator_settings.forecast_model
     memo.scalers = {}  # (namespace, name) -> autoscaling.ServiceAutoscaler
     memo.gateways = {}  # (namespace, name) -> {pod name: metrics URL} of Ready gateway pods
+    memo.rollouts = {}  # (namespace, name) -> rollout.Controller
     # Reconciles are short, blocking API calls: a bounded pool of threads runs them.
     memo.executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
@@ -259,6 +260,22 @@ def _scaling(memo: kopf.Memo, key: tuple[str, str], meta: Mapping[str, Any]) -> 
     return scaling
 
 
+def _rollouts(memo: kopf.Memo, key: tuple[str, str], body: Mapping[str, Any]) -> Any:
+    """This LLMService's rollout controller, shared by its daemons; the first to ask makes
+    it from ``status.rollout`` (where a restarted operator finds the step it was at)."""
+    controller = memo.rollouts.get(key)
+    if controller is None:
+        controller = rollout.Controller((body.get("status") or {}).get("rollout"))
+        memo.rollouts[key] = controller
+    return controller
+
+
+def _post(body: kopf.Body, controller: Any, logger: Logger) -> None:
+    for type_, reason, message in controller.take_events():
+        kopf.event(body, type=type_, reason=reason, message=message)
+        logger.info("rollout: %s: %s", reason, message)
+
+
 @kopf.daemon(*LLMSERVICES, cancellation_timeout=30.0)
 async def reconciler(
     body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
@@ -268,6 +285,7 @@ async def reconciler(
     waker = Waker()
     memo.wakers[key] = waker
     scaling = _scaling(memo, key, meta)
+    rollouts = _rollouts(memo, key, body)
     loop = asyncio.get_running_loop()
     retry_s = RETRY_FIRST_S
     try:
@@ -285,6 +303,7 @@ async def reconciler(
                     memo.images,
                     waker.applied,
                     scaling,
+                    rollouts,
                 )
             except reconcile.InvalidSpec as exc:
                 # Degraded, with the field named, is in the status; nothing to retry
@@ -306,6 +325,7 @@ async def reconciler(
             else:
                 waker.generation, wait, retry_s = generation, memo.resync_seconds, RETRY_FIRST_S
                 waker.reconciles += 1
+            _post(body, rollouts, logger)
             if not await _sleep_until_woken(waker, wait):
                 # A quiet resync compares the status with the object as it is, not with
                 # what this daemon last wrote: a status edited by hand is written again.
@@ -315,6 +335,8 @@ async def reconciler(
             del memo.wakers[key]
         if memo.scalers.get(key) is scaling:  # the object is gone (or the operator stops)
             del memo.scalers[key]
+        if memo.rollouts.get(key) is rollouts:
+            del memo.rollouts[key]
 
 
 PERSIST_EVERY_S = 60.0  # the autoscaler's state is saved at least this often while it runs
@@ -415,6 +437,93 @@ async def autoscaler_loop(
         if memo.scalers.get(key) is scaling:
             del memo.scalers[key]
         memo.gateways.pop(key, None)
+
+
+def _windows(memo: kopf.Memo, key: tuple[str, str]) -> analysis.WindowSource:
+    if memo.prometheus_url:
+        return analysis.PrometheusWindows(memo.prometheus_url, key[0], key[1])
+    return analysis.ScrapeWindows(lambda: list(memo.gateways.get(key, {}).values()))
+
+
+def _look(
+    controller: Any, spec: crd.LLMServiceSpec, source: analysis.WindowSource, action: str | None
+) -> rollout.Observation:
+    """What the rollout loop sees now: the pools (from the last reconcile), the gateways'
+    routing and the step's window (read only while a canary exists)."""
+    now = time.time()
+    state = controller.state
+    ready = controller.readiness
+    if state is None or not rollout.has_canary(state):
+        return rollout.Observation(now, action=action, actions_seen=True)
+    canary = (
+        spec
+        if state.phase not in (crd.RolloutPhase.promoting, crd.RolloutPhase.finalizing)
+        else None
+    )
+    tiers = sorted({"edge" if c == "edge" else "cloud" for c in crd.scaled_pools(canary or spec)})
+    window = source.read(state.step_started_at, now)
+    alpha = rollout.needs_analysis(state, spec, now)
+    verdict = rollout.analyse(window, state, spec, tiers, alpha) if alpha is not None else None
+    return rollout.Observation(
+        now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
+        routed=rollout.routed(window, state, tiers), verdict=verdict, action=action,
+        actions_seen=True, canary_problem=ready.canary_problem,
+    )  # fmt: skip
+
+
+def _clear_action(cluster: reconcile.Cluster, namespace: str, name: str) -> None:
+    cluster.llmservices().patch(
+        name=name,
+        namespace=namespace,
+        body={"metadata": {"annotations": {rollout.ACTION_ANNOTATION: None}}},
+        content_type="application/merge-patch+json",
+    )
+
+
+@kopf.daemon(*LLMSERVICES, id="rollout", cancellation_timeout=30.0)
+async def rollout_loop(
+    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
+) -> None:
+    """Drive this LLMService's rollout: wait for the canary's pools and the gateways,
+    analyse each step's window, act on hand commands (the ``hybridllm.io/rollout-action``
+    annotation, removed once acted on) and hand each new state to the reconciler, which
+    renders the pools and weights and writes ``status.rollout``."""
+    key = _key(meta)
+    controller = _rollouts(memo, key, body)
+    loop = asyncio.get_running_loop()
+    source: analysis.WindowSource | None = None
+    try:
+        while True:
+            wait = 5.0
+            try:
+                spec = reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
+            except reconcile.InvalidSpec:
+                spec = None  # the reconciler says why in the status
+            if spec is not None and controller.state is not None:
+                action = (meta.get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
+                source = source or _windows(memo, key)
+                try:
+                    obs = await loop.run_in_executor(
+                        memo.scale_executor, _look, controller, spec, source, action
+                    )
+                    before = controller.state
+                    controller.advance(spec, obs)
+                    if controller.state != before:
+                        waker = cast(Waker | None, memo.wakers.get(key))
+                        if waker is not None:
+                            waker.event.set()
+                    _post(body, controller, logger)
+                    if action:
+                        await loop.run_in_executor(
+                            memo.executor, _clear_action, memo.cluster, key[0], key[1]
+                        )
+                except (k8s_errors.ApiException, OSError) as exc:
+                    logger.info("rollout step interrupted (retrying): %s", exc)
+                wait = rollout.tick_seconds(controller.state, spec)
+            await asyncio.sleep(wait)
+    finally:
+        if memo.rollouts.get(key) is controller:
+            del memo.rollouts[key]
 
 
 @kopf.on.event(*LLMSERVICES)

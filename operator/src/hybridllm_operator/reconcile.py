@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from kubernetes.client import exceptions as k8s_errors
 from pydantic import ValidationError
 
 from hybridllm_common import crd
-from hybridllm_operator import autoscaling, builders, status
+from hybridllm_operator import autoscaling, builders, rollout, status
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +202,13 @@ def patch_status(
     previous: dict[str, Any],
 ) -> None:
     body = {"status": new_status.model_dump(mode="json", by_alias=True, exclude_none=True)}
-    # A merge patch keeps map keys it does not mention: null out pools that no longer exist.
+    # A merge patch keeps map keys it does not mention: null out pools that no longer exist,
+    # and the rollout's fields that are unset now.
     pools = body["status"].setdefault("pools", {})
     for gone in set(previous.get("pools") or {}) - set(pools):
         pools[gone] = None
+    if new_status.rollout is not None:
+        body["status"]["rollout"] = new_status.rollout.model_dump(mode="json", by_alias=True)
     cluster.llmservices().subresources["status"].patch(
         name=name, namespace=namespace, body=body, content_type="application/merge-patch+json"
     )
@@ -215,11 +219,12 @@ def _service_from(
     spec: crd.LLMServiceSpec,
     images: builders.Images,
     scaled: dict[str, int] | None = None,
+    rollout_state: crd.RolloutStatus | None = None,
 ) -> builders.Service:
     meta = body["metadata"]
     return builders.Service(
         name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec,
-        images=images, scaled=scaled or {},
+        images=images, scaled=scaled or {}, rollout=rollout_state,
     )  # fmt: skip
 
 
@@ -230,8 +235,9 @@ def observed_pools(
     stuck = status.unschedulable(pods)
     out = {}
     for deployment in deployments:
-        component = (deployment["metadata"].get("labels") or {}).get(builders.LABEL_COMPONENT)
-        if component is None:
+        labels = deployment["metadata"].get("labels") or {}
+        component = labels.get(builders.LABEL_COMPONENT)
+        if component is None or builders.is_canary(labels):  # the stable pools are scaled
             continue
         out[component] = autoscaling.Observed(
             replicas=(deployment.get("spec") or {}).get("replicas") or 0,
@@ -241,12 +247,48 @@ def observed_pools(
     return out
 
 
+def readiness(
+    service: builders.Service, deployments: list[dict[str, Any]], pods: list[dict[str, Any]]
+) -> rollout.Readiness:
+    """Whether each revision's pools are rolled out and available, for the rollout."""
+    pending = status.rollouts_pending(deployments)
+    by_key = {status.pool_key(d["metadata"].get("labels")): d for d in deployments}
+
+    def ready(pools: list[builders.Pool], track: str | None) -> bool:
+        for pool in pools:
+            key = f"{pool.component}-{track}" if track else pool.component
+            d = by_key.get(key)
+            if d is None or key in pending:
+                return False
+            labels = d["metadata"].get("labels") or {}
+            if labels.get(builders.LABEL_REVISION) != pool.revision:
+                return False
+            if (d.get("spec") or {}).get("replicas", 1) and not (d.get("status") or {}).get(
+                "readyReplicas"
+            ):
+                return False
+        return True
+
+    canary = service.canary
+    problems = status.pod_problems(pods)
+    canary_problem = next(
+        (f"{k}: {v}" for k, v in sorted(problems.items()) if k.endswith("-canary")), None
+    )
+    return rollout.Readiness(
+        canary_ready=canary is not None
+        and ready(builders.model_pools(service, canary, builders.CANARY), builders.CANARY),
+        stable_ready=ready(builders.model_pools(service, service.stable), None),
+        canary_problem=canary_problem,
+    )
+
+
 def reconcile(
     cluster: Cluster,
     body: dict[str, Any],
     images: builders.Images,
     applied: Applied | None = None,
     scaling: autoscaling.ServiceAutoscaler | None = None,
+    rollouts: rollout.Controller | None = None,
 ) -> crd.LLMServiceStatus:
     """Converge one LLMService (given as its API object) and return the status written.
 
@@ -271,7 +313,14 @@ def reconcile(
         raise
     if scaling is not None:
         scaling.configure(spec)
-    service = _service_from(body, spec, images, scaling.replicas() if scaling else None)
+    rollout_state = None
+    if rollouts is not None:  # a spec change may start (or end) a rollout
+        for _, reason, message in rollouts.advance(spec, rollout.Observation(time.time())):
+            log.info("%s/%s rollout: %s: %s", namespace, name, reason, message)
+        rollout_state = rollouts.state
+    service = _service_from(
+        body, spec, images, scaling.replicas() if scaling else None, rollout_state
+    )
     desired = apply_children(cluster, service, applied)
     keys = frozenset((o["kind"], o["metadata"]["name"]) for o in desired)
     if applied is None or applied.pruned_for != keys:
@@ -285,11 +334,13 @@ def reconcile(
     deployments = list_deployments(cluster, namespace, name)
     new_status = status.build_status(service, generation, deployments, previous, (), scaling)
     pods: list[dict[str, Any]] = []
-    if not status.is_ready(new_status):  # the pods say what keeps a pool from running
-        pods = list_pods(cluster, namespace, name)
+    if not status.is_ready(new_status) or service.canary is not None:
+        pods = list_pods(cluster, namespace, name)  # what keeps a pool from running
         new_status = status.build_status(service, generation, deployments, previous, pods, scaling)
     if scaling is not None:
         scaling.observed = observed_pools(deployments, pods)
+    if rollouts is not None:
+        rollouts.readiness = readiness(service, deployments, pods)
     wire = new_status.model_dump(mode="json", by_alias=True, exclude_none=True)
     if applied is None or wire != previous:
         _write_status(cluster, namespace, name, new_status, known, applied)

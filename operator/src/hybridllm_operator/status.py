@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hybridllm_common import crd
-from hybridllm_operator import autoscaling, builders
+from hybridllm_operator import autoscaling, builders, rollout
 
 CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
 
@@ -46,12 +46,21 @@ def rollout_pending(deployment: Mapping[str, Any]) -> str | None:
     return None
 
 
+def pool_key(labels: Mapping[str, str] | None) -> str | None:
+    """The status key of a child's pool: its component, ``<component>-canary`` for a
+    rollout's canary pools."""
+    component = (labels or {}).get(builders.LABEL_COMPONENT)
+    if component is not None and builders.is_canary(labels):
+        return f"{component}-{builders.CANARY}"
+    return component
+
+
 def rollouts_pending(deployments: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """Component -> why its rollout is not complete, for the pools still rolling out."""
+    """Pool -> why its rollout is not complete, for the pools still rolling out."""
     out = {}
     for deployment in deployments:
         labels = deployment.get("metadata", {}).get("labels") or {}
-        component = labels.get(builders.LABEL_COMPONENT)
+        component = pool_key(labels)
         pending = rollout_pending(deployment)
         if component is not None and pending is not None:
             out[component] = pending
@@ -104,7 +113,7 @@ def pod_problems(pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     out: dict[str, str] = {}
     for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name"))):
         meta = pod.get("metadata") or {}
-        component = (meta.get("labels") or {}).get(builders.LABEL_COMPONENT)
+        component = pool_key(meta.get("labels"))
         if component is None or component in out or meta.get("deletionTimestamp"):
             continue
         if (problem := pod_problem(pod)) is not None:
@@ -117,7 +126,7 @@ def unschedulable(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
-        component = (meta.get("labels") or {}).get(builders.LABEL_COMPONENT)
+        component = pool_key(meta.get("labels"))
         if component is None or meta.get("deletionTimestamp"):
             continue
         for cond in (pod.get("status") or {}).get("conditions") or []:
@@ -135,7 +144,7 @@ def pool_statuses(deployments: Iterable[Mapping[str, Any]]) -> dict[str, crd.Poo
     out: dict[str, crd.PoolStatus] = {}
     for deployment in deployments:
         labels = deployment.get("metadata", {}).get("labels") or {}
-        component = labels.get(builders.LABEL_COMPONENT)
+        component = pool_key(labels)
         if component is None:
             continue
         spec_replicas = deployment.get("spec", {}).get("replicas", 0) or 0
@@ -210,8 +219,11 @@ def build_status(
                     update=autoscaling.pool_fields(decision)
                 )
     pending = rollouts_pending(deployments)
-    wanted = [p.component for p in builders.pools(service)]
-    missing = [c for c in wanted if c not in pools]
+    wanted = [
+        f"{p.component}-{p.track}" if p.track else p.component for p in builders.pools(service)
+    ]
+    serving = [c for c in wanted if not c.endswith("-canary")]  # a canary's pools do not
+    missing = [c for c in serving if c not in pools]  # make the service unready
     lagging = [
         (
             f"{c} {pools[c].ready_replicas}/{pools[c].desired_replicas}"
@@ -219,15 +231,22 @@ def build_status(
             else f"{c} rolling out ({pending[c]})"
         )
         + (f" ({problems[c]})" if c in problems else "")
-        for c in wanted
+        for c in serving
         if c in pools and (pools[c].ready_replicas < pools[c].desired_replicas or c in pending)
     ]
     failing = [f"{c}: {problems[c]}" for c in wanted if c in problems]
-    stale = [c for c in wanted if c in pools and pools[c].revision not in (None, service.revision)]
+    stable_revision = service.stable.model.revision
+    stale = [
+        c
+        for c in wanted
+        if c in pools and not c.endswith("-canary")
+        and pools[c].revision not in (None, stable_revision)
+    ]  # fmt: skip
     ready = not missing and not lagging
     waiting = "waiting for " + ", ".join([f"{c} missing" for c in missing] + lagging)
     ready_message = "all pools have their desired replicas ready" if ready else waiting
     progressing = bool(missing or lagging or stale)
+    rolling = service.rollout is not None and service.rollout.phase in rollout.CANARY_PHASES
     conditions = [
         _condition(
             old,
@@ -240,9 +259,11 @@ def build_status(
         _condition(
             old,
             "Progressing",
-            progressing,
-            "Reconciling" if progressing else "Stable",
-            ready_message if progressing else "every pool matches the spec",
+            progressing or rolling,
+            "RolloutInProgress" if rolling else ("Reconciling" if progressing else "Stable"),
+            service.rollout.message
+            if rolling and service.rollout is not None
+            else (ready_message if progressing else "every pool matches the spec"),
             generation,
         ),
         _condition(
@@ -257,11 +278,12 @@ def build_status(
     metrics = autoscaling.metrics_condition(scaling) if scaling is not None else None
     if metrics is not None:
         conditions.append(_condition(old, "MetricsAvailable", *metrics, generation))
-    revisions = {p.revision for c, p in pools.items() if c != "gateway" and p.revision}
-    rolled_out = not [c for c in pools if c != "gateway" and c in pending]
+    stable_pools = [c for c in pools if c != "gateway" and not c.endswith("-canary")]
+    revisions = {pools[c].revision for c in stable_pools if pools[c].revision}
+    rolled_out = not [c for c in stable_pools if c in pending]
     current = (
-        service.revision
-        if revisions == {service.revision} and rolled_out
+        stable_revision
+        if revisions == {stable_revision} and rolled_out
         else (previous or {}).get("currentRevision")
     )
     return crd.LLMServiceStatus(
@@ -272,6 +294,8 @@ def build_status(
         cloud_replicas=_summary(pools, CLOUD_COMPONENTS),
         current_revision=current,
         autoscaling=autoscaling.summary(scaling) if scaling is not None else None,
+        rollout=service.rollout,
+        rollout_summary=rollout.summary(service.rollout),
         endpoints=builders.endpoints(service),
     )
 

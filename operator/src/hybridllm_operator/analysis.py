@@ -1,0 +1,456 @@
+"""The rollout analysis: a canary revision against the stable one, over the same window.
+
+Each gateway exports, per tier and model revision, its upstream attempts by result, a
+time-to-first-token histogram and a time-per-output-token histogram
+(``hybridllm_gateway_revision_*``). A window is the increase of those series between
+the moment a step's weight took effect and now, summed over the gateways: read from
+Prometheus (``increase(...[window])``) or from the gateways' ``/metrics`` directly
+(snapshots at the window's start and now), as the autoscaler reads its demand.
+
+:func:`judge` compares the canary with the stable revision on three metrics:
+
+- **errorRate**: failed attempts over attempts (a failure the gateway retried elsewhere
+  still counts against the revision that failed). Fails when the canary's rate is above
+  ``maxErrorRate`` and a one-sided two-proportion z-test says it is higher than the
+  stable revision's;
+- **ttftP95** and **tbtP95**: fail when the canary's p95 is more than
+  ``maxLatencyIncrease`` above the stable's, or above the absolute bound while the
+  stable's is within it, *and* a one-sided Mann-Whitney U test on the two histograms
+  says the canary is slower. The test runs on the buckets themselves: every observation
+  in a bucket is a tie, and the variance takes the ties into account, so no raw sample
+  is needed and the test is exact about what the histograms know.
+
+Requiring both a practical difference and a significant one keeps an A/A rollout (the
+same revision on both sides) from aborting on noise: ``bench/rollout/analysis.py``
+measures that false-abort rate, and the power against slower canaries. Below
+``minRequests`` on either side, a window is inconclusive; the time-between-tokens test
+needs streamed answers and is left out (``n/a``) without them. At weight 100 nothing is
+left to compare with: only the absolute bounds apply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import urllib.error
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridllm_common import crd
+from hybridllm_common import metrics as names
+from hybridllm_operator.demand import PrometheusError, _http_get, histogram_quantile
+
+PASS, FAIL, INCONCLUSIVE, NA = "pass", "fail", "inconclusive", "n/a"
+MIN_LATENCY_SAMPLES = 20  # fewer time-per-token samples: that metric is not judged
+
+
+@dataclass
+class RevisionWindow:
+    """What one revision of one tier did over a window (increases, summed over gateways)."""
+
+    ok: float = 0.0
+    errors: float = 0.0
+    ttft: dict[float, float] = field(default_factory=dict)  # cumulative buckets, le -> count
+    tpot: dict[float, float] = field(default_factory=dict)
+
+    @property
+    def attempts(self) -> float:
+        return self.ok + self.errors
+
+    def add(self, other: RevisionWindow) -> None:
+        self.ok += other.ok
+        self.errors += other.errors
+        for mine, theirs in ((self.ttft, other.ttft), (self.tpot, other.tpot)):
+            for le, v in theirs.items():
+                mine[le] = mine.get(le, 0.0) + v
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What every gateway serves for a tier: a revision's weight and healthy backends, the
+    smallest and largest over the gateways (so "every gateway" is one comparison)."""
+
+    min_weight: float
+    max_weight: float
+    min_healthy: float
+
+
+@dataclass
+class Window:
+    """A window's per-revision results and the gateways' view of the routing table."""
+
+    revisions: dict[tuple[str, str], RevisionWindow] = field(default_factory=dict)  # (tier, rev)
+    routed: dict[tuple[str, str], Routed] = field(default_factory=dict)
+    gateways: int = 0
+    generation: float = 0.0  # the oldest routing generation any gateway serves
+    problem: str | None = None  # why the window could not be read
+
+    def revision(self, tier: str, revision: str) -> RevisionWindow:
+        return self.revisions.get((tier, revision), RevisionWindow())
+
+    def merged(self, tiers: Iterable[str], revision: str) -> RevisionWindow:
+        """One revision's window over several tiers (edge and cloud move together)."""
+        out = RevisionWindow()
+        for tier in tiers:
+            out.add(self.revision(tier, revision))
+        return out
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _phi(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def _counts(cumulative: Mapping[float, float], bounds: list[float]) -> list[float]:
+    out, below = [], 0.0
+    for le in bounds:
+        c = cumulative.get(le, below)
+        out.append(max(0.0, c - below))
+        below = max(below, c)
+    return out
+
+
+def mann_whitney_greater(a: Mapping[float, float], b: Mapping[float, float]) -> float | None:
+    """One-sided p-value that ``a`` is stochastically greater than ``b``, from two
+    cumulative histograms with the same buckets (ties within a bucket, tie-corrected
+    normal approximation with continuity correction). None without samples on a side."""
+    bounds = sorted(set(a) | set(b))
+    ca, cb = _counts(a, bounds), _counts(b, bounds)
+    n1, n2 = sum(ca), sum(cb)
+    if n1 <= 0 or n2 <= 0:
+        return None
+    u, below = 0.0, 0.0
+    for x, y in zip(ca, cb, strict=True):
+        u += x * (below + 0.5 * y)
+        below += y
+    n = n1 + n2
+    ties = sum((x + y) ** 3 - (x + y) for x, y in zip(ca, cb, strict=True))
+    variance = n1 * n2 / 12.0 * ((n + 1) - ties / (n * (n - 1))) if n > 1 else 0.0
+    if variance <= 0:
+        return 0.5
+    z = (u - n1 * n2 / 2.0 - 0.5) / math.sqrt(variance)
+    return 1.0 - _phi(z)
+
+
+def proportion_greater(e1: float, n1: float, e2: float, n2: float) -> float | None:
+    """One-sided p-value that the rate e1/n1 is greater than e2/n2 (pooled z-test)."""
+    if n1 <= 0 or n2 <= 0:
+        return None
+    pooled = (e1 + e2) / (n1 + n2)
+    if pooled <= 0 or pooled >= 1:
+        return 0.5 if pooled <= 0 else 1.0
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    return 1.0 - _phi((e1 / n1 - e2 / n2) / se)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: str  # pass, fail or inconclusive
+    metrics: list[crd.MetricVerdict]
+    message: str
+
+
+def _latency(
+    metric: str,
+    canary: Mapping[float, float],
+    stable: Mapping[float, float] | None,
+    bound: float,
+    increase: float,
+    alpha: float,
+    required: float,
+) -> crd.MetricVerdict:
+    c95 = histogram_quantile(0.95, canary) if canary else None
+    s95 = histogram_quantile(0.95, stable) if stable else None
+    n_c = max(canary.values(), default=0.0)
+    if stable is None:  # weight 100: the absolute bound alone
+        failed = c95 is not None and n_c >= required and c95 > bound
+        result = FAIL if failed else (PASS if n_c >= required else INCONCLUSIVE)
+        return crd.MetricVerdict(metric=metric, canary=c95, stable=None, result=result)
+    n_s = max(stable.values(), default=0.0)
+    if min(n_c, n_s) < required:
+        return crd.MetricVerdict(metric=metric, canary=c95, stable=s95, result=INCONCLUSIVE)
+    p = mann_whitney_greater(canary, stable)
+    worse = (
+        c95 is not None and s95 is not None and (c95 > s95 * (1 + increase) or (c95 > bound >= s95))
+    )
+    result = FAIL if worse and p is not None and p < alpha else PASS
+    return crd.MetricVerdict(metric=metric, canary=c95, stable=s95, p_value=p, result=result)
+
+
+def judge(
+    canary: RevisionWindow,
+    stable: RevisionWindow | None,
+    spec: crd.RolloutAnalysis,
+    alpha: float | None = None,
+) -> Verdict:
+    """The canary's window against the stable's (None at weight 100: bounds only).
+    ``alpha`` overrides the spec's significance (an early look at a step uses a stricter one)."""
+    alpha = spec.significance if alpha is None else alpha
+    need = float(spec.min_requests)
+    verdicts = []
+    rate = canary.errors / canary.attempts if canary.attempts else None
+    if stable is None:
+        failed = rate is not None and canary.attempts >= need and rate > spec.max_error_rate
+        verdicts.append(
+            crd.MetricVerdict(
+                metric="errorRate", canary=rate,
+                result=FAIL if failed else (PASS if canary.attempts >= need else INCONCLUSIVE),
+            )
+        )  # fmt: skip
+    else:
+        s_rate = stable.errors / stable.attempts if stable.attempts else None
+        if min(canary.attempts, stable.attempts) < need:
+            result, p = INCONCLUSIVE, None
+        else:
+            p = proportion_greater(canary.errors, canary.attempts, stable.errors, stable.attempts)
+            failed = rate is not None and rate > spec.max_error_rate and p is not None and p < alpha
+            result = FAIL if failed else PASS
+        verdicts.append(
+            crd.MetricVerdict(
+                metric="errorRate", canary=rate, stable=s_rate, p_value=p, result=result
+            )
+        )
+    verdicts.append(
+        _latency("ttftP95", canary.ttft, stable.ttft if stable else None,
+                 spec.max_ttft_p95_seconds, spec.max_latency_increase, alpha, need)
+    )  # fmt: skip
+    tbt = _latency("tbtP95", canary.tpot, stable.tpot if stable else None,
+                   spec.max_tbt_p95_seconds, spec.max_latency_increase, alpha,
+                   float(MIN_LATENCY_SAMPLES))  # fmt: skip
+    if tbt.result == INCONCLUSIVE:
+        tbt = tbt.model_copy(update={"result": NA})  # no streamed answers: not judged
+    verdicts.append(tbt)
+    failing = [v for v in verdicts if v.result == FAIL]
+    if failing:
+        return Verdict(FAIL, verdicts, "; ".join(describe(v) for v in failing))
+    if any(v.result == INCONCLUSIVE for v in verdicts):
+        n_s = f", stable {stable.attempts:.0f}" if stable is not None else ""
+        return Verdict(
+            INCONCLUSIVE,
+            verdicts,
+            f"too few requests to judge ({spec.min_requests} needed on each side): "
+            f"canary {canary.attempts:.0f}{n_s}",
+        )
+    return Verdict(PASS, verdicts, "; ".join(describe(v) for v in verdicts if v.result == PASS))
+
+
+def _fmt(metric: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if metric == "errorRate":
+        return f"{100 * value:.1f}%"
+    return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
+
+
+def describe(v: crd.MetricVerdict) -> str:
+    """One metric's verdict as a user reads it: 'ttftP95 canary 812 ms vs stable 240 ms'."""
+    text = f"{v.metric} canary {_fmt(v.metric, v.canary)}"
+    if v.stable is not None or v.p_value is not None:
+        text += f" vs stable {_fmt(v.metric, v.stable)}"
+    if v.p_value is not None:
+        text += f" (p={v.p_value:.2g})"
+    return text
+
+
+# --------------------------------------------------------------------------- reading windows
+
+
+@dataclass
+class _Scrape:
+    counters: dict[tuple[str, str, str], float] = field(default_factory=dict)  # tier, rev, result
+    ttft: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
+    tpot: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
+    weight: dict[tuple[str, str], float] = field(default_factory=dict)
+    healthy: dict[tuple[str, str], float] = field(default_factory=dict)
+    generation: float = 0.0
+
+
+def parse_revision_metrics(text: str) -> _Scrape:
+    out = _Scrape()
+    hist = {
+        names.GATEWAY_REVISION_TTFT_SECONDS + "_bucket": out.ttft,
+        names.GATEWAY_REVISION_TPOT_SECONDS + "_bucket": out.tpot,
+    }
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == names.GATEWAY_ROUTING_GENERATION:
+                out.generation = s.value
+            tier, revision = s.labels.get("tier"), s.labels.get("revision")
+            if tier is None or revision is None:
+                continue
+            key = (tier, revision)
+            if s.name == names.GATEWAY_REVISION_ATTEMPTS_TOTAL:
+                out.counters[(tier, revision, s.labels.get("result", ""))] = s.value
+            elif s.name in hist:
+                hist[s.name].setdefault(key, {})[float(s.labels["le"])] = s.value
+            elif s.name == names.GATEWAY_REVISION_WEIGHT:
+                out.weight[key] = s.value
+            elif s.name == names.GATEWAY_REVISION_HEALTHY_BACKENDS:
+                out.healthy[key] = s.value
+    return out
+
+
+def _delta(new: float, old: float | None) -> float:
+    return new if old is None or new < old else new - old
+
+
+def _routed(scrapes: Iterable[_Scrape]) -> dict[tuple[str, str], Routed]:
+    scrapes = list(scrapes)
+    keys = {k for s in scrapes for k in s.weight}
+    out = {}
+    for key in keys:
+        weights = [s.weight.get(key, 0.0) for s in scrapes]
+        healthy = [s.healthy.get(key, 0.0) for s in scrapes]
+        out[key] = Routed(min(weights), max(weights), min(healthy))
+    return out
+
+
+class WindowSource:
+    """Reads a window of per-revision results, from ``start`` (Unix time) to now."""
+
+    def read(self, start: float | None, now: float) -> Window:
+        """Results since ``start`` (None: only the gateways' view of the routing table)."""
+        raise NotImplementedError
+
+
+class ScrapeWindows(WindowSource):
+    """From the gateways' ``/metrics``: the snapshot taken at (or first after) a window's
+    start is the baseline; a gateway that restarted since counts from zero."""
+
+    def __init__(
+        self, urls: Callable[[], Iterable[str]], fetch: Callable[[str], str] | None = None
+    ) -> None:
+        self.urls, self.fetch = urls, fetch or _http_get
+        self.baseline: tuple[float, dict[str, _Scrape]] | None = None
+        self.lock = threading.Lock()
+
+    def read(self, start: float | None, now: float) -> Window:
+        with self.lock:
+            urls = sorted(set(self.urls()))
+            if not urls:
+                return Window(problem="no Ready gateway replica to read from")
+            fresh, failed = {}, []
+            for url in urls:
+                try:
+                    fresh[url] = parse_revision_metrics(self.fetch(url))
+                except (OSError, ValueError, urllib.error.URLError) as exc:
+                    failed.append(f"{url}: {exc}")
+            if failed:
+                return Window(problem="gateway metrics could not be read: " + "; ".join(failed))
+            window = Window(
+                routed=_routed(fresh.values()),
+                gateways=len(fresh),
+                generation=min(s.generation for s in fresh.values()),
+            )
+            if start is None:
+                return window
+            if self.baseline is None or self.baseline[0] != start:
+                self.baseline = (start, fresh)  # the window begins now
+                return window
+            base = self.baseline[1]
+            for url, s in fresh.items():
+                old = base.get(url, _Scrape())
+                for (tier, rev, result), v in s.counters.items():
+                    w = window.revisions.setdefault((tier, rev), RevisionWindow())
+                    inc = _delta(v, old.counters.get((tier, rev, result)))
+                    if result == "error":
+                        w.errors += inc
+                    else:
+                        w.ok += inc
+                for attr in ("ttft", "tpot"):
+                    for key, buckets in getattr(s, attr).items():
+                        w = window.revisions.setdefault(key, RevisionWindow())
+                        mine, was = getattr(w, attr), getattr(old, attr).get(key, {})
+                        for le, v in buckets.items():
+                            mine[le] = mine.get(le, 0.0) + _delta(v, was.get(le))
+            return window
+
+
+class PrometheusWindows(WindowSource):
+    """From Prometheus: ``increase`` over the window, summed over the gateways of one
+    LLMService (series labelled ``namespace`` and ``llmservice``)."""
+
+    def __init__(self, url: str, namespace: str, llmservice: str) -> None:
+        self.url = url.rstrip("/")
+        self.selector = f'namespace="{namespace}",llmservice="{llmservice}"'
+
+    def _query(self, expr: str, at: float) -> list[dict[str, object]]:
+        query = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+        try:
+            body = json.loads(_http_get(f"{self.url}/api/v1/query?{query}"))
+        except (OSError, ValueError) as exc:
+            raise PrometheusError(f"Prometheus at {self.url} did not answer: {exc}") from exc
+        if body.get("status") != "success":
+            raise PrometheusError(f"Prometheus refused {expr!r}: {body.get('error')}")
+        result = body["data"]["result"]
+        assert isinstance(result, list)
+        return result
+
+    def read(self, start: float | None, now: float) -> Window:
+        span = max(1, round(now - (now if start is None else start)))
+        sel = self.selector
+        try:
+            attempts = self._query(
+                f"sum by (tier, revision, result) (increase({names.GATEWAY_REVISION_ATTEMPTS_TOTAL}{{{sel}}}[{span}s]))",
+                now,
+            )
+            hists = {
+                attr: self._query(
+                    f"sum by (tier, revision, le) (increase({metric}_bucket{{{sel}}}[{span}s]))",
+                    now,
+                )
+                for attr, metric in (
+                    ("ttft", names.GATEWAY_REVISION_TTFT_SECONDS),
+                    ("tpot", names.GATEWAY_REVISION_TPOT_SECONDS),
+                )
+            }
+            weights = self._query(
+                f"min by (tier, revision) ({names.GATEWAY_REVISION_WEIGHT}{{{sel}}})", now
+            )
+            max_weights = self._query(
+                f"max by (tier, revision) ({names.GATEWAY_REVISION_WEIGHT}{{{sel}}})", now
+            )
+            healthy = self._query(
+                f"min by (tier, revision) ({names.GATEWAY_REVISION_HEALTHY_BACKENDS}{{{sel}}})", now
+            )
+            gateways = self._query(f"count({names.GATEWAY_ROUTING_GENERATION}{{{sel}}})", now)
+            generation = self._query(f"min({names.GATEWAY_ROUTING_GENERATION}{{{sel}}})", now)
+        except PrometheusError as exc:
+            return Window(problem=str(exc))
+        window = Window(
+            gateways=int(float(gateways[0]["value"][1])) if gateways else 0,  # type: ignore[index]
+            generation=float(generation[0]["value"][1]) if generation else 0.0,  # type: ignore[index]
+        )
+
+        def key(series: dict[str, object]) -> tuple[str, str]:
+            m = series["metric"]
+            assert isinstance(m, dict)
+            return str(m.get("tier", "")), str(m.get("revision", ""))
+
+        def value(series: dict[str, object]) -> float:
+            return float(series["value"][1])  # type: ignore[index]
+
+        for s in attempts:
+            w = window.revisions.setdefault(key(s), RevisionWindow())
+            result = s["metric"].get("result")  # type: ignore[attr-defined]
+            if result == "error":
+                w.errors += value(s)
+            else:
+                w.ok += value(s)
+        for attr, series in hists.items():
+            for s in series:
+                w = window.revisions.setdefault(key(s), RevisionWindow())
+                le = float(s["metric"]["le"])  # type: ignore[index]
+                getattr(w, attr)[le] = value(s)
+        mins = {key(s): value(s) for s in weights}
+        maxs = {key(s): value(s) for s in max_weights}
+        health = {key(s): value(s) for s in healthy}
+        for k in mins:
+            window.routed[k] = Routed(mins[k], maxs.get(k, mins[k]), health.get(k, 0.0))
+        return window

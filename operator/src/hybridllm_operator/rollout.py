@@ -1,0 +1,410 @@
+"""Staged rollouts of a new model revision: the state machine, one implementation for
+the operator and local mode.
+
+A change of ``spec.model.revision`` starts a rollout. The new revision's pools (the
+*canary*) are created beside the stable ones; the gateway's routing table gives each
+revision a weight; every ``spec.rollout.steps`` entry raises the canary's weight, holds it
+for the step's pause while the analysis (:mod:`hybridllm_operator.analysis`) compares the
+canary with the stable revision over the same window, and moves on only when it passes.
+When every step has passed, the stable pools take the new revision (the Deployments' own
+rolling update, while the canary serves everything), traffic returns to them, and the
+canary drains and goes. A failed step sends all traffic back to the stable revision at
+once and drains the canary (``autoRollback``), or holds at the step (``autoRollback:
+false``) until someone promotes or aborts it by hand.
+
+:func:`advance` is a pure function of the last state, the spec and what was observed:
+whether the canary's pools are ready, whether every gateway routes by the current
+weights (:attr:`Observation.routed`), the analysis of the step's window and a hand
+command. The whole state is the LLMService's ``status.rollout`` (the stable revision's
+spec included), so a restarted operator resumes at the same step. Weights only ever move
+between a step's weight and zero: no step is skipped and the weight never exceeds the
+step's. The ``rolling`` strategy skips all of this: the pools update in place.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hybridllm_common import crd
+from hybridllm_operator import analysis
+
+Phase = crd.RolloutPhase
+ACTION_ANNOTATION = f"{crd.GROUP}/rollout-action"
+ACTIONS = ("promote", "promote-full", "abort", "pause", "resume")
+# Phases in which the canary's pools exist (and the routing table has two revisions).
+CANARY_PHASES = frozenset({
+    Phase.progressing, Phase.paused, Phase.inconclusive, Phase.failed,
+    Phase.promoting, Phase.finalizing, Phase.aborting,
+})  # fmt: skip
+# Phases in which a step is running (analysed, promotable, abortable).
+STEPPING = frozenset({Phase.progressing, Phase.inconclusive, Phase.paused, Phase.failed})
+EARLY_LOOK_FACTOR = 10  # a step is failed before its pause ends only at significance / 10
+
+Event = tuple[str, str, str]  # type (Normal, Warning), reason, message
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the controller saw at ``now``."""
+
+    now: float
+    canary_ready: bool = False  # the canary's pools: every replica updated and available
+    stable_ready: bool = False  # the stable pools: rolled out to the stable spec's revision
+    routed: bool = False  # every gateway serves this routing generation, canary healthy
+    verdict: analysis.Verdict | None = None  # the step's window, when one was analysed
+    action: str | None = None  # a hand command (the annotation's value)
+    actions_seen: bool = False  # `action` was read from the object (None: no command)
+    canary_problem: str | None = None  # why the canary's pods cannot run (crash, no image)
+
+
+def spec_wire(spec: crd.LLMServiceSpec) -> str:
+    return json.dumps(spec.to_wire(), sort_keys=True, separators=(",", ":"))
+
+
+def stable_spec(state: crd.RolloutStatus, spec: crd.LLMServiceSpec) -> crd.LLMServiceSpec:
+    """The spec the stable pools run (the live spec when none is recorded)."""
+    if not state.stable_spec:
+        return spec
+    return crd.LLMServiceSpec.model_validate(json.loads(state.stable_spec))
+
+
+def steps(spec: crd.LLMServiceSpec) -> list[crd.RolloutStep]:
+    """The steps a rollout takes: blueGreen is one step at 100% (the new revision at full
+    size, analysed against its bounds, then switched)."""
+    if spec.rollout.strategy == crd.RolloutStrategy.blue_green:
+        return [crd.RolloutStep(weight=100, pause_seconds=spec.rollout.steps[-1].pause_seconds)]
+    return list(spec.rollout.steps)
+
+
+def canary_weight(state: crd.RolloutStatus | None) -> int:
+    return state.weight if state is not None and state.phase in CANARY_PHASES else 0
+
+
+def has_canary(state: crd.RolloutStatus | None) -> bool:
+    return state is not None and state.phase in CANARY_PHASES
+
+
+def needs_analysis(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, now: float) -> float | None:
+    """The significance to analyse the step's window at now, or None when no analysis is
+    due (no step running, or its window not begun)."""
+    if state.phase not in (Phase.progressing, Phase.inconclusive) or state.step_started_at is None:
+        return None
+    plan = steps(spec)
+    step = plan[min(state.step, len(plan) - 1)]
+    alpha = spec.rollout.analysis.significance
+    final = now - state.step_started_at >= step.pause_seconds
+    return alpha if final else alpha / EARLY_LOOK_FACTOR
+
+
+def _summary(state: crd.RolloutStatus) -> str:
+    if state.phase in STEPPING:
+        return f"{state.phase.value} {state.step + 1}/{state.steps} {state.weight}%"
+    return state.phase.value
+
+
+def summary(state: crd.RolloutStatus | None) -> str | None:
+    """The printer column: 'Progressing 2/3 50%', 'Aborted', 'Completed'."""
+    return None if state is None else _summary(state)
+
+
+def _start(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, now: float) -> crd.RolloutStatus:
+    plan = steps(spec)
+    return state.model_copy(
+        update={
+            "phase": Phase.progressing, "canary_revision": spec.model.revision, "step": 0,
+            "steps": len(plan), "weight": 0, "step_started_at": None, "started_at": now,
+            "analysis": [], "routing_generation": state.routing_generation + 1,
+            "message": f"waiting for the pools of {spec.model.revision} to be ready",
+        }
+    )  # fmt: skip
+
+
+def _to(state: crd.RolloutStatus, phase: Phase, message: str, **update: Any) -> crd.RolloutStatus:
+    return state.model_copy(update={"phase": phase, "message": message, **update})
+
+
+def _weight(state: crd.RolloutStatus, weight: int, **update: Any) -> dict[str, Any]:
+    """The fields that set a new canary weight (a new routing generation, a new window)."""
+    return {
+        "weight": weight, "step_started_at": None,
+        "routing_generation": state.routing_generation + (weight != state.weight), **update,
+    }  # fmt: skip
+
+
+def _abort(state: crd.RolloutStatus, why: str) -> crd.RolloutStatus:
+    return _to(state, Phase.aborting, why, **_weight(state, 0))
+
+
+def _promote(state: crd.RolloutStatus, spec: crd.LLMServiceSpec) -> crd.RolloutStatus:
+    """Every step passed (or promoted by hand): the stable pools take the canary's spec
+    while the canary serves all traffic."""
+    return _to(
+        state, Phase.promoting,
+        f"every step passed: the stable pools take {state.canary_revision} while it serves "
+        "all traffic",
+        stable_spec=spec_wire(spec), stable_revision=str(state.canary_revision),
+        **_weight(state, 100),
+    )  # fmt: skip
+
+
+def _next_step(
+    state: crd.RolloutStatus, spec: crd.LLMServiceSpec, why: str
+) -> tuple[crd.RolloutStatus, list[Event]]:
+    plan = steps(spec)
+    if state.step + 1 >= len(plan):
+        return _promote(state, spec), [("Normal", "RolloutPromoting", why)]
+    nxt = state.step + 1
+    state = _to(state, Phase.progressing, f"step {nxt + 1}/{len(plan)}: waiting for the canary's pools",
+                step=nxt, step_started_at=None, analysis=[])  # fmt: skip
+    return state, [("Normal", "RolloutStepPassed", f"step {nxt}/{len(plan)} passed: {why}")]
+
+
+def _act(
+    state: crd.RolloutStatus, spec: crd.LLMServiceSpec, action: str, now: float
+) -> tuple[crd.RolloutStatus, list[Event]]:
+    verb = action.split("@", 1)[0].strip()
+    handled = {"handled_action": action}
+    if verb not in ACTIONS:
+        return state.model_copy(update=handled), [
+            ("Warning", "UnknownRolloutAction",
+             f"{ACTION_ANNOTATION}={action!r}: not one of {', '.join(ACTIONS)}")
+        ]  # fmt: skip
+    state = state.model_copy(update=handled)
+    phase, events = state.phase, [("Normal", "RolloutAction", f"{verb} by hand")]
+    if verb == "abort" and phase in STEPPING:
+        return _abort(state, "aborted by hand"), events
+    if verb == "pause" and phase in (Phase.progressing, Phase.inconclusive):
+        return _to(
+            state, Phase.paused, "paused by hand: `hybridllm rollout resume` to go on"
+        ), events
+    if verb == "resume" and phase in (Phase.paused, Phase.failed):
+        # a fresh window: what failed or what ran while paused is not judged again
+        return _to(state, Phase.progressing, "resumed by hand", step_started_at=None), events
+    if verb == "resume" and phase == Phase.aborted and spec.model.revision != state.stable_revision:
+        return _start(state, spec, now), [
+            ("Normal", "RolloutStarted", f"{spec.model.revision} again, by hand")
+        ]
+    if verb == "promote" and phase in STEPPING:
+        nxt, more = _next_step(state, spec, "promoted by hand")
+        return nxt, events + more
+    if verb == "promote-full" and phase in STEPPING:
+        return _promote(state, spec), events
+    return state, [
+        ("Warning", "RolloutActionIgnored", f"{verb}: nothing to do while {phase.value}")
+    ]
+
+
+def advance(
+    state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec, obs: Observation
+) -> tuple[crd.RolloutStatus, list[Event]]:
+    """The next state of one LLMService's rollout, and the Events that say what changed."""
+    target = spec.model.revision
+    if state is None or spec.rollout.strategy == crd.RolloutStrategy.rolling:
+        # first sight, or pools that update in place: the spec is the stable one
+        message = "" if state is None else "strategy rolling: the pools update in place"
+        return crd.RolloutStatus(
+            phase=Phase.completed, stable_revision=target, stable_spec=spec_wire(spec),
+            message=message, routing_generation=state.routing_generation if state else 0,
+        ), []  # fmt: skip
+    events: list[Event] = []
+    if obs.action and obs.action != state.handled_action:
+        state, events = _act(state, spec, obs.action, obs.now)
+    elif obs.actions_seen and not obs.action and state.handled_action:
+        state = state.model_copy(update={"handled_action": None})  # the same may come again
+    phase = state.phase
+    if phase == Phase.completed:
+        if target == state.stable_revision:
+            return state.model_copy(update={"stable_spec": spec_wire(spec)}), events
+        return _start(state, spec, obs.now), [
+            *events,
+            ("Normal", "RolloutStarted", f"{state.stable_revision} -> {target}"),
+        ]
+    if phase == Phase.aborted:
+        if target == state.stable_revision:
+            done = _to(state, Phase.completed, f"back on {target}", canary_revision=None,
+                       stable_spec=spec_wire(spec))  # fmt: skip
+            return done, events
+        if target != state.canary_revision:
+            return _start(state, spec, obs.now), [
+                *events,
+                ("Normal", "RolloutStarted", f"{state.stable_revision} -> {target}"),
+            ]
+        return state, events
+    if phase in STEPPING and target == state.stable_revision:
+        return _abort(state, f"spec.model.revision is {target} again"), [
+            *events,
+            ("Normal", "RolloutAborted", f"spec.model.revision set back to {target}"),
+        ]
+    if phase in STEPPING and target != state.canary_revision:
+        restarted = _start(state, spec, obs.now)
+        return restarted, [
+            *events,
+            ("Normal", "RolloutStarted", f"{target} replaces {state.canary_revision} mid-rollout"),
+        ]
+    plan = steps(spec)
+    if phase in STEPPING and state.step >= len(plan):  # steps removed mid-rollout
+        state = state.model_copy(update={"step": len(plan) - 1})
+    state = state.model_copy(update={"steps": len(plan)})
+    if phase in (Phase.paused, Phase.failed):
+        return state, events
+    if phase in (Phase.progressing, Phase.inconclusive):
+        stepped, more = _step(state, spec, obs, plan)
+        return stepped, events + more
+    if phase == Phase.promoting:
+        if obs.stable_ready:
+            return _to(state, Phase.finalizing,
+                       f"the stable pools run {state.stable_revision}: traffic back on them; "
+                       "the canary drains", **_weight(state, 0)), events  # fmt: skip
+        return state, events
+    if phase in (Phase.finalizing, Phase.aborting) and obs.routed:
+        if phase == Phase.finalizing:
+            done = _to(state, Phase.completed, f"{state.stable_revision} rolled out",
+                       canary_revision=None, analysis=[])  # fmt: skip
+            return done, [*events, ("Normal", "RolloutCompleted", done.message)]
+        return _to(state, Phase.aborted,
+                   f"{state.message}; the stable revision {state.stable_revision} serves "
+                   f"(set spec.model.revision back to {state.stable_revision}, or "
+                   "`hybridllm rollout resume` to try again)"), events  # fmt: skip
+    return state, events
+
+
+def _step(
+    state: crd.RolloutStatus,
+    spec: crd.LLMServiceSpec,
+    obs: Observation,
+    plan: list[crd.RolloutStep],
+) -> tuple[crd.RolloutStatus, list[Event]]:
+    step = plan[state.step]
+    where = f"step {state.step + 1}/{len(plan)}"
+    canary = state.canary_revision
+    if obs.canary_problem is not None:
+        why = f"{where} failed: the pods of {canary} cannot run: {obs.canary_problem}"
+        if spec.rollout.auto_rollback:
+            return _abort(state, why), [("Warning", "RolloutAborted", why)]
+        return _to(state, Phase.failed, why), [("Warning", "RolloutStepFailed", why)]
+    if not obs.canary_ready and state.step_started_at is None:
+        return _to(
+            state, state.phase, f"{where}: waiting for the pools of {canary} to be ready"
+        ), []
+    if state.weight != step.weight:
+        return _to(state, Phase.progressing,
+                   f"{where}: sending {step.weight}% of traffic to {canary}",
+                   **_weight(state, step.weight)), []  # fmt: skip
+    if state.step_started_at is None:
+        if not obs.routed:
+            return _to(state, state.phase,
+                       f"{where}: waiting for every gateway to route {step.weight}% to {canary}"), []  # fmt: skip
+        return _to(state, Phase.progressing,
+                   f"{where}: {step.weight}% on {canary}, analysing for {step.pause_seconds} s",
+                   step_started_at=obs.now), []  # fmt: skip
+    verdict = obs.verdict
+    if verdict is None:
+        return state, []
+    elapsed = obs.now - state.step_started_at
+    final = elapsed >= step.pause_seconds
+    update = {"analysis": verdict.metrics}
+    if verdict.outcome == analysis.FAIL:
+        why = f"{where} failed: {verdict.message}"
+        if spec.rollout.auto_rollback:
+            return _abort(state.model_copy(update=update), why), [
+                ("Warning", "RolloutAborted", why)
+            ]
+        held = _to(state, Phase.failed,
+                   f"{why}; held at {step.weight}% (autoRollback is off): `hybridllm rollout "
+                   "abort` or `promote`", **update)  # fmt: skip
+        return held, [("Warning", "RolloutStepFailed", why)]
+    if not final:
+        left = step.pause_seconds - elapsed
+        return _to(state, Phase.progressing,
+                   f"{where}: {step.weight}% on {canary}, {left:.0f} s left; {verdict.message}",
+                   **update), []  # fmt: skip
+    if verdict.outcome == analysis.INCONCLUSIVE:
+        return _to(state, Phase.inconclusive, f"{where} holds: {verdict.message}", **update), []
+    return _next_step(state.model_copy(update=update), spec, verdict.message)
+
+
+@dataclass
+class Readiness:
+    """The pools as the last reconcile saw them, for the controller's next tick."""
+
+    canary_ready: bool = False
+    stable_ready: bool = False
+    canary_problem: str | None = None
+
+
+class Controller:
+    """One LLMService's rollout: its state (restored from ``status.rollout``), advanced by
+    the reconcile (spec changes) and by the rollout loop (readiness, routing, analysis,
+    hand commands), one at a time."""
+
+    def __init__(self, status: dict[str, Any] | None = None) -> None:
+        self.lock = threading.Lock()
+        self.state: crd.RolloutStatus | None = None
+        self.readiness = Readiness()
+        self.outbox: list[Event] = []  # Events to post (the daemon posts them)
+        if status:
+            try:
+                self.state = crd.RolloutStatus.model_validate(status)
+            except ValueError:
+                self.state = None  # unreadable: start again from the spec
+
+    def advance(self, spec: crd.LLMServiceSpec, obs: Observation) -> list[Event]:
+        with self.lock:
+            self.state, events = advance(self.state, spec, obs)
+            self.outbox += events
+            return events
+
+    def take_events(self) -> list[Event]:
+        with self.lock:
+            out, self.outbox = self.outbox, []
+            return out
+
+
+def routed(window: analysis.Window, state: crd.RolloutStatus, tiers: list[str]) -> bool:
+    """Whether every gateway serves the state's routing generation and, with the canary
+    at a weight, has a healthy backend of the canary on each of its tiers."""
+    if window.problem is not None or window.gateways == 0:
+        return False
+    if window.generation < state.routing_generation:
+        return False
+    if state.weight > 0 and state.canary_revision:
+        for tier in tiers:
+            seen = window.routed.get((tier, state.canary_revision))
+            if seen is None or seen.min_healthy < 1:
+                return False
+    return True
+
+
+def analyse(
+    window: analysis.Window,
+    state: crd.RolloutStatus,
+    spec: crd.LLMServiceSpec,
+    tiers: list[str],
+    alpha: float,
+) -> analysis.Verdict:
+    """The step's verdict from its window: the canary's tiers merged, against the stable
+    revision's on the same tiers (none at weight 100)."""
+    if window.problem is not None:
+        return analysis.Verdict(analysis.INCONCLUSIVE, [], f"no metrics: {window.problem}")
+    canary = window.merged(tiers, str(state.canary_revision))
+    stable = window.merged(tiers, state.stable_revision) if state.weight < 100 else None
+    return analysis.judge(canary, stable, spec.rollout.analysis, alpha)
+
+
+def tick_seconds(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> float:
+    """How long the rollout loop waits before its next look: briefly while it waits for
+    pools or gateways, an analysis interval while a step runs, longer when idle."""
+    interval = float(spec.rollout.analysis.interval_seconds)
+    if state is None or state.phase in (Phase.completed, Phase.aborted, Phase.paused, Phase.failed):
+        return 5.0
+    if state.phase in (Phase.progressing, Phase.inconclusive) and state.step_started_at:
+        plan = steps(spec)
+        left = plan[min(state.step, len(plan) - 1)].pause_seconds - (
+            time.time() - state.step_started_at
+        )
+        return max(1.0, min(interval, left)) if left > 0 else interval
+    return min(interval, 2.0)

