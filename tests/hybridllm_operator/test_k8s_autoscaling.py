@@ -173,14 +173,14 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 
 class Operator:
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.env, self.log = env, log
+    def __init__(self, env: dict[str, str], log: Path, namespace: str = NAMESPACE) -> None:
+        self.env, self.log, self.namespace = env, log, namespace
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [*OPERATOR_COMMAND, "--namespace", NAMESPACE], env=self.env, stdout=out,
+                [*OPERATOR_COMMAND, "--namespace", self.namespace], env=self.env, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 

