@@ -327,3 +327,9 @@ def test_a_rollout_renders_canary_pools_beside_the_stable_ones_and_weights() -> 
     }
     assert ("Deployment", "svc-edge-canary") not in plain
     assert builders.LABEL_REVISION not in plain[("Service", "svc-edge")]["spec"]["selector"]
+
+
+def test_the_error_rate_test_is_fishers_exact_test() -> None:
+    for a, n1, b, n2 in [(3, 50, 2, 450), (10, 200, 5, 1800), (0, 10, 3, 100), (40, 200, 3, 1800)]:
+        expected = stats.fisher_exact([[a, n1 - a], [b, n2 - b]], alternative="greater").pvalue
+        assert analysis.proportion_greater(a, n1, b, n2) == pytest.approx(expected, rel=1e-9)

@@ -580,7 +580,7 @@ class RolloutAnalysis(_Model):
         gt=0,
         le=0.5,
         description="A difference fails a stage only when a one-sided test (Mann-Whitney U "
-        "on the latency histograms, a two-proportion z-test on errors) gives a p-value "
+        "on the latency histograms, Fisher's exact test on errors) gives a p-value "
         "below this.",
     )
 

@@ -11,12 +11,14 @@ Prometheus (``increase(...[window])``) or from the gateways' ``/metrics`` direct
 
 - **errorRate**: failed attempts over attempts (a failure the gateway retried elsewhere
   still counts against the revision that failed). Fails when the canary's rate is above
-  ``maxErrorRate`` and a one-sided two-proportion z-test says it is higher than the
-  stable revision's;
+  ``maxErrorRate`` and a one-sided Fisher exact test says it is higher than the stable
+  revision's;
 - **ttftP95** and **tbtP95**: fail when the canary's p95 is more than
   ``maxLatencyIncrease`` above the stable's, or above the absolute bound while the
   stable's is within it, *and* a one-sided Mann-Whitney U test on the two histograms
-  says the canary is slower. The test runs on the buckets themselves: every observation
+  says the canary is slower. Each of the three tests runs at a third of
+  ``significance`` (Bonferroni), so one look at an A/A window fails with at most that
+  chance. The test runs on the buckets themselves: every observation
   in a bucket is a tie, and the variance takes the ties into account, so no raw sample
   is needed and the test is exact about what the histograms know.
 
@@ -46,6 +48,7 @@ from hybridllm_operator.demand import PrometheusError, _http_get, histogram_quan
 
 PASS, FAIL, INCONCLUSIVE, NA = "pass", "fail", "inconclusive", "n/a"
 MIN_LATENCY_SAMPLES = 20  # fewer time-per-token samples: that metric is not judged
+METRICS = 3  # error rate, TTFT p95, time-between-tokens p95
 
 
 @dataclass
@@ -139,14 +142,25 @@ def mann_whitney_greater(a: Mapping[float, float], b: Mapping[float, float]) -> 
 
 
 def proportion_greater(e1: float, n1: float, e2: float, n2: float) -> float | None:
-    """One-sided p-value that the rate e1/n1 is greater than e2/n2 (pooled z-test)."""
-    if n1 <= 0 or n2 <= 0:
+    """One-sided p-value that the rate e1/n1 is greater than e2/n2: Fisher's exact test
+    (the hypergeometric tail), which stays honest with the handful of errors a canary at
+    a small weight produces, where a normal approximation aborts good canaries."""
+    a, n1i, b, n2i = (max(0, round(x)) for x in (e1, n1, e2, n2))
+    if n1i <= 0 or n2i <= 0:
         return None
-    pooled = (e1 + e2) / (n1 + n2)
-    if pooled <= 0 or pooled >= 1:
-        return 0.5 if pooled <= 0 else 1.0
-    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-    return 1.0 - _phi((e1 / n1 - e2 / n2) / se)
+    a, b = min(a, n1i), min(b, n2i)
+    total, errors = n1i + n2i, a + b
+    if errors == 0:
+        return 1.0
+
+    def log_comb(n: int, k: int) -> float:
+        return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+    base = log_comb(total, errors)
+    tail = 0.0
+    for k in range(a, min(n1i, errors) + 1):  # P(X >= a), X ~ Hypergeometric
+        tail += math.exp(log_comb(n1i, k) + log_comb(n2i, errors - k) - base)
+    return min(1.0, tail)
 
 
 @dataclass(frozen=True)
@@ -191,7 +205,9 @@ def judge(
 ) -> Verdict:
     """The canary's window against the stable's (None at weight 100: bounds only).
     ``alpha`` overrides the spec's significance (an early look at a step uses a stricter one)."""
-    alpha = spec.significance if alpha is None else alpha
+    # three metrics are tested: each at a third of it (Bonferroni), so the chance that a
+    # look at an A/A window fails on any of them stays within the significance
+    alpha = (spec.significance if alpha is None else alpha) / METRICS
     need = float(spec.min_requests)
     verdicts = []
     rate = canary.errors / canary.attempts if canary.attempts else None
