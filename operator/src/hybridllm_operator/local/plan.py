@@ -160,6 +160,11 @@ def local_notes(service: builders.Service) -> list[str]:
             f"minReplicas 0 ({', '.join(zero)}): local mode keeps one replica (its gateway "
             "routes to running processes only, so nothing would wake a stopped pool)"
         )
+    if "rollout" in spec.model_fields_set:
+        notes.append(
+            "spec.rollout: local mode serves one revision; staged rollouts run in the "
+            "operator (a new revision here starts its pools afresh)"
+        )
     if spec.edge.enabled and spec.edge.devices is not None:
         notes.append("spec.edge.devices: devices outside this machine are not enrolled locally")
     notes.append(
