@@ -361,11 +361,14 @@ def _visible(scaling: Any) -> Any:
     )
 
 
-def _save_state(cluster: reconcile.Cluster, namespace: str, name: str, state: str) -> None:
+def _annotate(
+    cluster: reconcile.Cluster, namespace: str, name: str, key: str, value: str | None
+) -> None:
+    """Set (None: remove) one annotation of the LLMService."""
     cluster.llmservices().patch(
         name=name,
         namespace=namespace,
-        body={"metadata": {"annotations": {autoscaling.STATE_ANNOTATION: state}}},
+        body={"metadata": {"annotations": {key: value}}},
         content_type="application/merge-patch+json",
     )
 
@@ -427,7 +430,13 @@ async def autoscaler_loop(
                 if state != saved and (changed or time.time() - saved_at >= PERSIST_EVERY_S):
                     try:
                         await loop.run_in_executor(
-                            memo.executor, _save_state, memo.cluster, key[0], key[1], state
+                            memo.executor,
+                            _annotate,
+                            memo.cluster,
+                            key[0],
+                            key[1],
+                            autoscaling.STATE_ANNOTATION,
+                            state,
                         )
                         saved, saved_at = state, time.time()
                     except (k8s_errors.ApiException, OSError) as exc:
@@ -471,15 +480,6 @@ def _look(
     )  # fmt: skip
 
 
-def _clear_action(cluster: reconcile.Cluster, namespace: str, name: str) -> None:
-    cluster.llmservices().patch(
-        name=name,
-        namespace=namespace,
-        body={"metadata": {"annotations": {rollout.ACTION_ANNOTATION: None}}},
-        content_type="application/merge-patch+json",
-    )
-
-
 @kopf.daemon(*LLMSERVICES, id="rollout", cancellation_timeout=30.0)
 async def rollout_loop(
     body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
@@ -515,7 +515,13 @@ async def rollout_loop(
                     _post(body, controller, logger)
                     if action:
                         await loop.run_in_executor(
-                            memo.executor, _clear_action, memo.cluster, key[0], key[1]
+                            memo.executor,
+                            _annotate,
+                            memo.cluster,
+                            key[0],
+                            key[1],
+                            rollout.ACTION_ANNOTATION,
+                            None,
                         )
                 except (k8s_errors.ApiException, OSError) as exc:
                     logger.info("rollout step interrupted (retrying): %s", exc)
