@@ -71,17 +71,18 @@ def test_create_builds_every_pool_and_reports_ready(
     assert nodes["monolithic"].startswith("kwok-gpu-")
     assert nodes["edge"] == "kwok-edge-0"
     table = kube.run("get", "llms", "-n", namespace).stdout
-    assert table.split("\n")[0].split()[:7] == [
+    assert table.split("\n")[0].split()[:8] == [
         "NAME",
         "MODE",
         "EDGE",
         "CLOUD",
         "REVISION",
         "SCALING",
+        "ROLLOUT",
         "READY",
     ]
-    row = table.split("\n")[1].split()[:7]
-    assert row[:5] + row[6:] == ["demo", "monolithic", "2/2", "1/1", "v1", "True"]
+    row = table.split("\n")[1].split()[:8]
+    assert row[:5] + row[6:] == ["demo", "monolithic", "2/2", "1/1", "v1", "Completed", "True"]
     # the example's mode; kwok's pods have no address the operator can read the gateway's
     # metrics from, so once it has tried, the autoscaler holds and says so (":no-metrics")
     assert row[5] in ("reactive", "reactive:no-metrics"), row
