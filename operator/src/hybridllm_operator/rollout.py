@@ -16,9 +16,10 @@ false``) until someone promotes or aborts it by hand.
 whether the canary's pools are ready, whether every gateway routes by the current
 weights (:attr:`Observation.routed`), the analysis of the step's window and a hand
 command. The whole state is the LLMService's ``status.rollout`` (the stable revision's
-spec included), so a restarted operator resumes at the same step. Weights only ever move
-between a step's weight and zero: no step is skipped and the weight never exceeds the
-step's. The ``rolling`` strategy skips all of this: the pools update in place.
+spec included), so a restarted operator resumes at the same step. A step moves the tiers
+it names (every enabled tier by default), each tier's weight only ever going to a step's
+weight or back to zero: no step is skipped and no tier gets more than the steps so far
+gave it. The ``rolling`` strategy skips all of this: the pools update in place.
 """
 
 from __future__ import annotations
@@ -80,8 +81,32 @@ def steps(spec: crd.LLMServiceSpec) -> list[crd.RolloutStep]:
     return list(spec.rollout.steps)
 
 
-def canary_weight(state: crd.RolloutStatus | None) -> int:
-    return state.weight if state is not None and state.phase in CANARY_PHASES else 0
+def enabled_tiers(spec: crd.LLMServiceSpec) -> list[str]:
+    return [t for t in ("edge", "cloud") if getattr(spec, t).enabled]
+
+
+def step_tiers(step: crd.RolloutStep, spec: crd.LLMServiceSpec) -> list[str]:
+    """The tiers a step moves: those it names, else every enabled one."""
+    return [t.value for t in step.tiers] if step.tiers else enabled_tiers(spec)
+
+
+def canary_weight(state: crd.RolloutStatus | None, tier: str) -> int:
+    """The canary's percent of one tier's traffic now."""
+    if state is None or state.phase not in CANARY_PHASES:
+        return 0
+    return state.weights.get(tier, 0)
+
+
+def sizing_weight(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, tier: str) -> int:
+    """The weight a tier's canary pools are sized for: the step's it is at (or heading
+    for) when that step moves the tier, else what the tier has now."""
+    if state.phase in (Phase.promoting, Phase.finalizing):
+        return 100
+    plan = steps(spec)
+    step = plan[min(state.step, len(plan) - 1)]
+    if tier in step_tiers(step, spec):
+        return step.weight
+    return state.weights.get(tier, 0)
 
 
 def has_canary(state: crd.RolloutStatus | None) -> bool:
@@ -116,7 +141,8 @@ def _start(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, now: float) -> cr
     return state.model_copy(
         update={
             "phase": Phase.progressing, "canary_revision": spec.model.revision, "step": 0,
-            "steps": len(plan), "weight": 0, "step_started_at": None, "started_at": now,
+            "steps": len(plan), "weight": 0, "weights": {}, "step_started_at": None,
+            "started_at": now,
             "analysis": [], "routing_generation": state.routing_generation + 1,
             "message": f"waiting for the pools of {spec.model.revision} to be ready",
         }
@@ -127,11 +153,16 @@ def _to(state: crd.RolloutStatus, phase: Phase, message: str, **update: Any) -> 
     return state.model_copy(update={"phase": phase, "message": message, **update})
 
 
-def _weight(state: crd.RolloutStatus, weight: int, **update: Any) -> dict[str, Any]:
-    """The fields that set a new canary weight (a new routing generation, a new window)."""
+def _weight(
+    state: crd.RolloutStatus, weight: int, tiers: list[str] | None = None, **update: Any
+) -> dict[str, Any]:
+    """The fields that set a new canary weight on ``tiers`` (None: every tier), with a new
+    routing generation when that changes the table, and a new window."""
+    weights = {**state.weights, **dict.fromkeys(tiers or ("edge", "cloud"), weight)}
+    changed = weights != state.weights
     return {
-        "weight": weight, "step_started_at": None,
-        "routing_generation": state.routing_generation + (weight != state.weight), **update,
+        "weight": weight, "weights": weights, "step_started_at": None,
+        "routing_generation": state.routing_generation + changed, **update,
     }  # fmt: skip
 
 
@@ -290,10 +321,12 @@ def _step(
         return _to(
             state, state.phase, f"{where}: waiting for the pools of {canary} to be ready"
         ), []
-    if state.weight != step.weight:
+    tiers = step_tiers(step, spec)
+    if any(state.weights.get(t, 0) != step.weight for t in tiers):
+        on = "" if tiers == enabled_tiers(spec) else f" on {' and '.join(tiers)}"
         return _to(state, Phase.progressing,
-                   f"{where}: sending {step.weight}% of traffic to {canary}",
-                   **_weight(state, step.weight)), []  # fmt: skip
+                   f"{where}: sending {step.weight}% of traffic{on} to {canary}",
+                   **_weight(state, step.weight, tiers)), []  # fmt: skip
     if state.step_started_at is None:
         if not obs.routed:
             return _to(state, state.phase,
@@ -371,8 +404,8 @@ def routed(window: analysis.Window, state: crd.RolloutStatus, tiers: list[str]) 
         return False
     if window.generation < state.routing_generation:
         return False
-    if state.weight > 0 and state.canary_revision:
-        for tier in tiers:
+    for tier in tiers:
+        if canary_weight(state, tier) > 0 and state.canary_revision:
             seen = window.routed.get((tier, state.canary_revision))
             if seen is None or seen.min_healthy < 1:
                 return False
@@ -386,13 +419,24 @@ def analyse(
     tiers: list[str],
     alpha: float,
 ) -> analysis.Verdict:
-    """The step's verdict from its window: the canary's tiers merged, against the stable
-    revision's on the same tiers (none at weight 100)."""
+    """The step's verdict from its window: each tier the canary has traffic on, judged
+    against the stable revision on the same tier (bounds only where the canary has it
+    all), at ``alpha`` shared between the tiers; any failing tier fails the step."""
     if window.problem is not None:
         return analysis.Verdict(analysis.INCONCLUSIVE, [], f"no metrics: {window.problem}")
-    canary = window.merged(tiers, str(state.canary_revision))
-    stable = window.merged(tiers, state.stable_revision) if state.weight < 100 else None
-    return analysis.judge(canary, stable, spec.rollout.analysis, alpha)
+    judged = [t for t in tiers if canary_weight(state, t) > 0]
+    if not judged:
+        return analysis.Verdict(analysis.INCONCLUSIVE, [], "no tier sends the canary traffic")
+    verdicts = {}
+    for tier in judged:
+        canary = window.revision(tier, str(state.canary_revision))
+        stable = (
+            window.revision(tier, state.stable_revision)
+            if canary_weight(state, tier) < 100
+            else None
+        )
+        verdicts[tier] = analysis.judge(canary, stable, spec.rollout.analysis, alpha / len(judged))
+    return analysis.combine(verdicts)
 
 
 def tick_seconds(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> float:
