@@ -211,7 +211,7 @@ OBSERVATIONS = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(st.lists(OBSERVATIONS, min_size=1, max_size=40), st.booleans(), st.booleans())
 def test_properties_from_any_state(
     trace: list[dict[str, Any]], auto_rollback: bool, edge_first: bool

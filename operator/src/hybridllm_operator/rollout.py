@@ -189,8 +189,10 @@ def _next_step(
     if state.step + 1 >= len(plan):
         return _promote(state, spec), [("Normal", "RolloutPromoting", why)]
     nxt = state.step + 1
+    # `weight` is the step's: what its tiers have until it raises them
+    weight = max(state.weights.get(t, 0) for t in step_tiers(plan[nxt], spec))
     state = _to(state, Phase.progressing, f"step {nxt + 1}/{len(plan)}: waiting for the canary's pools",
-                step=nxt, step_started_at=None, analysis=[])  # fmt: skip
+                step=nxt, step_started_at=None, analysis=[], weight=weight)  # fmt: skip
     return state, [("Normal", "RolloutStepPassed", f"step {nxt}/{len(plan)} passed: {why}")]
 
 
