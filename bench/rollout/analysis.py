@@ -32,6 +32,9 @@ from hybridllm_common import crd
 from hybridllm_common.metrics import LATENCY_BUCKETS, TPOT_BUCKETS
 from hybridllm_operator import analysis
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from procs import machine
+
 ROOT = Path(__file__).resolve().parents[2]
 HOLD_FACTOR = 3  # an inconclusive step is followed this many pauses longer
 
@@ -147,7 +150,7 @@ def main() -> int:
     command = "uv run python bench/rollout/analysis.py " + " ".join(sys.argv[1:])
     meta = {
         "command": command.strip(),
-        "machine": platform.platform(),
+        "machine": machine(),
         "python": platform.python_version(),
         "seconds": round(time.time() - t0, 1),
         "spec": spec.to_wire(),
@@ -159,7 +162,8 @@ def main() -> int:
     lines = [
         "# Rollout analysis: false aborts (A/A) and detection (A/B)",
         "",
-        f"Command: `{meta['command']}` ({meta['seconds']} s on `{meta['machine']}`, Python {meta['python']}).",
+        f"Command: `{meta['command']}` ({meta['seconds']} s on {meta['machine']['cpu']}, "
+        f"{meta['machine']['cores']} cores, {meta['machine']['ram_gib']} GiB, Python {meta['python']}).",
         "",
         f"Each row is {args.rollouts} simulated rollouts through the default steps (10% and 50%, "
         f"{args.pause:.0f} s each, a look every {args.interval:.0f} s: early looks at significance/10, "

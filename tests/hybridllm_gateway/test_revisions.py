@@ -4,6 +4,7 @@ stable revision, and exports what the rollout analysis reads, per revision."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import httpx
@@ -95,7 +96,6 @@ def test_a_failing_canary_fails_no_request_and_its_errors_are_counted(procs, tab
 
 def test_weight_zero_drains_a_revision_on_reload(procs, table, tmp_path) -> None:
     import json
-    import time
 
     a, b = procs.tokenservers(["a", "b"], "--rate", "1000")
     gw = procs.gateway(_table(table, [a.url], [b.url], weight=50, generation=1))
@@ -113,3 +113,37 @@ def test_weight_zero_drains_a_revision_on_reload(procs, table, tmp_path) -> None
             model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2
         )
     assert b.stats()["requests"] == before
+
+
+def test_the_operator_reads_a_window_per_revision_from_the_gateway(procs, table) -> None:
+    """The rollout analysis's direct read (no Prometheus): the routing the gateway serves,
+    then what each revision answered since the window began."""
+    from hybridllm_operator import analysis
+
+    a, b = procs.tokenservers(["a", "b"], "--rate", "1000")
+    gw = procs.gateway(_table(table, [a.url], [b.url], weight=50, generation=3))
+    source = analysis.ScrapeWindows(lambda: [gw.url + "/metrics"])
+    seen = source.read(None, 0.0)
+    assert (seen.gateways, seen.generation) == (1, 3)
+    assert seen.healthy == {("edge", "v1"): 1, ("edge", "v2"): 1}
+    assert source.read(100.0, 100.0).revisions == {}  # the window begins: the baseline
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    served: Counter[str] = Counter()
+    for i in range(40):
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=4,
+            stream=True,
+        )  # fmt: skip
+        chunks = list(stream)  # the whole answer (a client that leaves early is not counted)
+        served["v2" if any(c.system_fingerprint == "b" for c in chunks) else "v1"] += 1
+    # the gateway counts an answer once its handler returns, just after the client has it
+    deadline = time.monotonic() + 10
+    while sum((w := source.read(100.0, 130.0)).revision("edge", v).ok for v in served) < 40:
+        assert time.monotonic() < deadline, "the gateway never counted every answer"
+        time.sleep(0.05)
+    window = w
+    for revision in ("v1", "v2"):
+        got = window.revision("edge", revision)
+        assert (got.ok, got.errors) == (served[revision], 0)
+        assert got.ttft[float("inf")] == served[revision]
+        assert got.tpot[float("inf")] == served[revision]

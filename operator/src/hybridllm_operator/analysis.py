@@ -32,11 +32,9 @@ left to compare with: only the absolute bounds apply.
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import urllib.error
-import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -44,7 +42,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm_common import crd
 from hybridllm_common import metrics as names
-from hybridllm_operator.demand import PrometheusError, _http_get, histogram_quantile
+from hybridllm_operator.demand import (
+    PrometheusError,
+    _http_get,
+    histogram_quantile,
+    prometheus_get,
+)
 
 PASS, FAIL, INCONCLUSIVE, NA = "pass", "fail", "inconclusive", "n/a"
 MIN_LATENCY_SAMPLES = 20  # fewer time-per-token samples: that metric is not judged
@@ -72,22 +75,13 @@ class RevisionWindow:
                 mine[le] = mine.get(le, 0.0) + v
 
 
-@dataclass(frozen=True)
-class Routed:
-    """What every gateway serves for a tier: a revision's weight and healthy backends, the
-    smallest and largest over the gateways (so "every gateway" is one comparison)."""
-
-    min_weight: float
-    max_weight: float
-    min_healthy: float
-
-
 @dataclass
 class Window:
     """A window's per-revision results and the gateways' view of the routing table."""
 
     revisions: dict[tuple[str, str], RevisionWindow] = field(default_factory=dict)  # (tier, rev)
-    routed: dict[tuple[str, str], Routed] = field(default_factory=dict)
+    # (tier, revision) -> its healthy backends at the gateway that has the fewest
+    healthy: dict[tuple[str, str], float] = field(default_factory=dict)
     gateways: int = 0
     generation: float = 0.0  # the oldest routing generation any gateway serves
     problem: str | None = None  # why the window could not be read
@@ -295,7 +289,6 @@ class _Scrape:
     counters: dict[tuple[str, str, str], float] = field(default_factory=dict)  # tier, rev, result
     ttft: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
     tpot: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
-    weight: dict[tuple[str, str], float] = field(default_factory=dict)
     healthy: dict[tuple[str, str], float] = field(default_factory=dict)
     generation: float = 0.0
 
@@ -318,8 +311,6 @@ def parse_revision_metrics(text: str) -> _Scrape:
                 out.counters[(tier, revision, s.labels.get("result", ""))] = s.value
             elif s.name in hist:
                 hist[s.name].setdefault(key, {})[float(s.labels["le"])] = s.value
-            elif s.name == names.GATEWAY_REVISION_WEIGHT:
-                out.weight[key] = s.value
             elif s.name == names.GATEWAY_REVISION_HEALTHY_BACKENDS:
                 out.healthy[key] = s.value
     return out
@@ -329,15 +320,10 @@ def _delta(new: float, old: float | None) -> float:
     return new if old is None or new < old else new - old
 
 
-def _routed(scrapes: Iterable[_Scrape]) -> dict[tuple[str, str], Routed]:
+def _fewest_healthy(scrapes: Iterable[_Scrape]) -> dict[tuple[str, str], float]:
     scrapes = list(scrapes)
-    keys = {k for s in scrapes for k in s.weight}
-    out = {}
-    for key in keys:
-        weights = [s.weight.get(key, 0.0) for s in scrapes]
-        healthy = [s.healthy.get(key, 0.0) for s in scrapes]
-        out[key] = Routed(min(weights), max(weights), min(healthy))
-    return out
+    keys = {k for s in scrapes for k in s.healthy}
+    return {k: min(s.healthy.get(k, 0.0) for s in scrapes) for k in keys}
 
 
 class WindowSource:
@@ -373,7 +359,7 @@ class ScrapeWindows(WindowSource):
             if failed:
                 return Window(problem="gateway metrics could not be read: " + "; ".join(failed))
             window = Window(
-                routed=_routed(fresh.values()),
+                healthy=_fewest_healthy(fresh.values()),
                 gateways=len(fresh),
                 generation=min(s.generation for s in fresh.values()),
             )
@@ -410,41 +396,29 @@ class PrometheusWindows(WindowSource):
         self.selector = f'namespace="{namespace}",llmservice="{llmservice}"'
 
     def _query(self, expr: str, at: float) -> list[dict[str, object]]:
-        query = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
-        try:
-            body = json.loads(_http_get(f"{self.url}/api/v1/query?{query}"))
-        except (OSError, ValueError) as exc:
-            raise PrometheusError(f"Prometheus at {self.url} did not answer: {exc}") from exc
-        if body.get("status") != "success":
-            raise PrometheusError(f"Prometheus refused {expr!r}: {body.get('error')}")
-        result = body["data"]["result"]
-        assert isinstance(result, list)
-        return result
+        return prometheus_get(self.url, "/api/v1/query", {"query": expr, "time": f"{at:.3f}"})
 
     def read(self, start: float | None, now: float) -> Window:
-        span = max(1, round(now - (now if start is None else start)))
         sel = self.selector
+        attempts: list[dict[str, object]] = []
+        hists: dict[str, list[dict[str, object]]] = {}
         try:
-            attempts = self._query(
-                f"sum by (tier, revision, result) (increase({names.GATEWAY_REVISION_ATTEMPTS_TOTAL}{{{sel}}}[{span}s]))",
-                now,
-            )
-            hists = {
-                attr: self._query(
-                    f"sum by (tier, revision, le) (increase({metric}_bucket{{{sel}}}[{span}s]))",
+            if start is not None:  # a window to judge, not only the routing to see
+                span = max(1, round(now - start))
+                attempts = self._query(
+                    f"sum by (tier, revision, result) (increase({names.GATEWAY_REVISION_ATTEMPTS_TOTAL}{{{sel}}}[{span}s]))",
                     now,
                 )
-                for attr, metric in (
-                    ("ttft", names.GATEWAY_REVISION_TTFT_SECONDS),
-                    ("tpot", names.GATEWAY_REVISION_TPOT_SECONDS),
-                )
-            }
-            weights = self._query(
-                f"min by (tier, revision) ({names.GATEWAY_REVISION_WEIGHT}{{{sel}}})", now
-            )
-            max_weights = self._query(
-                f"max by (tier, revision) ({names.GATEWAY_REVISION_WEIGHT}{{{sel}}})", now
-            )
+                hists = {
+                    attr: self._query(
+                        f"sum by (tier, revision, le) (increase({metric}_bucket{{{sel}}}[{span}s]))",
+                        now,
+                    )
+                    for attr, metric in (
+                        ("ttft", names.GATEWAY_REVISION_TTFT_SECONDS),
+                        ("tpot", names.GATEWAY_REVISION_TPOT_SECONDS),
+                    )
+                }
             healthy = self._query(
                 f"min by (tier, revision) ({names.GATEWAY_REVISION_HEALTHY_BACKENDS}{{{sel}}})", now
             )
@@ -477,9 +451,5 @@ class PrometheusWindows(WindowSource):
                 w = window.revisions.setdefault(key(s), RevisionWindow())
                 le = float(s["metric"]["le"])  # type: ignore[index]
                 getattr(w, attr)[le] = value(s)
-        mins = {key(s): value(s) for s in weights}
-        maxs = {key(s): value(s) for s in max_weights}
-        health = {key(s): value(s) for s in healthy}
-        for k in mins:
-            window.routed[k] = Routed(mins[k], maxs.get(k, mins[k]), health.get(k, 0.0))
+        window.healthy = {key(s): value(s) for s in healthy}
         return window

@@ -281,6 +281,30 @@ class PrometheusError(Exception):
     pass
 
 
+def prometheus_get(url: str, path: str, params: Mapping[str, str]) -> list[dict[str, object]]:
+    """The result of one Prometheus HTTP API query; PrometheusError says why there is none."""
+    query = urllib.parse.urlencode(params)
+    try:
+        body = json.loads(_http_get(f"{url}{path}?{query}"))
+    except urllib.error.HTTPError as exc:  # a 4xx/5xx carries Prometheus's reason
+        try:
+            reason = json.loads(exc.read()).get("error") or exc.reason
+        except (OSError, ValueError):
+            reason = exc.reason
+        raise PrometheusError(
+            f"Prometheus at {url} refused {params.get('query')!r}: {exc.code} {reason}"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise PrometheusError(f"Prometheus at {url} did not answer: {exc}") from exc
+    if body.get("status") != "success":
+        raise PrometheusError(
+            f"Prometheus refused the query: {body.get('errorType')}: {body.get('error')}"
+        )
+    result = body["data"]["result"]
+    assert isinstance(result, list)
+    return result
+
+
 class PrometheusDemand(DemandSource):
     """Demand of one LLMService from a Prometheus server's HTTP API."""
 
@@ -301,26 +325,7 @@ class PrometheusDemand(DemandSource):
         self._bins: tuple[dict[str, list[tuple[float, float]]], float] = ({}, 0.0)
 
     def _get(self, path: str, params: Mapping[str, str]) -> list[dict[str, object]]:
-        query = urllib.parse.urlencode(params)
-        try:
-            body = json.loads(_http_get(f"{self.url}{path}?{query}"))
-        except urllib.error.HTTPError as exc:  # a 4xx/5xx carries Prometheus's reason
-            try:
-                reason = json.loads(exc.read()).get("error") or exc.reason
-            except (OSError, ValueError):
-                reason = exc.reason
-            raise PrometheusError(
-                f"Prometheus at {self.url} refused {params.get('query')!r}: {exc.code} {reason}"
-            ) from exc
-        except (OSError, ValueError) as exc:
-            raise PrometheusError(f"Prometheus at {self.url} did not answer: {exc}") from exc
-        if body.get("status") != "success":
-            raise PrometheusError(
-                f"Prometheus refused the query: {body.get('errorType')}: {body.get('error')}"
-            )
-        result = body["data"]["result"]
-        assert isinstance(result, list)
-        return result
+        return prometheus_get(self.url, path, params)
 
     def _by_tier(self, expr: str, at: float) -> dict[str, float]:
         out = {}

@@ -339,6 +339,14 @@ async def reconciler(
             del memo.rollouts[key]
 
 
+def _spec_or_none(key: tuple[str, str], body: Mapping[str, Any]) -> crd.LLMServiceSpec | None:
+    """The object's spec, or None when it is invalid (the reconciler says why in the status)."""
+    try:
+        return reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
+    except reconcile.InvalidSpec:
+        return None
+
+
 PERSIST_EVERY_S = 60.0  # the autoscaler's state is saved at least this often while it runs
 
 
@@ -395,10 +403,7 @@ async def autoscaler_loop(
     try:
         while True:
             interval = 15.0
-            try:
-                spec = reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
-            except reconcile.InvalidSpec:
-                spec = None  # the reconciler says why in the status
+            spec = _spec_or_none(key, body)
             if spec is not None:
                 interval = float(spec.autoscaling.interval_seconds)
                 scaling.configure(spec)
@@ -495,10 +500,7 @@ async def rollout_loop(
     try:
         while True:
             wait = 5.0
-            try:
-                spec = reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
-            except reconcile.InvalidSpec:
-                spec = None  # the reconciler says why in the status
+            spec = _spec_or_none(key, body)
             if spec is not None and controller.state is not None:
                 action = (meta.get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
                 source = source or _windows(memo, key)

@@ -141,7 +141,7 @@ def _start(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, now: float) -> cr
     return state.model_copy(
         update={
             "phase": Phase.progressing, "canary_revision": spec.model.revision, "step": 0,
-            "steps": len(plan), "weight": 0, "weights": {}, "step_started_at": None,
+            "steps": len(plan), "weights": {}, "step_started_at": None,
             "started_at": now,
             "analysis": [], "routing_generation": state.routing_generation + 1,
             "message": f"waiting for the pools of {spec.model.revision} to be ready",
@@ -161,7 +161,7 @@ def _weight(
     weights = {**state.weights, **dict.fromkeys(tiers or ("edge", "cloud"), weight)}
     changed = weights != state.weights
     return {
-        "weight": weight, "weights": weights, "step_started_at": None,
+        "weights": weights, "step_started_at": None,
         "routing_generation": state.routing_generation + changed, **update,
     }  # fmt: skip
 
@@ -189,10 +189,8 @@ def _next_step(
     if state.step + 1 >= len(plan):
         return _promote(state, spec), [("Normal", "RolloutPromoting", why)]
     nxt = state.step + 1
-    # `weight` is the step's: what its tiers have until it raises them
-    weight = max(state.weights.get(t, 0) for t in step_tiers(plan[nxt], spec))
     state = _to(state, Phase.progressing, f"step {nxt + 1}/{len(plan)}: waiting for the canary's pools",
-                step=nxt, step_started_at=None, analysis=[], weight=weight)  # fmt: skip
+                step=nxt, step_started_at=None, analysis=[])  # fmt: skip
     return state, [("Normal", "RolloutStepPassed", f"step {nxt}/{len(plan)} passed: {why}")]
 
 
@@ -231,10 +229,29 @@ def _act(
     ]
 
 
+def shown_weight(state: crd.RolloutStatus, spec: crd.LLMServiceSpec) -> int:
+    """The one weight the status shows: what the current step's tiers have while a step
+    runs, else the largest of the tiers' (0 without a canary)."""
+    if not has_canary(state):
+        return 0
+    if state.phase in STEPPING:
+        plan = steps(spec)
+        tiers = step_tiers(plan[min(state.step, len(plan) - 1)], spec)
+        return max((state.weights.get(t, 0) for t in tiers), default=0)
+    return max(state.weights.values(), default=0)
+
+
 def advance(
     state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec, obs: Observation
 ) -> tuple[crd.RolloutStatus, list[Event]]:
     """The next state of one LLMService's rollout, and the Events that say what changed."""
+    new, events = _advance(state, spec, obs)
+    return new.model_copy(update={"weight": shown_weight(new, spec)}), events
+
+
+def _advance(
+    state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec, obs: Observation
+) -> tuple[crd.RolloutStatus, list[Event]]:
     target = spec.model.revision
     if state is None or spec.rollout.strategy == crd.RolloutStrategy.rolling:
         # first sight, or pools that update in place: the spec is the stable one
@@ -407,10 +424,9 @@ def routed(window: analysis.Window, state: crd.RolloutStatus, tiers: list[str]) 
     if window.generation < state.routing_generation:
         return False
     for tier in tiers:
-        if canary_weight(state, tier) > 0 and state.canary_revision:
-            seen = window.routed.get((tier, state.canary_revision))
-            if seen is None or seen.min_healthy < 1:
-                return False
+        live = canary_weight(state, tier) > 0 and state.canary_revision
+        if live and window.healthy.get((tier, str(state.canary_revision)), 0.0) < 1:
+            return False
     return True
 
 
