@@ -119,6 +119,11 @@ def test_a_failed_step_sends_traffic_back_and_the_canary_drains() -> None:
     # the bad revision is not tried again by itself; setting the spec back ends it
     state, _ = rollout.advance(state, spec, _obs(8))
     assert state.phase == Phase.aborted
+    # meanwhile every pool and the routing table stay on the stable revision
+    service = builders.Service("s", "ns", "uid", spec, rollout=state)
+    assert {p.revision for p in builders.pools(service) if p.revision} == {"v1"}
+    assert builders.build_routing_config(service)["revision"] == "v1"
+    assert service.canary is None
     state, _ = rollout.advance(state, _spec("v1"), _obs(9))
     assert state.phase == Phase.completed
     assert state.stable_revision == "v1"

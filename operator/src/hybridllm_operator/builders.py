@@ -109,8 +109,12 @@ class Service:
 
     @property
     def stable(self) -> crd.LLMServiceSpec:
-        """The spec the stable pools run: the live one, unless a rollout recorded another."""
-        if self.rollout is None or not rollout_mod.has_canary(self.rollout):
+        """The spec the stable pools run: the live one, unless a rollout recorded another
+        (while it has a canary, and once it aborted: the spec's revision is not served until
+        it is set back or retried)."""
+        if self.rollout is None or not (
+            rollout_mod.has_canary(self.rollout) or self.rollout.phase == crd.RolloutPhase.aborted
+        ):
             return self.spec
         return rollout_mod.stable_spec(self.rollout, self.spec)
 
@@ -245,6 +249,8 @@ def _model_args(service: Service, spec: crd.LLMServiceSpec) -> list[str]:
     # message, which the status then shows (see status.pod_problem).
     args = ["--model", spec.model.source, "--served-model-name", service.served_name]
     args += ["--exit-on-load-error"]
+    if spec.model.sha256 is not None:
+        args += ["--model-sha256", spec.model.sha256]
     if spec.model.context_length is not None:
         args += ["--max-model-len", str(spec.model.context_length)]
     return args
