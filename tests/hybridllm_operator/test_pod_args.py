@@ -35,7 +35,8 @@ def _services() -> list[tuple[str, builders.Service]]:
     variants: list[dict[str, Any]] = [
         {"cloud": {"mode": "disaggregated", "prefill": {"replicas": 1}, "decode": {"replicas": 2},
                    "kvCache": {"prefixCaching": False}}},
-        {"edge": {"enabled": True, "responseCache": {"enabled": False}}},
+        {"edge": {"enabled": True, "responseCache": {"enabled": False}},
+         "model": {"source": base["model"]["source"], "sha256": "ab" * 32}},
     ]  # fmt: skip
     for i, patch in enumerate(variants):
         merged = {**base, **{k: {**base.get(k, {}), **v} for k, v in patch.items()}}
@@ -78,5 +79,5 @@ def test_runtime_accepts_rendered_args(name: str, service: builders.Service) -> 
 def test_variants_cover_the_conditional_flags() -> None:
     rendered = {a for _, svc in _services() for pool in builders.pools(svc) for a in pool.args}
     for flag in ("--no-enable-prefix-caching", "--prefill-url", "--kv-port", "--no-cache",
-                 "--device", "--role"):  # fmt: skip
+                 "--device", "--role", "--model-sha256"):  # fmt: skip
         assert flag in rendered, flag

@@ -149,6 +149,7 @@ def ensure_artifact(
     model_store: store.Store | None = None,
     force: bool = False,
     verify: bool = False,
+    expected_sha256: str | None = None,
     progress: Progress = NULL,
 ) -> Artifact:
     """The artifact for (source, target), pulled and converted as needed.
@@ -157,13 +158,14 @@ def ensure_artifact(
     file of the artifact against its manifest (what a runtime does before loading) and
     raises :class:`errors.IntegrityError` naming each bad file and the command that
     rebuilds it: a flipped byte keeps the size that the cheap presence check looks at.
+    ``expected_sha256`` refuses a source whose content hash differs (IntegrityError).
     """
     if target not in (*TARGETS, store.SOURCE):
         raise errors.ConversionError(
             f"unknown target {target!r}; known targets: {', '.join(TARGETS)}"
         )
     model_store = model_store or store.Store()
-    source = model_store.pull(source_uri, progress=progress)
+    source = model_store.pull(source_uri, expected_sha256=expected_sha256, progress=progress)
     artifact = _ensure(model_store, source, target, force, progress)
     if verify:
         problems = model_store.verify(artifact, progress)
@@ -222,9 +224,16 @@ def ensure(
     model_store: store.Store | None = None,
     force: bool = False,
     verify: bool = False,
+    expected_sha256: str | None = None,
     progress: Progress = NULL,
 ) -> Path:
     """Path to load: the .gguf file for GGUF targets, the folder for hf and onnx targets."""
     return ensure_artifact(
-        source_uri, target, model_store=model_store, force=force, verify=verify, progress=progress
+        source_uri,
+        target,
+        model_store=model_store,
+        force=force,
+        verify=verify,
+        expected_sha256=expected_sha256,
+        progress=progress,
     ).primary_path

@@ -85,6 +85,8 @@ class Service:
     scaled: Mapping[str, int] = field(default_factory=dict)
     # The rollout's state (status.rollout): the stable pools' spec, the canary's weight.
     rollout: crd.RolloutStatus | None = None
+    # Serving edge devices of spec.edge.devices (their URL and the revision they run).
+    devices: tuple[tuple[str, str], ...] = ()
 
     def replicas(self, component: str, pool: crd.PoolSpec) -> int | None:
         """A scaled pool's replicas: the autoscaler's, the spec's until it has decided, or
@@ -582,6 +584,14 @@ def build_routing_config(service: Service) -> dict[str, Any]:
     """The gateway's routing table: tiers, their backends and the routing policy; during a
     rollout each tier has the stable and the canary Service, weighted."""
     stable = {t: [service_url(service, c)] for t, c in tier_components(service).items()}
+    edge_pool = service.stable.edge.pool
+    if (
+        service.devices
+        and "edge" in stable
+        and service.replicas("edge", edge_pool) == 0
+        and not scales_from_zero(service, "edge")
+    ):
+        del stable["edge"]  # no pod will ever answer: the devices serve the tier alone
     canary_spec = service.canary
     canary = (
         {
@@ -614,6 +624,15 @@ def routing_config(
             {"url": u, "revision": canary_revision, "weight": weight}
             for u in (canary or {}).get(tier, [])
         ]
+        if tier == "edge":  # devices: at their revision's weight (a rollout's, or the rest)
+            rows += [
+                {
+                    "url": u,
+                    "revision": rev,
+                    "weight": weight if rev == canary_revision else 100 - weight,
+                }
+                for u, rev in service.devices
+            ]
         if rows:
             tiers[tier] = {"backends": rows, "scaleFromZero": scales_from_zero(service, tier)}
     return {

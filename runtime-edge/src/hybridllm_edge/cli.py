@@ -1,4 +1,5 @@
-"""``hybridllm-edge serve`` (also ``hybridllm edge serve``): flags generated from EdgeSettings.
+"""``hybridllm-edge serve`` (also ``hybridllm edge serve``): flags generated from EdgeSettings;
+``hybridllm-edge agent``: the edge device agent (``hybridllm_edge.agent``).
 
 A flag left out falls back to ``HYBRIDLLM_EDGE_<NAME>`` and then to the default
 (pydantic-settings' precedence). Booleans get ``--x/--no-x`` (``--no-cache``).
@@ -48,14 +49,21 @@ def _add_serve(subparsers: Any) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _add_commands(subparsers: Any) -> None:
+    from hybridllm_edge import agent
+
+    _add_serve(subparsers)
+    agent.add_agent(subparsers)
+
+
 def register(subparsers: Any) -> None:
     """Entry point of ``hybridllm edge ...``."""
-    edge = subparsers.add_parser("edge", help="edge runtime (llama.cpp / onnxruntime)")
-    _add_serve(edge.add_subparsers(dest="edge_command", metavar="COMMAND", required=True))
+    edge = subparsers.add_parser("edge", help="edge runtime (llama.cpp / onnxruntime) and agent")
+    _add_commands(edge.add_subparsers(dest="edge_command", metavar="COMMAND", required=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return common_cli.run_standalone("hybridllm-edge", __doc__, _add_serve, argv)
+    return common_cli.run_standalone("hybridllm-edge", __doc__, _add_commands, argv)
 
 
 if __name__ == "__main__":

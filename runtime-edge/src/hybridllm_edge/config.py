@@ -35,6 +35,12 @@ class EdgeSettings(BaseSettings):
         default=DEFAULT_MODEL,
         description="model store URI, a local .gguf file, or a local ONNX export folder",
     )
+    model_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="refuse a model store source whose sha256 differs (as `hybridllm model "
+        "list` prints it)",
+    )
     verify_model: bool = Field(
         default=True,
         description="re-hash the model store artifact against its manifest before loading "

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 APIError = oai.APIError
 
 
-def resolve_model_path(model: str, verify: bool = True) -> Path:
+def resolve_model_path(model: str, verify: bool = True, sha256: str | None = None) -> Path:
     """A local HF-layout directory as is; anything else through the model store, its
     files re-hashed against the manifest when ``verify`` (a corrupt artifact raises
     ``hybridllm_models.IntegrityError``)."""
@@ -43,7 +43,9 @@ def resolve_model_path(model: str, verify: bool = True) -> Path:
         return path
     import hybridllm_models
 
-    return Path(hybridllm_models.ensure(model, target="hf", verify=verify))
+    return Path(
+        hybridllm_models.ensure(model, target="hf", verify=verify, expected_sha256=sha256)
+    )
 
 
 def served_name(settings: config_mod.ServeSettings) -> str:
@@ -119,7 +121,10 @@ def create_app(
 
             try:
                 path = await asyncio.to_thread(
-                    resolve_model_path, settings.model, settings.verify_model
+                    resolve_model_path,
+                    settings.model,
+                    settings.verify_model,
+                    settings.model_sha256,
                 )
             except hybridllm_models.ModelStoreError as exc:
                 # Serve nothing, but stay up and say why: /health answers 503 with the

@@ -38,7 +38,10 @@ def resolve_model(settings: config.EdgeSettings) -> tuple[Path, str, Manifest | 
     import hybridllm_models
 
     artifact = hybridllm_models.ensure_artifact(
-        settings.model, target=settings.store_target(), verify=settings.verify_model
+        settings.model,
+        target=settings.store_target(),
+        verify=settings.verify_model,
+        expected_sha256=settings.model_sha256,
     )
     m = artifact.manifest
     digest = next((f.sha256 for f in m.files if f.path == m.primary), "")

@@ -1,0 +1,1 @@
+"""Edge fleet: enrollment, signed configs, heartbeats and waves (docs/fleet.md)."""

@@ -1,0 +1,186 @@
+"""``hybridllm fleet serve|approve|revoke|token|certs``: the fleet server and its chores.
+
+- ``serve``: the device API for the EdgeFleets of one namespace (HTTPS with ``--tls-cert``
+  and ``--tls-key``; plain HTTP only with ``--insecure-http``, for a loopback test).
+- ``approve DEVICE`` / ``revoke DEVICE``: set ``spec.approved`` / ``spec.revoked`` of an
+  EdgeDevice (``kubectl patch`` does the same).
+- ``token FLEET``: make the fleet's bootstrap token Secret and print the token.
+- ``certs --out DIR --host NAME``: a CA and a server certificate for trying it out (a
+  production server takes its certificate from the cluster's issuer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import logging
+import ssl
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hybridllm_operator.fleet import kube, server
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    tls = None
+    if args.tls_cert and args.tls_key:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    elif not args.insecure_http:
+        print(
+            "hybridllm fleet serve: give --tls-cert and --tls-key (devices reach the server "
+            "over HTTPS), or --insecure-http for a loopback test",
+            file=sys.stderr,
+        )
+        return 2
+    kube.load_config()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(server.serve(args.namespace, args.host, args.port, tls, args.tick_seconds))
+    return 0
+
+
+def _patch(args: argparse.Namespace, spec: dict[str, Any]) -> int:
+    from kubernetes.client.exceptions import ApiException
+
+    from hybridllm_operator.fleet import kube
+
+    kube.load_config()
+    try:
+        kube.Kube(args.namespace).patch_device_spec(args.device, spec)
+    except ApiException as exc:
+        if exc.status == 404:
+            print(f"no EdgeDevice {args.namespace}/{args.device}", file=sys.stderr)
+            return 1
+        raise
+    print(
+        f"edgedevice {args.namespace}/{args.device}: {', '.join(f'{k}={v}' for k, v in spec.items())}"
+    )
+    return 0
+
+
+def _approve(args: argparse.Namespace) -> int:
+    return _patch(args, {"approved": True})
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    return _patch(args, {"revoked": True})
+
+
+def _token(args: argparse.Namespace) -> int:
+    from kubernetes.client.exceptions import ApiException
+
+    from hybridllm_operator.fleet import kube
+
+    kube.load_config()
+    secret = args.secret or f"{args.fleet}-bootstrap"
+    try:
+        token = kube.Kube(args.namespace).create_token(args.fleet, secret)
+    except ApiException as exc:
+        if exc.status == 409:
+            print(f"Secret {args.namespace}/{secret} exists; delete it to make a new token",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        raise
+    print(token)
+    return 0
+
+
+def write_certs(out: Path, hosts: list[str], days: int = 365) -> None:
+    """A CA (ca.pem) and a server certificate for ``hosts`` (server.pem, server-key.pem)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hybridllm fleet CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+                       critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
+                       critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    pem = serialization.Encoding.PEM
+    (out / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (out / "server.pem").write_bytes(cert.public_bytes(pem))
+    private = out / "server-key.pem"
+    private.touch(mode=0o600)
+    private.write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+
+
+def _certs(args: argparse.Namespace) -> int:
+    write_certs(Path(args.out), args.host)
+    print(f"wrote {args.out}/ca.pem (give it to devices), server.pem and server-key.pem")
+    return 0
+
+
+def register_fleet(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "fleet", help="the edge fleet server, device approval and bootstrap tokens"
+    )
+    sub = parser.add_subparsers(dest="fleet_command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve the device API of a namespace's EdgeFleets")
+    serve.add_argument("-n", "--namespace", default="default", help="namespace of the fleets")
+    serve.add_argument("--host", default="0.0.0.0", help="listen address")
+    serve.add_argument("--port", type=int, default=8443, help="listen port")
+    serve.add_argument("--tls-cert", help="server certificate (PEM)")
+    serve.add_argument("--tls-key", help="its private key (PEM)")
+    serve.add_argument("--insecure-http", action="store_true",
+                       help="serve plain HTTP (a loopback test only)")  # fmt: skip
+    serve.add_argument("--tick-seconds", type=float, default=1.0,
+                       help="how often fleets are planned and statuses written")  # fmt: skip
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    serve.set_defaults(func=_serve)
+    for verb, func, text in (
+        ("approve", _approve, "let an enrolled device fetch configs and serve"),
+        ("revoke", _revoke, "refuse every call of a device from now on"),
+    ):
+        p = sub.add_parser(verb, help=text, description=text)
+        p.add_argument("device", help="the EdgeDevice")
+        p.add_argument("-n", "--namespace", default="default")
+        p.set_defaults(func=func)
+    token = sub.add_parser("token", help="make a fleet's bootstrap token Secret, print the token")
+    token.add_argument("fleet", help="the EdgeFleet")
+    token.add_argument("-n", "--namespace", default="default")
+    token.add_argument("--secret", help="Secret name (default FLEET-bootstrap, the spec's default)")
+    token.set_defaults(func=_token)
+    certs = sub.add_parser("certs", help="a CA and server certificate for trying the server out")
+    certs.add_argument("--out", required=True, help="folder to write them to")
+    certs.add_argument("--host", action="append", required=True,
+                       help="name or IP devices use to reach the server (repeatable)")  # fmt: skip
+    certs.set_defaults(func=_certs)

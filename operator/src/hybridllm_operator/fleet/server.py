@@ -1,0 +1,781 @@
+"""The fleet server: the HTTPS API edge devices call, with its state in Kubernetes.
+
+Devices call four endpoints (docs/fleet.md has the protocol):
+
+- ``POST /v1/enroll``: bootstrap token, the device's public key, name, labels and facts;
+  makes an ``EdgeDevice`` (approved at once when the fleet's rules say so).
+- ``GET /v1/devices/NAME``: whether the device is approved, and the fleet's public key.
+- ``GET /v1/devices/NAME/config``: the signed config the device should run; long poll
+  (``If-None-Match`` with the version it has, ``?wait=SECONDS``).
+- ``POST /v1/devices/NAME/heartbeat``: what it runs, its endpoint and its serving KPIs.
+
+Every call but enrollment is signed with the device's key (``hybridllm_common.signing``).
+
+Heartbeats stay in memory. A device's record is written only when something in it
+changes (phase, revision, endpoint, health, a failed update), and the fleet's status when
+its counts or its rollout change, so ten thousand devices beating every forty seconds
+cost no write at all while nothing happens. A restarted server starts every device that
+was not offline as seen at its start, so a restart alone marks no device offline.
+
+Each tick (``--tick-seconds``) the server follows each fleet's LLMService: the content
+devices should run comes from the service's edge tier (``waves.config_content``), and
+:func:`waves.plan` moves a new revision through the fleet wave by wave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from hybridllm_common import crd, signing
+from hybridllm_operator import builders, reconcile
+from hybridllm_operator.fleet import kube as kube_mod
+from hybridllm_operator.fleet import waves
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_S = 60.0
+MAX_BODY = 64 * 1024
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+# Fields of a device's status the server writes when they change (not lastSeen alone).
+_RECORDED = ("phase", "revision", "configVersion", "assignedVersion", "assignedWave",
+             "failedVersion", "endpoint", "healthy", "message")  # fmt: skip
+
+
+def _error(status: int, message: str, code: str, **headers: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@dataclass
+class Device:
+    """One EdgeDevice as the server knows it: its record and its last heartbeat."""
+
+    name: str
+    fleet: str
+    public_key: Any
+    labels: dict[str, str]
+    approved: bool
+    revoked: bool
+    status: dict[str, Any] = field(default_factory=dict)  # as last written (camelCase)
+    last_seen: float | None = None
+    report: dict[str, Any] = field(default_factory=dict)  # last heartbeat body
+
+    def online(self, now: float, timeout: float) -> bool:
+        return self.last_seen is not None and now - self.last_seen <= timeout
+
+
+@dataclass
+class Fleet:
+    name: str
+    obj: dict[str, Any]
+    spec: crd.EdgeFleetSpec | None
+    status: crd.EdgeFleetStatus
+    problem: str | None = None
+    key: Any = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    written: dict[str, Any] = field(default_factory=dict)
+    written_at: float = 0.0
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "hybridllm_fleet_requests_total", "Device API calls by endpoint and status code.",
+            ["endpoint", "code"], registry=r,
+        )  # fmt: skip
+        self.seconds = Histogram(
+            "hybridllm_fleet_request_seconds", "Time to answer a device call (long polls "
+            "excluded).", ["endpoint"], registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+        )  # fmt: skip
+        self.devices = Gauge(
+            "hybridllm_fleet_devices", "Devices by fleet and phase.", ["fleet", "phase"],
+            registry=r,
+        )  # fmt: skip
+        self.writes = Gauge(
+            "hybridllm_fleet_api_writes", "API-server writes since start, by kind.", ["kind"],
+            registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "hybridllm_fleet_rejected_total", "Calls refused, by reason.", ["reason"], registry=r
+        )
+
+
+class FleetServer:
+    def __init__(self, kube: kube_mod.Kube, tick_s: float = 1.0) -> None:
+        self.kube, self.tick_s = kube, tick_s
+        self.namespace = kube.namespace
+        self.fleets: dict[str, Fleet] = {}
+        self.devices: dict[str, Device] = {}
+        self.services: dict[str, dict[str, Any]] = {}
+        self.started = time.time()
+        self.metrics = Metrics()
+        self.dirty: set[str] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._tokens: dict[str, tuple[float, str | None]] = {}
+        self._informers: list[kube_mod.Informer] = []
+
+    # ------------------------------------------------------------------ Kubernetes side
+
+    def start_informers(self) -> None:
+        for kind, handler in (
+            ("EdgeFleet", self._on_fleet),
+            ("EdgeDevice", self._on_device),
+            ("LLMService", self._on_service),
+        ):
+            informer = kube_mod.Informer(
+                self.kube.custom, self.namespace, kind, self._threadsafe(handler)
+            )
+            self._informers.append(informer)
+            informer.start()
+
+    def stop_informers(self) -> None:
+        for informer in self._informers:
+            informer.stop()
+
+    def _threadsafe(self, handler: Callable[..., None]) -> Callable[..., None]:
+        def call(*args: Any) -> None:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(handler, *args)
+
+        return call
+
+    def _on_fleet(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            self.fleets.pop(name, None)
+            return
+        try:
+            spec: crd.EdgeFleetSpec | None = crd.EdgeFleetSpec.model_validate(obj.get("spec") or {})
+            problem = None
+        except pydantic.ValidationError as exc:
+            spec, problem = None, f"invalid spec: {exc.errors()[0]['msg']}"
+        fleet = self.fleets.get(name)
+        if fleet is None:
+            try:
+                status = crd.EdgeFleetStatus.model_validate(obj.get("status") or {})
+            except pydantic.ValidationError:
+                status = crd.EdgeFleetStatus()
+            fleet = Fleet(name, obj, spec, status, problem)
+            self.fleets[name] = fleet
+        fleet.obj, fleet.spec, fleet.problem = obj, spec, problem
+        fleet.changed.set()
+
+    def _on_device(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            self.devices.pop(name, None)
+            return
+        spec = obj.get("spec") or {}
+        labels = dict(obj["metadata"].get("labels") or {})
+        labels.pop(kube_mod.FLEET_LABEL, None)
+        try:
+            public = signing.public_key_from_text(spec.get("publicKey", ""))
+        except signing.SignatureError:
+            log.warning("EdgeDevice %s has no valid public key; refusing it", name)
+            public = None
+        device = self.devices.get(name)
+        if device is None:
+            status = dict(obj.get("status") or {})
+            device = Device(name, spec.get("fleet", ""), public, labels, False, False, status)
+            # A restart marks no device offline by itself: each is seen as of now, except
+            # those already offline.
+            if status.get("phase") != crd.DevicePhase.Offline.value:
+                device.last_seen = self.started
+            self.devices[name] = device
+        device.public_key, device.labels = public, labels
+        device.fleet = spec.get("fleet", "")
+        device.approved, device.revoked = bool(spec.get("approved")), bool(spec.get("revoked"))
+        fleet = self.fleets.get(device.fleet)
+        if fleet is not None:
+            fleet.changed.set()
+
+    def _on_service(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            self.services.pop(name, None)
+        else:
+            self.services[name] = obj
+
+    # ------------------------------------------------------------------ what devices run
+
+    def content(self, fleet: Fleet) -> tuple[dict[str, Any] | None, str | None]:
+        """What the fleet's devices should run, from its LLMService, or why there is none."""
+        assert fleet.spec is not None
+        obj = self.services.get(fleet.spec.service)
+        if obj is None:
+            return None, f"LLMService {fleet.spec.service} not found"
+        try:
+            spec = reconcile.parse_spec(fleet.spec.service, dict(obj.get("spec") or {}))
+        except reconcile.InvalidSpec as exc:
+            return None, f"LLMService {fleet.spec.service} is invalid: {exc}"
+        raw_rollout = (obj.get("status") or {}).get("rollout")
+        state = crd.RolloutStatus.model_validate(raw_rollout) if raw_rollout else None
+        service = builders.Service(fleet.spec.service, self.namespace, "", spec, rollout=state)
+        # Devices follow the newest revision the service serves: its canary while a
+        # rollout has one, the stable one otherwise (an aborted revision is not sent).
+        target = service.canary or service.stable
+        if target.model.sha256 is None:
+            return None, (
+                f"LLMService {fleet.spec.service} has no spec.model.sha256: devices check "
+                "the model they download against it (`hybridllm model list` prints it)"
+            )
+        return waves.config_content(service.name, target, fleet.spec), None
+
+    def views(self, fleet: Fleet, now: float) -> list[waves.DeviceView]:
+        assert fleet.spec is not None
+        timeout = fleet.spec.heartbeat_timeout_seconds
+        out = []
+        for d in self.devices.values():
+            if d.fleet != fleet.name or not d.approved or d.revoked:
+                continue
+            report, st = d.report, d.status
+            out.append(waves.DeviceView(
+                name=d.name, labels=d.labels, online=d.online(now, timeout),
+                healthy=bool(report.get("healthy", st.get("healthy"))),
+                config_version=report.get("configVersion", st.get("configVersion")),
+                assigned_version=st.get("assignedVersion"), assigned_wave=st.get("assignedWave"),
+                assigned_at=st.get("assignedAt"),
+                failed_version=report.get("failedVersion", st.get("failedVersion")),
+            ))  # fmt: skip
+        return out
+
+    def desired(self, fleet: Fleet, device: Device) -> crd.FleetConfig | None:
+        view = waves.DeviceView(
+            device.name, device.labels, True, assigned_version=device.status.get("assignedVersion")
+        )
+        return waves.desired(fleet.status, view)
+
+    def document(self, fleet: Fleet, device: Device, config: crd.FleetConfig) -> dict[str, str]:
+        assert fleet.spec is not None
+        assert fleet.key is not None
+        now = time.time()
+        payload = {
+            "kind": "EdgeDeviceConfig",
+            "namespace": self.namespace,
+            "fleet": fleet.name,
+            "device": device.name,
+            "version": config.version,
+            "issuedAt": round(now, 3),
+            "expiresAt": round(now + fleet.spec.config_valid_seconds, 3),
+            **json.loads(config.content),
+        }
+        return signing.sign_document(payload, fleet.key)
+
+    # ------------------------------------------------------------------ the tick
+
+    async def run_ticks(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # a bug must not stop the fleet: say so, go on
+                log.exception("fleet tick failed")
+            await asyncio.sleep(self.tick_s)
+
+    async def tick(self) -> None:
+        now = time.time()
+        for fleet in list(self.fleets.values()):
+            await self._tick_fleet(fleet, now)
+        await self.flush()
+
+    async def _tick_fleet(self, fleet: Fleet, now: float) -> None:
+        if fleet.spec is None:
+            await self._write_fleet(fleet, fleet.status, now, fleet.problem)
+            return
+        if fleet.key is None:
+            fleet.key = await asyncio.to_thread(self.kube.signing_key, fleet.obj)
+        content, problem = self.content(fleet)
+        views = self.views(fleet, now)
+        before = fleet.status
+        planned = waves.plan(before, fleet.spec, content, views, now)
+        status = planned.status
+        status.signing_key_id = signing.key_id(fleet.key)
+        for name, (version, wave) in planned.assign.items():
+            device = self.devices[name]
+            device.status.update(
+                {"assignedVersion": version, "assignedWave": wave, "assignedAt": round(now, 3)}
+            )
+            self.dirty.add(name)
+        self._count(fleet, status, now)
+        fleet.status = status
+        for type_, reason, message in planned.events:
+            log.info("fleet %s: %s: %s", fleet.name, reason, message)
+            await asyncio.to_thread(self.kube.event, fleet.obj, type_, reason, message)
+        if (
+            planned.assign
+            or before.config != status.config
+            or before.previous_config != status.previous_config
+            or before.rollout != status.rollout
+        ):
+            self._wake(fleet)
+        for d in self.devices.values():
+            if d.fleet == fleet.name:
+                self._refresh(fleet, d, now)
+        await self._write_fleet(fleet, status, now, problem)
+
+    def _wake(self, fleet: Fleet) -> None:
+        fleet.changed.set()
+        fleet.changed = asyncio.Event()
+
+    def _count(self, fleet: Fleet, st: crd.EdgeFleetStatus, now: float) -> None:
+        assert fleet.spec is not None
+        timeout = fleet.spec.heartbeat_timeout_seconds
+        members = [d for d in self.devices.values() if d.fleet == fleet.name]
+        approved = [d for d in members if d.approved and not d.revoked]
+        online = [d for d in approved if d.online(now, timeout)]
+        st.devices = len(approved)
+        st.pending_devices = sum(1 for d in members if not d.approved and not d.revoked)
+        st.offline_devices = len(approved) - len(online)
+        revisions: dict[str, int] = {}
+        for d in online:
+            rev = d.report.get("revision", d.status.get("revision"))
+            if rev:
+                revisions[rev] = revisions.get(rev, 0) + 1
+        st.revisions = revisions
+        current_rev = st.config.revision if st.config else None
+        st.updated_devices = sum(
+            1 for d in approved if d.report.get("revision", d.status.get("revision")) == current_rev
+        )
+        st.ready_devices = sum(
+            1 for d in online
+            if d.report.get("healthy", d.status.get("healthy"))
+            and d.report.get("revision", d.status.get("revision")) == current_rev
+        )  # fmt: skip
+        ages = [now - d.last_seen for d in online if d.last_seen is not None]
+        st.oldest_heartbeat_seconds = round(max(ages), 1) if ages else None
+        for phase in crd.DevicePhase:
+            self.metrics.devices.labels(fleet=fleet.name, phase=phase.value).set(
+                sum(1 for d in members if d.status.get("phase") == phase.value)
+            )
+
+    def _conditions(
+        self, fleet: Fleet, st: crd.EdgeFleetStatus, problem: str | None, now: float
+    ) -> list[crd.Condition]:
+        generation = fleet.obj["metadata"].get("generation")
+        rollout = st.rollout
+        progressing = rollout is not None and rollout.phase == crd.FleetRolloutPhase.Progressing
+        failed = rollout is not None and rollout.phase in (
+            crd.FleetRolloutPhase.RolledBack, crd.FleetRolloutPhase.Stopped
+        )  # fmt: skip
+        ready = problem is None and st.config is not None and st.ready_devices > 0
+        wanted = fleet.spec.expected_devices if fleet.spec else 0
+        if wanted and st.ready_devices < wanted:
+            ready = False
+        conds = [
+            ("Ready", ready, "DevicesReady" if ready else "DevicesNotReady",
+             f"{st.ready_devices} of {st.devices} devices serve {st.current_revision}"),
+            ("Progressing", progressing, "RolloutInProgress" if progressing else "Settled",
+             rollout.message if rollout is not None else ""),
+            ("Degraded", bool(problem) or failed,
+             "ConfigUnavailable" if problem else ("RolloutFailed" if failed else "AsExpected"),
+             problem or (rollout.message if failed and rollout else "")),
+        ]  # fmt: skip
+        old = {c.type: c for c in st.conditions}
+        out = []
+        for type_, value, reason, message in conds:
+            status = crd.ConditionStatus.true if value else crd.ConditionStatus.false
+            prev = old.get(type_)
+            since = prev.last_transition_time if prev and prev.status == status else None
+            out.append(crd.Condition(
+                type=type_, status=status, reason=reason, message=message,
+                last_transition_time=since or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+                observed_generation=generation,
+            ))  # fmt: skip
+        return out
+
+    async def _write_fleet(
+        self, fleet: Fleet, st: crd.EdgeFleetStatus, now: float, problem: str | None
+    ) -> None:
+        st.conditions = self._conditions(fleet, st, problem, now)
+        st.observed_generation = fleet.obj["metadata"].get("generation")
+        wire = st.model_dump(mode="json", by_alias=True)
+        steady = {k: v for k, v in wire.items() if k != "oldestHeartbeatSeconds"}
+        last = {k: v for k, v in fleet.written.items() if k != "oldestHeartbeatSeconds"}
+        # Counts and the rollout at once; the heartbeat age alone every 30 s.
+        if steady == last and now - fleet.written_at < 30:
+            return
+        await asyncio.to_thread(self.kube.patch_status, "EdgeFleet", fleet.name, wire)
+        fleet.written, fleet.written_at = wire, now
+
+    def _refresh(self, fleet: Fleet, d: Device, now: float) -> None:
+        """Recompute a device's recorded status; mark it for writing when it changed."""
+        assert fleet.spec is not None
+        st, report = d.status, d.report
+        online = d.online(now, fleet.spec.heartbeat_timeout_seconds)
+        want = self.desired(fleet, d)
+        running = report.get("configVersion", st.get("configVersion"))
+        failed = report.get("failedVersion", st.get("failedVersion"))
+        healthy = bool(report.get("healthy", st.get("healthy"))) and online
+        if d.revoked:
+            phase = crd.DevicePhase.Revoked
+        elif not d.approved:
+            phase = crd.DevicePhase.Pending
+        elif not report and st.get("phase") in (None, "Pending"):
+            phase = crd.DevicePhase.Approved
+        elif not online:
+            phase = crd.DevicePhase.Offline
+        elif want is not None and (running or 0) < want.version and failed != want.version:
+            phase = crd.DevicePhase.Updating
+        elif healthy:
+            phase = crd.DevicePhase.Ready
+        else:
+            phase = crd.DevicePhase.Approved
+        new = {
+            **st,
+            "phase": phase.value,
+            "revision": report.get("revision", st.get("revision")),
+            "configVersion": running,
+            "failedVersion": failed,
+            "endpoint": report.get("endpoint", st.get("endpoint")),
+            "healthy": healthy,
+            "message": report.get("message", st.get("message", "")),
+        }
+        if any(new.get(k) != d.status.get(k) for k in _RECORDED):
+            if d.last_seen is not None:
+                new["lastSeen"] = round(d.last_seen, 3)
+            d.status = new
+            self.dirty.add(d.name)
+
+    async def flush(self) -> None:
+        """Write the changed device records, a few at a time."""
+        names, self.dirty = list(self.dirty), set()
+        sem = asyncio.Semaphore(8)
+
+        async def write(name: str) -> None:
+            device = self.devices.get(name)
+            if device is None:
+                return
+            async with sem:
+                try:
+                    await asyncio.to_thread(
+                        self.kube.patch_status, "EdgeDevice", name, dict(device.status)
+                    )
+                except Exception as exc:  # noqa: BLE001 - written again at the next tick
+                    log.warning("status of EdgeDevice %s not written: %s", name, exc)
+                    self.dirty.add(name)
+
+        await asyncio.gather(*(write(n) for n in names))
+        for kind, count in self.kube.writes.items():
+            self.metrics.writes.labels(kind=kind).set(count)
+
+    # ------------------------------------------------------------------ the device API
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._timed])
+        app.add_routes([
+            web.post("/v1/enroll", self.enroll),
+            web.get("/v1/devices/{name}", self.device_info),
+            web.get("/v1/devices/{name}/config", self.config),
+            web.post("/v1/devices/{name}/heartbeat", self.heartbeat),
+            web.get("/metrics", self.prometheus),
+            web.get("/healthz", self.healthz),
+        ])  # fmt: skip
+        return app
+
+    @web.middleware
+    async def _timed(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        start = time.perf_counter()
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            response = exc
+            raise
+        finally:
+            code = getattr(locals().get("response"), "status", 500)
+            self.metrics.requests.labels(endpoint=endpoint, code=str(code)).inc()
+            if not request.query.get("wait"):
+                self.metrics.seconds.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+        return response
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        if not all(i.synced.is_set() for i in self._informers):
+            return _error(
+                503, "not synced with the API server yet", "not_ready", **{"Retry-After": "1"}
+            )
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"content-type": CONTENT_TYPE_LATEST},
+        )
+
+    def _refuse(self, reason: str, status: int, message: str, **headers: str) -> web.Response:
+        self.metrics.rejected.labels(reason=reason).inc()
+        log.warning("refused (%s): %s", reason, message)
+        return _error(status, message, reason, **headers)
+
+    async def enroll(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not JSON", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object", "invalid_json")
+        fleet_name, name = body.get("fleet"), body.get("name")
+        token, public_text = body.get("token"), body.get("publicKey")
+        labels = body.get("labels") or {}
+        for field_name, value in (("fleet", fleet_name), ("name", name)):
+            if not isinstance(value, str) or not _NAME.match(value) or len(value) > 63:
+                return _error(400, f"{field_name} must be a DNS label (lowercase letters, digits, "
+                                   "'-'; at most 63)", f"invalid_{field_name}")  # fmt: skip
+        if not isinstance(token, str) or not token:
+            return _error(400, "token is required (the fleet's bootstrap token)", "invalid_token")
+        try:
+            signing.public_key_from_text(public_text if isinstance(public_text, str) else "")
+        except signing.SignatureError as exc:
+            return _error(400, f"publicKey: {exc}", "invalid_public_key")
+        problem = _label_problem(labels)
+        if problem:
+            return _error(400, problem, "invalid_labels")
+        try:
+            facts = crd.DeviceFacts.model_validate(body.get("facts") or {})
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return _error(400, f"facts.{where}: {first['msg']}", "invalid_facts")
+        fleet = self.fleets.get(fleet_name)  # type: ignore[arg-type]
+        if fleet is None or fleet.spec is None:
+            return self._refuse("unknown_fleet", 404, f"no EdgeFleet {self.namespace}/{fleet_name}")
+        secret = kube_mod.token_secret(fleet.name, fleet.spec)
+        expected = await self._token(secret)
+        if expected is None or not hmac.compare_digest(expected.encode(), token.encode()):
+            return self._refuse("bad_token", 401, f"token does not match Secret {secret}")
+        existing = self.devices.get(name)  # type: ignore[arg-type]
+        if existing is not None:
+            if (
+                existing.public_key is None
+                or signing.public_key_text(existing.public_key) != public_text
+            ):
+                return self._refuse("name_taken", 409, f"device name {name} is enrolled with "
+                                                       "another key")  # fmt: skip
+            return web.json_response(self._identity(fleet, existing), status=200)
+        rules = fleet.spec.enrollment
+        auto = rules.auto_approve and waves._matches(labels, rules.auto_approve_labels)
+        spec = crd.EdgeDeviceSpec(
+            fleet=fleet.name, public_key=public_text, approved=auto, facts=facts
+        )
+        body_obj = kube_mod.device_body(self.namespace, fleet.obj, name, labels, spec)  # type: ignore[arg-type]
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            created = await asyncio.to_thread(self.kube.create_device, body_obj)
+        except ApiException as exc:
+            if exc.status == 409:
+                return self._refuse("name_taken", 409, f"device name {name} is taken")
+            raise
+        self._on_device("ADDED", name, created)  # type: ignore[arg-type]
+        device = self.devices[name]  # type: ignore[index]
+        log.info("enrolled %s in fleet %s (%s)", name, fleet.name,
+                 "approved by rule" if auto else "awaiting approval")  # fmt: skip
+        return web.json_response(self._identity(fleet, device), status=201)
+
+    async def _token(self, secret: str) -> str | None:
+        cached = self._tokens.get(secret)
+        if cached is not None and time.monotonic() - cached[0] < 10:
+            return cached[1]
+        value = await asyncio.to_thread(self.kube.secret_value, secret, kube_mod.TOKEN_KEY)
+        self._tokens[secret] = (time.monotonic(), value)
+        return value
+
+    def _identity(self, fleet: Fleet, device: Device) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "device": device.name,
+            "namespace": self.namespace,
+            "fleet": fleet.name,
+            "approved": device.approved,
+            "revoked": device.revoked,
+        }
+        if fleet.key is not None:
+            out["fleetPublicKey"] = signing.public_key_text(fleet.key)
+            out["keyId"] = signing.key_id(fleet.key)
+        return out
+
+    async def _authenticate(
+        self, request: web.Request, body: bytes
+    ) -> tuple[Device | None, web.Response | None]:
+        name = request.match_info["name"]
+        header = request.headers.get(signing.DEVICE_HEADER)
+        if header != name:
+            return None, self._refuse("unsigned", 401, f"{signing.DEVICE_HEADER} must name the "
+                                                       "device of the path, and the call be signed")  # fmt: skip
+        device = self.devices.get(name)
+        if device is None or device.public_key is None:
+            return None, self._refuse(
+                "unknown_device", 401, f"no enrolled device {name}: enroll first"
+            )
+        try:
+            signing.check_request(
+                device.public_key, request.method, request.path_qs,
+                request.headers.get(signing.TIMESTAMP_HEADER, ""),
+                request.headers.get(signing.SIGNATURE_HEADER, ""), body, time.time(),
+            )  # fmt: skip
+        except signing.SignatureError as exc:
+            return None, self._refuse("bad_signature", 401, f"{name}: {exc}")
+        if device.revoked:
+            return None, self._refuse("revoked", 403, f"device {name} is revoked")
+        return device, None
+
+    async def device_info(self, request: web.Request) -> web.Response:
+        device, refused = await self._authenticate(request, b"")
+        if refused is not None:
+            return refused
+        assert device is not None
+        fleet = self.fleets.get(device.fleet)
+        if fleet is None:
+            return _error(404, f"fleet {device.fleet} is gone", "unknown_fleet")
+        return web.json_response(self._identity(fleet, device))
+
+    async def config(self, request: web.Request) -> web.Response:
+        device, refused = await self._authenticate(request, b"")
+        if refused is not None:
+            return refused
+        assert device is not None
+        if not device.approved:
+            return _error(403, f"device {device.name} awaits approval (hybridllm fleet approve "
+                               f"{device.name} -n {self.namespace})", "not_approved",
+                          **{"Retry-After": "10"})  # fmt: skip
+        try:
+            wait = min(float(request.query.get("wait", "0")), MAX_WAIT_S)
+        except ValueError:
+            return _error(400, "wait must be a number of seconds", "invalid_wait")
+        have = request.headers.get("If-None-Match", "").strip('"')
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            fleet = self.fleets.get(device.fleet)
+            if fleet is None or fleet.spec is None:
+                return _error(404, f"fleet {device.fleet} is gone or invalid", "unknown_fleet")
+            want = self.desired(fleet, device)
+            if want is None or fleet.key is None:
+                why = self.content(fleet)[1] or "the fleet has no config yet"
+                return _error(503, why, "no_config", **{"Retry-After": "10"})
+            if str(want.version) != have:
+                return web.json_response(
+                    self.document(fleet, device, want), headers={"ETag": f'"{want.version}"'}
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return web.Response(status=304, headers={"ETag": f'"{want.version}"'})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fleet.changed.wait(), left)
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        device, refused = await self._authenticate(request, body)
+        if refused is not None:
+            return refused
+        assert device is not None
+        try:
+            report = json.loads(body)
+            if not isinstance(report, dict):
+                raise ValueError("not an object")
+            report = _check_report(report)
+        except ValueError as exc:
+            return _error(400, f"heartbeat: {exc}", "invalid_heartbeat")
+        device.report, device.last_seen = report, time.time()
+        fleet = self.fleets.get(device.fleet)
+        out: dict[str, Any] = {"approved": device.approved}
+        if fleet is not None and fleet.spec is not None:
+            self._refresh(fleet, device, device.last_seen)
+            want = self.desired(fleet, device) if device.approved else None
+            out["configVersion"] = want.version if want else None
+            out["heartbeatSeconds"] = max(3, fleet.spec.heartbeat_timeout_seconds // 3)
+        return web.json_response(out)
+
+
+_REPORT_FIELDS: dict[str, tuple[type, ...]] = {
+    "revision": (str,), "configVersion": (int,), "failedVersion": (int,), "healthy": (bool,),
+    "endpoint": (str,), "message": (str,), "kpis": (dict,),
+}  # fmt: skip
+_KPIS = ("tokensPerSecond", "ttftP95Seconds", "errorRate", "queueDepth", "requests")
+
+
+def _check_report(report: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in report.items():
+        if key not in _REPORT_FIELDS:
+            raise ValueError(f"unknown field {key!r} (known: {', '.join(_REPORT_FIELDS)})")
+        if value is None:
+            continue
+        if not isinstance(value, _REPORT_FIELDS[key]) or (
+            key != "healthy" and isinstance(value, bool)
+        ):
+            raise ValueError(f"{key} has the wrong type")
+        out[key] = value
+    if "endpoint" in out and not re.match(r"^https?://[^\s/]+(:\d+)?/?$", out["endpoint"]):
+        raise ValueError("endpoint must be http(s)://host:port")
+    out["message"] = out.get("message", "")[:512]
+    kpis = out.get("kpis") or {}
+    for key, value in kpis.items():
+        if key not in _KPIS or not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"kpis.{key} is not a known number ({', '.join(_KPIS)})")
+    return out
+
+
+def _label_problem(labels: Any) -> str | None:
+    if not isinstance(labels, dict):
+        return "labels must be an object of strings"
+    for key, value in labels.items():
+        if not isinstance(key, str) or not _LABEL_KEY.match(key) or len(key.split("/")[-1]) > 63:
+            return f"label key {key!r} is not a Kubernetes label key"
+        if key.startswith(f"{crd.GROUP}/"):
+            return f"label key {key!r}: the {crd.GROUP}/ prefix is the server's"
+        if not isinstance(value, str) or not _LABEL_VALUE.match(value) or len(value) > 63:
+            return f"label {key}={value!r}: not a Kubernetes label value"
+    return None
+
+
+async def serve(
+    namespace: str,
+    host: str,
+    port: int,
+    tls: ssl.SSLContext | None,
+    tick_s: float = 1.0,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    server = FleetServer(kube_mod.Kube(namespace), tick_s)
+    server.loop = asyncio.get_running_loop()
+    server.start_informers()
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
+    await site.start()
+    log.info("fleet server for namespace %s on %s://%s:%d", namespace,
+             "https" if tls else "http", host, port)  # fmt: skip
+    for informer in server._informers:
+        await asyncio.to_thread(informer.synced.wait)
+    if ready is not None:
+        ready()
+    try:
+        await server.run_ticks()
+    finally:
+        server.stop_informers()
+        await runner.cleanup()

@@ -1,0 +1,630 @@
+"""``hybridllm-edge agent``: runs on an edge device, serves what its fleet's signed config says.
+
+What it does, in order (docs/fleet.md):
+
+1. Keeps an Ed25519 key pair in its state folder (made on first start; the private key
+   never leaves the device) and enrolls with the fleet server with the bootstrap token,
+   its name, labels and facts. It pins the fleet's public key it is given then.
+2. Long-polls its config. A document is refused, logged and reported, and what runs keeps
+   running, when its signature does not match the pinned key, it is for another device
+   or fleet, it has expired, or its version is lower than the one running (a replay).
+3. Applies a new config: pulls the model through the model store (its sha256 checked),
+   starts ``hybridllm-edge serve`` beside the running one (the two alternate between
+   ``--port`` and ``--port + 1``), asks it the golden prompt, and only then switches (the
+   heartbeat carries the new endpoint) and stops the old one after ``--drain-seconds``.
+   A config whose runtime does not come up or answers wrong is reported failed and not
+   tried again; the old runtime never stopped.
+4. Keeps the last good config on disk: a restart starts it at once, before it talks to the
+   server, so a device rebooted without network serves what it served before.
+5. Sends a heartbeat with what it runs and its serving KPIs (tokens/s, TTFT p95, error
+   rate, queue depth from the runtime's /metrics) at the interval its config gives.
+
+No torch: it imports the model store and httpx, nothing of the runtime but its command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import re
+import signal
+import socket
+import ssl
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hybridllm_common import signing
+from hybridllm_models import errors as model_errors
+
+log = logging.getLogger("hybridllm_edge.agent")
+
+IDENTITY = "identity.json"
+KEY = "device.key"
+CURRENT = "config.json"  # the last config accepted (running, or failed: see failed.json)
+LAST_GOOD = "last-good.json"  # the last config that passed its health check and served
+FAILED = "failed.json"
+CLOCK_SKEW_S = 300.0
+# What starting a config can fail with: the model store, the process, the health check.
+START_ERRORS = (
+    model_errors.ModelStoreError,
+    RuntimeError,
+    OSError,
+    httpx.HTTPError,
+    ValueError,
+    KeyError,
+)
+
+
+class Rejected(ValueError):
+    """A config document the agent refuses; the message says why."""
+
+
+def check_document(
+    envelope: Any,
+    fleet_key: Any,
+    identity: dict[str, Any],
+    running_version: int,
+    now: float,
+) -> dict[str, Any]:
+    """The payload of a config the agent may apply, or Rejected naming what is wrong."""
+    try:
+        payload = signing.open_document(envelope, fleet_key)
+    except signing.SignatureError as exc:
+        raise Rejected(f"tampered or foreign: {exc}") from None
+    if payload.get("kind") != "EdgeDeviceConfig":
+        raise Rejected(f"not a device config (kind {payload.get('kind')!r})")
+    for key in ("namespace", "fleet", "device"):
+        if payload.get(key) != identity.get(key):
+            raise Rejected(f"for {key} {payload.get(key)!r}, this device is {identity.get(key)!r}")
+    version, expires = payload.get("version"), payload.get("expiresAt")
+    if not isinstance(version, int) or not isinstance(expires, int | float):
+        raise Rejected("version or expiresAt missing")
+    if expires < now:
+        raise Rejected(f"expired {now - expires:.0f} s ago (version {version})")
+    if float(payload.get("issuedAt", 0)) > now + CLOCK_SKEW_S:
+        raise Rejected("issued in the future: check the device's clock")
+    if version < running_version:
+        raise Rejected(f"version {version} is older than the running {running_version} (replayed)")
+    model = payload.get("model") or {}
+    if not model.get("uri") or not re.fullmatch(r"[0-9a-f]{64}", str(model.get("sha256") or "")):
+        raise Rejected("model uri or sha256 missing")
+    return payload
+
+
+def _serving_part(payload: dict[str, Any]) -> str:
+    """What needs a new runtime when it changes (not the version, validity or timings)."""
+    return signing.canonical({k: payload.get(k) for k in ("revision", "model", "runtime")}).decode()
+
+
+def runtime_command(
+    payload: dict[str, Any], host: str, port: int, threads: int | None
+) -> list[str]:
+    model, runtime = payload["model"], payload.get("runtime") or {}
+    args = [
+        sys.executable, "-m", "hybridllm_edge.cli", "serve",
+        "--model", model["uri"], "--model-sha256", model["sha256"],
+        "--backend", model.get("runtime", "llamacpp"),
+        "--served-model-name", model["servedName"],
+        "--host", host, "--port", str(port), "--exit-on-load-error",
+        "--parallel", str(runtime.get("parallel", 4)),
+    ]  # fmt: skip
+    if model.get("quantization"):
+        args += ["--quantization", model["quantization"]]
+    if model.get("contextLength"):
+        args += ["--max-model-len", str(model["contextLength"])]
+    cache = runtime.get("cache")
+    if cache:
+        args += ["--cache-ttl-seconds", str(cache["ttlSeconds"])]
+        args += ["--cache-max-entries", str(cache["maxEntries"])]
+    else:
+        args += ["--no-cache"]
+    if threads:
+        args += ["--threads", str(threads)]
+    return args
+
+
+@dataclass
+class Runtime:
+    payload: dict[str, Any]
+    port: int
+    process: asyncio.subprocess.Process
+    log_path: Path
+    url: str
+
+
+@dataclass
+class Kpis:
+    """Serving KPIs over the last heartbeat interval, from two reads of /metrics."""
+
+    last: dict[str, float] = field(default_factory=dict)
+    ttft: dict[float, float] = field(default_factory=dict)
+    at: float = 0.0
+
+    def update(self, text: str, now: float) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values: dict[str, float] = {}
+        buckets: dict[float, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "hybridllm_generation_tokens_total":
+                    values["tokens"] = s.value
+                elif s.name == "hybridllm_requests_total":
+                    values["finished"] = values.get("finished", 0.0) + s.value
+                elif s.name == "hybridllm_requests_rejected_total":
+                    values["rejected"] = values.get("rejected", 0.0) + s.value
+                elif s.name == "hybridllm_num_requests_waiting":
+                    values["waiting"] = s.value
+                elif s.name == "hybridllm_time_to_first_token_seconds_bucket":
+                    buckets[float(s.labels["le"])] = s.value
+        out: dict[str, float] = {"queueDepth": values.get("waiting", 0.0)}
+        if self.last and now > self.at:
+            span = now - self.at
+            d = {k: max(0.0, values.get(k, 0.0) - self.last.get(k, 0.0)) for k in values}
+            out["tokensPerSecond"] = round(d.get("tokens", 0.0) / span, 3)
+            total = d.get("finished", 0.0) + d.get("rejected", 0.0)
+            out["requests"] = total
+            out["errorRate"] = round(d.get("rejected", 0.0) / total, 4) if total else 0.0
+            window = {le: max(0.0, c - self.ttft.get(le, 0.0)) for le, c in buckets.items()}
+            count = window.get(float("inf"), 0.0)
+            if count:
+                out["ttftP95Seconds"] = next(
+                    le for le, c in sorted(window.items()) if c >= 0.95 * count
+                )
+                if out["ttftP95Seconds"] == float("inf"):
+                    out["ttftP95Seconds"] = max(le for le in window if le != float("inf"))
+        self.last, self.ttft, self.at = values, buckets, now
+        return out
+
+
+class Agent:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.state = Path(args.state_dir)
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.key = self._key()
+        self.identity: dict[str, Any] = self._read(IDENTITY) or {}
+        self.running: Runtime | None = None
+        self.version = 0
+        self.failed_version: int | None = None
+        self.message = ""
+        self.heartbeat_s = 10.0
+        self.poll_s = 30.0
+        self.kpis = Kpis()
+        self.rejected = 0
+        self._stopping = asyncio.Event()
+        self._client: httpx.AsyncClient | None = None
+
+    # ------------------------------------------------------------------ disk
+
+    def _key(self) -> Any:
+        path = self.state / KEY
+        if path.exists():
+            return signing.private_key_from_text(path.read_text())
+        key = signing.generate_key()
+        path.touch(mode=0o600)
+        path.write_text(signing.private_key_text(key))
+        log.info("made the device key %s", signing.key_id(key))
+        return key
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        path = self.state / name
+        try:
+            return json.loads(path.read_text())  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            log.warning("%s is not JSON; ignoring it", path)
+            return None
+
+    def _write(self, name: str, data: dict[str, Any]) -> None:
+        path = self.state / name
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)  # a crash leaves the old file or the new one, never half
+
+    # ------------------------------------------------------------------ server calls
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            verify: Any = True
+            if self.args.ca_file:
+                verify = ssl.create_default_context(cafile=self.args.ca_file)
+            self._client = httpx.AsyncClient(
+                base_url=self.args.server, verify=verify, timeout=httpx.Timeout(10.0, read=90.0)
+            )
+        return self._client
+
+    async def _call(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:  # fmt: skip
+        signed = signing.sign_request(
+            self.key, self.identity["device"], method, path, body, time.time()
+        )
+        return await self.client().request(
+            method, path, content=body or None, headers={**signed, **(headers or {})},
+            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+        )  # fmt: skip
+
+    async def enroll(self) -> None:
+        """Enroll once (the identity file says it was), then wait for approval."""
+        delay = 1.0
+        while not self.identity.get("fleetPublicKey"):
+            body = {
+                "fleet": self.args.fleet, "name": self.args.name, "token": self._token(),
+                "publicKey": signing.public_key_text(self.key), "labels": self.args.labels,
+                "facts": facts(),
+            }  # fmt: skip
+            try:
+                r = await self.client().post("/v1/enroll", json=body)
+            except httpx.HTTPError as exc:
+                log.info("fleet server unreachable (%s); enrolling again in %.0f s", exc, delay)
+            else:
+                if r.status_code in (200, 201) and r.json().get("fleetPublicKey"):
+                    self.identity = {**r.json(), "server": self.args.server}
+                    self._write(IDENTITY, self.identity)
+                    log.info("enrolled as %s/%s in fleet %s (fleet key %s)",
+                             self.identity["namespace"], self.identity["device"],
+                             self.identity["fleet"], self.identity["keyId"])  # fmt: skip
+                    break
+                log.error("enrollment refused (%s): %s", r.status_code, _reason(r))
+                if r.status_code in (400, 401, 404, 409):
+                    raise SystemExit(f"hybridllm-edge agent: enrollment refused: {_reason(r)}")
+            await self._pause(delay)
+            delay = min(delay * 2, 60.0)
+
+    def _token(self) -> str:
+        if self.args.token_file:
+            return Path(self.args.token_file).read_text().strip()
+        token = self.args.token or os.environ.get("HYBRIDLLM_FLEET_TOKEN", "")
+        if not token:
+            raise SystemExit("hybridllm-edge agent: give --token, --token-file or "
+                             "HYBRIDLLM_FLEET_TOKEN to enroll")  # fmt: skip
+        return token
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    # ------------------------------------------------------------------ configs
+
+    async def follow(self) -> None:
+        """Long-poll the config; apply each new one."""
+        delay = 1.0
+        fleet_key = signing.public_key_from_text(self.identity["fleetPublicKey"])
+        while not self._stopping.is_set():
+            path = f"/v1/devices/{self.identity['device']}/config?wait={self.poll_s:.0f}"
+            try:
+                r = await self._call("GET", path, headers={"If-None-Match": f'"{self.version}"'},
+                                     timeout=self.poll_s + 15)  # fmt: skip
+            except httpx.HTTPError as exc:
+                log.info("fleet server unreachable (%s); serving on, asking again in %.0f s",
+                         type(exc).__name__, delay)  # fmt: skip
+                await self._pause(delay)
+                delay = min(delay * 2, 60.0)
+                continue
+            delay = 1.0
+            if r.status_code == 304:
+                continue
+            if r.status_code != 200:
+                wait = float(r.headers.get("Retry-After", "10"))
+                log.warning(
+                    "config: %s %s; asking again in %.0f s", r.status_code, _reason(r), wait
+                )
+                await self._pause(wait)
+                continue
+            try:
+                payload = check_document(
+                    r.json(), fleet_key, self.identity, self.version, time.time()
+                )
+            except (Rejected, ValueError) as exc:
+                self.rejected += 1
+                self.message = f"rejected a config: {exc}"
+                log.warning("rejected a config: %s", exc)
+                await self._pause(5.0)
+                continue
+            await self.apply(r.json(), payload)
+
+    async def apply(self, envelope: dict[str, Any], payload: dict[str, Any]) -> None:
+        version = payload["version"]
+        self.heartbeat_s = float(payload.get("heartbeatSeconds", self.heartbeat_s))
+        self.poll_s = float(payload.get("pollSeconds", self.poll_s))
+        if version == self.failed_version:
+            return
+        if self.running is not None and _serving_part(self.running.payload) == _serving_part(
+            payload
+        ):
+            self.running.payload = payload
+            self.version = version
+            self._write(CURRENT, envelope)
+            self._write(LAST_GOOD, envelope)
+            log.info("config %d: same model and runtime, nothing to restart", version)
+            return
+        log.info("config %d: revision %s (%s); starting it beside the running one",
+                 version, payload["revision"], payload["model"]["uri"])  # fmt: skip
+        try:
+            await asyncio.to_thread(self._pull, payload)
+            started = await self.start(payload)
+        except START_ERRORS as exc:
+            self.failed_version, self.message = version, f"config {version} failed: {exc}"
+            self.version = max(self.version, 0)
+            self._write(FAILED, envelope)
+            log.error("config %d failed, still serving the previous one: %s", version, exc)
+            return
+        old, self.running = self.running, started
+        self.version, self.message = version, ""
+        self.failed_version = None
+        self._write(CURRENT, envelope)
+        self._write(LAST_GOOD, envelope)
+        log.info("switched to config %d (revision %s) on port %d", version,
+                 payload["revision"], started.port)  # fmt: skip
+        if old is not None:
+            asyncio.get_running_loop().create_task(self._drain(old))
+
+    def _pull(self, payload: dict[str, Any]) -> None:
+        from hybridllm_models import store
+
+        model = payload["model"]
+        store.Store(self._store_root()).pull(model["uri"], expected_sha256=model["sha256"])
+
+    def _store_root(self) -> Path:
+        return Path(self.args.model_cache) if self.args.model_cache else self.state / "models"
+
+    async def start(self, payload: dict[str, Any]) -> Runtime:
+        """A runtime for this config, answering its golden prompt; else it is stopped."""
+        ports = (self.args.port, self.args.port + 1)
+        port = ports[1] if self.running is not None and self.running.port == ports[0] else ports[0]
+        log_path = self.state / f"runtime-{port}.log"
+        env = {**os.environ, "HYBRIDLLM_MODEL_CACHE": str(self._store_root())}
+        with log_path.open("ab") as out:
+            process = await asyncio.create_subprocess_exec(
+                *runtime_command(payload, self.args.host, port, self.args.threads),
+                stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+        runtime = Runtime(
+            payload, port, process, log_path, f"http://{self.args.advertise_host}:{port}"
+        )
+        try:
+            await self._check(runtime, payload.get("healthCheck") or {})
+        except BaseException:
+            await self._stop(runtime)
+            raise
+        return runtime
+
+    async def _check(self, runtime: Runtime, check: dict[str, Any]) -> None:
+        timeout = float(check.get("timeoutSeconds", 300))
+        local = f"http://127.0.0.1:{runtime.port}"
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(base_url=local, timeout=timeout) as http:
+            while True:
+                if runtime.process.returncode is not None:
+                    raise RuntimeError(f"the runtime exited with {runtime.process.returncode}: "
+                                       f"{_tail(runtime.log_path)}")  # fmt: skip
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"not healthy after {timeout:.0f} s: {_tail(runtime.log_path)}"
+                    )
+                await asyncio.sleep(0.5)
+            r = await http.post("/v1/chat/completions", json={
+                "model": runtime.payload["model"]["servedName"],
+                "messages": [{"role": "user", "content": check.get("prompt", "Say hello.")}],
+                "max_tokens": int(check.get("maxTokens", 16)), "temperature": 0.0,
+            })  # fmt: skip
+        if r.status_code != 200:
+            raise RuntimeError(f"golden prompt answered {r.status_code}: {r.text[:200]}")
+        answer = r.json()["choices"][0]["message"]["content"] or ""
+        expect = check.get("expect")
+        if not answer.strip() or (expect and not re.search(expect, answer)):
+            raise RuntimeError(f"golden prompt: answer {answer[:120]!r} does not match "
+                               f"{expect or 'a non-empty answer'!r}")  # fmt: skip
+        log.info("golden prompt passed on port %d: %r", runtime.port, answer[:80])
+
+    async def _drain(self, old: Runtime) -> None:
+        await self._pause(self.args.drain_seconds)
+        await self._stop(old)
+
+    async def _stop(self, runtime: Runtime) -> None:
+        if runtime.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                runtime.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(runtime.process.wait(), 30)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    runtime.process.kill()
+                await runtime.process.wait()
+
+    async def start_last_good(self) -> None:
+        """Serve the last good config at once (no server needed): its signature is checked
+        again against the pinned key, its expiry is not (it ran before)."""
+        envelope = self._read(LAST_GOOD)
+        if envelope is None or not self.identity.get("fleetPublicKey"):
+            return
+        try:
+            key = signing.public_key_from_text(self.identity["fleetPublicKey"])
+            payload = signing.open_document(envelope, key)
+        except signing.SignatureError as exc:
+            log.error("the last good config on disk does not verify (%s); not starting it", exc)
+            return
+        log.info("starting the last good config %d (revision %s) before asking the server",
+                 payload["version"], payload["revision"])  # fmt: skip
+        try:
+            self.running = await self.start(payload)
+        except START_ERRORS as exc:
+            log.error("the last good config did not start: %s", exc)
+            return
+        self.version = int(payload["version"])
+        self.heartbeat_s = float(payload.get("heartbeatSeconds", self.heartbeat_s))
+        self.poll_s = float(payload.get("pollSeconds", self.poll_s))
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def supervise(self) -> None:
+        """Restart the serving runtime if it dies (with back-off), and send heartbeats."""
+        delay = 1.0
+        while not self._stopping.is_set():
+            running = self.running
+            if running is not None and running.process.returncode is not None:
+                log.error("the runtime on port %d exited with %s; restarting it",
+                          running.port, running.process.returncode)  # fmt: skip
+                try:
+                    self.running = None
+                    self.running = await self.start(running.payload)
+                    delay = 1.0
+                except START_ERRORS as exc:
+                    self.message = f"runtime restart failed: {exc}"
+                    await self._pause(delay)
+                    delay = min(delay * 2, 60.0)
+                    self.running = running
+                    continue
+            if self.identity.get("fleetPublicKey"):
+                await self.heartbeat()
+            await self._pause(self.heartbeat_s)
+
+    async def heartbeat(self) -> None:
+        running = self.running
+        report: dict[str, Any] = {
+            "configVersion": self.version or None,
+            "failedVersion": self.failed_version,
+            "message": self.message,
+            "healthy": False,
+        }
+        if running is not None:
+            report["revision"] = running.payload["revision"]
+            report["endpoint"] = running.url
+            try:
+                async with httpx.AsyncClient(timeout=5) as http:
+                    health = await http.get(f"http://127.0.0.1:{running.port}/health")
+                    report["healthy"] = health.status_code == 200
+                    metrics = await http.get(f"http://127.0.0.1:{running.port}/metrics")
+                report["kpis"] = self.kpis.update(metrics.text, time.monotonic())
+            except httpx.HTTPError:
+                pass
+        body = json.dumps(report).encode()
+        try:
+            r = await self._call("POST", f"/v1/devices/{self.identity['device']}/heartbeat", body,
+                                 {"Content-Type": "application/json"})  # fmt: skip
+        except httpx.HTTPError as exc:
+            log.debug("heartbeat not sent: %s", exc)
+            return
+        if r.status_code == 200:
+            self.heartbeat_s = float(r.json().get("heartbeatSeconds") or self.heartbeat_s)
+        else:
+            log.warning("heartbeat refused (%s): %s", r.status_code, _reason(r))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self.start_last_good()
+        supervisor = asyncio.create_task(self.supervise())
+        try:
+            enrolled = asyncio.create_task(self.enroll())
+            await asyncio.wait([enrolled, asyncio.create_task(self._stopping.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if enrolled.done():
+                enrolled.result()
+                follower = asyncio.create_task(self.follow())
+                await self._stopping.wait()
+                follower.cancel()
+            else:
+                enrolled.cancel()
+        finally:
+            supervisor.cancel()
+            if self.running is not None:
+                await self._stop(self.running)
+            if self._client is not None:
+                await self._client.aclose()
+
+
+def facts() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "cpus": os.cpu_count() or 1,
+        "arch": platform.machine()[:32],
+        "os": f"{platform.system()} {platform.release()}"[:128],
+    }
+    with contextlib.suppress(OSError, ValueError):
+        out["memoryBytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        out["agentVersion"] = version("hybridllm-runtime-edge")
+    return out
+
+
+def _reason(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])[-400:]
+
+
+def _labels(text: str) -> dict[str, str]:
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"label {part!r} is not key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def add_agent(subparsers: Any) -> None:
+    p = subparsers.add_parser("agent", help="enroll with a fleet server and serve its configs")
+    p.add_argument("--server", required=True, help="fleet server URL (https://host:8443)")
+    p.add_argument("--fleet", required=True, help="EdgeFleet name")
+    p.add_argument("--name", default=socket.gethostname().lower().split(".")[0],
+                   help="device name (a DNS label; default: the host name)")  # fmt: skip
+    p.add_argument("--token", help="bootstrap token (first start only; or HYBRIDLLM_FLEET_TOKEN)")
+    p.add_argument("--token-file", help="file holding the bootstrap token")
+    p.add_argument("--ca-file", help="CA that signed the server's certificate (PEM)")
+    p.add_argument("--labels", type=_labels, default={}, help="device labels: k=v,k2=v2")
+    p.add_argument("--state-dir", default="/var/lib/hybridllm-agent",
+                   help="key, identity, configs and (by default) the model store")  # fmt: skip
+    p.add_argument("--model-cache", help="model store folder (default STATE_DIR/models)")
+    p.add_argument("--host", default="0.0.0.0", help="address the runtime listens on")
+    p.add_argument("--port", type=int, default=8000,
+                   help="serving port (a switch uses PORT+1, then PORT again)")  # fmt: skip
+    p.add_argument("--advertise-host", default=None,
+                   help="host the gateway reaches this device at (default: --host, or the "
+                        "host name when that is 0.0.0.0)")  # fmt: skip
+    p.add_argument("--threads", type=int, help="CPU threads of the runtime")
+    p.add_argument("--drain-seconds", type=float, default=15.0,
+                   help="how long the old runtime keeps answering after a switch")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    p.set_defaults(func=run_agent)
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.advertise_host is None:
+        args.advertise_host = args.host if args.host != "0.0.0.0" else socket.gethostname()
+    asyncio.run(Agent(args).run())
+    return 0

@@ -1,0 +1,168 @@
+"""The fleet's wave planner, without a cluster: who gets which config, when a wave is
+done, when it fails and what a rollback sends."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybridllm_common import crd
+from hybridllm_operator.fleet import waves
+
+Phase = crd.FleetRolloutPhase
+
+
+def _fleet(**rollout: Any) -> crd.EdgeFleetSpec:
+    return crd.EdgeFleetSpec.model_validate(
+        {"service": "chat", "maxUnavailable": 2, "rollout": rollout}
+    )
+
+
+def _content(revision: str) -> dict[str, Any]:
+    return {"revision": revision, "model": {"uri": "u", "sha256": "ab" * 32}}
+
+
+class Fleet:
+    """Devices that do what they are sent (or fail it), and the planner run on them."""
+
+    def __init__(
+        self,
+        fleet: crd.EdgeFleetSpec,
+        names: list[str],
+        labels: dict[str, dict[str, str]] | None = None,
+    ) -> None:
+        self.fleet, self.status, self.now = fleet, crd.EdgeFleetStatus(), 0.0
+        self.devices = {
+            n: waves.DeviceView(n, (labels or {}).get(n, {}), online=True, healthy=True)
+            for n in names
+        }
+        self.broken: set[str] = set()
+        self.events: list[str] = []
+
+    def tick(self, revision: str) -> waves.Plan:
+        self.now += 1
+        plan = waves.plan(
+            self.status, self.fleet, _content(revision), list(self.devices.values()), self.now
+        )
+        self.status = plan.status
+        self.events += [e[1] for e in plan.events]
+        for name, (version, wave) in plan.assign.items():
+            self.devices[name] = dataclasses.replace(
+                self.devices[name],
+                assigned_version=version,
+                assigned_wave=wave,
+                assigned_at=self.now,
+            )
+        # each online device fetches what it should run; a broken one fails a new revision
+        for name, d in self.devices.items():
+            want = waves.desired(self.status, d)
+            if not d.online or want is None or d.config_version == want.version:
+                continue
+            if name in self.broken and want.revision != "v1":
+                self.devices[name] = dataclasses.replace(d, failed_version=want.version)
+            else:
+                self.devices[name] = dataclasses.replace(
+                    d, config_version=want.version, failed_version=None
+                )
+        return plan
+
+    def revisions(self) -> dict[str, str]:
+        by_version = {
+            c.version: c.revision for c in (self.status.config, self.status.previous_config) if c
+        }
+        return {n: by_version.get(d.config_version or 0, "?") for n, d in self.devices.items()}
+
+
+def test_a_new_revision_goes_wave_by_wave_within_the_disruption_budget() -> None:
+    f = Fleet(_fleet(waves=[{"count": 1}, {"percent": 50}]), [f"d{i}" for i in range(6)])
+    f.tick("v1")
+    assert set(f.revisions().values()) == {"v1"}
+    plan = f.tick("v2")
+    assert f.status.rollout is not None and f.status.rollout.phase == Phase.Progressing
+    assert list(plan.assign) == ["d0"]  # wave 1: one device
+    assert f.revisions() == {"d0": "v2", **{f"d{i}": "v1" for i in range(1, 6)}}
+    plan = f.tick("v2")  # d0 passed: wave 2 takes half the fleet, two at a time
+    assert f.status.rollout.wave == 1
+    assert sorted(plan.assign) == ["d1", "d2"]
+    plan = f.tick("v2")
+    assert sorted(plan.assign) == ["d3"]
+    seen = []
+    while f.status.rollout.phase == Phase.Progressing:
+        seen.append(sorted(f.tick("v2").assign))
+    assert seen[-2:] == [["d4", "d5"], []]
+    assert f.status.rollout.phase == Phase.Completed
+    assert f.status.previous_config is None
+    assert set(f.revisions().values()) == {"v2"}
+    assert f.events.count("FleetWaveCompleted") == 2
+    assert f.status.rollout_summary == "Completed"
+
+
+def test_a_failing_wave_rolls_every_device_back_under_a_newer_version() -> None:
+    f = Fleet(_fleet(waves=[{"count": 1}, {"count": 2}]), ["a", "b", "c", "d"])
+    f.tick("v1")
+    v1 = f.status.config
+    f.broken = {"c"}
+    while f.status.rollout is None or f.status.rollout.phase == Phase.Progressing:
+        f.tick("v2")
+    assert f.status.rollout.phase == Phase.RolledBack
+    assert f.status.rollout.failed_devices == ["c"]
+    assert "every device goes back to v1" in f.status.rollout.message
+    assert f.status.config.revision == "v1"
+    assert f.status.config.content == v1.content
+    assert f.status.config.version > 2  # newer than v2's, so devices on v2 accept it
+    assert set(f.revisions().values()) == {"v1"}
+    assert "FleetRolledBack" in f.events
+    # the failed revision is not tried again until the service asks for another one
+    assert f.tick("v2").assign == {} and f.status.rollout.phase == Phase.RolledBack
+    f.broken = set()
+    f.tick("v3")
+    assert f.status.rollout.phase == Phase.Progressing and f.status.rollout.to_revision == "v3"
+
+
+def test_without_auto_rollback_a_failed_wave_stops_where_it_is() -> None:
+    f = Fleet(_fleet(waves=[{"count": 2}], autoRollback=False), ["a", "b", "c"])
+    f.tick("v1")
+    f.broken = {"b"}
+    while f.status.rollout is None or f.status.rollout.phase == Phase.Progressing:
+        f.tick("v2")
+    assert f.status.rollout.phase == Phase.Stopped
+    assert f.revisions() == {"a": "v2", "b": "v1", "c": "v1"}
+
+
+def test_offline_devices_are_skipped_or_failed_as_the_spec_says() -> None:
+    for policy, outcome in (("skip", Phase.Completed), ("fail", Phase.RolledBack)):
+        f = Fleet(_fleet(offlineDevices=policy), ["a", "b", "c"])
+        f.tick("v1")
+        f.tick("v2")  # a and b join (maxUnavailable 2)
+        f.devices["b"] = dataclasses.replace(f.devices["b"], online=False, config_version=1)
+        while f.status.rollout.phase == Phase.Progressing:
+            f.tick("v2")
+        assert f.status.rollout.phase == outcome, policy
+
+
+def test_a_wave_takes_only_its_labels_and_a_revert_mid_rollout_rolls_back() -> None:
+    labels = {"a": {"site": "lab"}, "b": {"site": "shop"}, "c": {"site": "shop"}}
+    f = Fleet(_fleet(waves=[{"matchLabels": {"site": "lab"}}]), ["a", "b", "c"], labels)
+    f.tick("v1")
+    assert list(f.tick("v2").assign) == ["a"]
+    f.tick("v2")
+    assert f.status.rollout.wave == 1
+    f.tick("v1")  # the service went back to v1 (its own rollout aborted)
+    assert f.status.rollout.phase == Phase.RolledBack
+    assert set(f.revisions().values()) == {"v1"}
+
+
+def test_a_device_that_never_reports_fails_after_the_update_timeout() -> None:
+    f = Fleet(_fleet(updateTimeoutSeconds=30), ["a"])
+    f.tick("v1")
+    f.tick("v2")
+    f.devices["a"] = dataclasses.replace(f.devices["a"], config_version=1)
+    stuck = f.devices["a"]
+    for _ in range(40):
+        f.devices["a"] = stuck  # it never gets past its download
+        f.now += 1
+        plan = waves.plan(f.status, f.fleet, _content("v2"), [stuck], f.now)
+        f.status = plan.status
+        if f.status.rollout.phase != Phase.Progressing:
+            break
+    assert f.status.rollout.phase == Phase.RolledBack
