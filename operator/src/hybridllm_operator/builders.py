@@ -614,7 +614,8 @@ def routing_config(
     stable_revision = service.stable.model.revision
     canary_revision = service.canary.model.revision if service.canary is not None else ""
     tiers: dict[str, Any] = {}
-    for tier in sorted(set(backends) | set(canary or {})):
+    device_tier = {"edge"} if service.devices and service.stable.edge.enabled else set()
+    for tier in sorted(set(backends) | set(canary or {}) | device_tier):
         weight = rollout_mod.canary_weight(service.rollout, tier)
         rows = [
             {"url": u, "revision": stable_revision, "weight": 100 - weight}

