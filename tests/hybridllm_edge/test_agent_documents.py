@@ -87,4 +87,5 @@ def test_kpis_come_from_two_reads_of_the_runtime_metrics() -> None:
     assert out["errorRate"] == 0.1
     assert out["ttftP95Seconds"] == 0.1  # 19 of 20 first tokens within 100 ms
     out = kpis.update(text(200, 18, 2, 19, 30), now=20.0)
-    assert out["ttftP95Seconds"] == 1.0 and out["tokensPerSecond"] == 0.0
+    assert out["ttftP95Seconds"] == 1.0
+    assert out["tokensPerSecond"] == 0.0

@@ -78,7 +78,8 @@ def test_a_new_revision_goes_wave_by_wave_within_the_disruption_budget() -> None
     f.tick("v1")
     assert set(f.revisions().values()) == {"v1"}
     plan = f.tick("v2")
-    assert f.status.rollout is not None and f.status.rollout.phase == Phase.Progressing
+    assert f.status.rollout is not None
+    assert f.status.rollout.phase == Phase.Progressing
     assert list(plan.assign) == ["d0"]  # wave 1: one device
     assert f.revisions() == {"d0": "v2", **{f"d{i}": "v1" for i in range(1, 6)}}
     plan = f.tick("v2")  # d0 passed: wave 2 takes half the fleet, two at a time
@@ -113,10 +114,12 @@ def test_a_failing_wave_rolls_every_device_back_under_a_newer_version() -> None:
     assert set(f.revisions().values()) == {"v1"}
     assert "FleetRolledBack" in f.events
     # the failed revision is not tried again until the service asks for another one
-    assert f.tick("v2").assign == {} and f.status.rollout.phase == Phase.RolledBack
+    assert f.tick("v2").assign == {}
+    assert f.status.rollout.phase == Phase.RolledBack
     f.broken = set()
     f.tick("v3")
-    assert f.status.rollout.phase == Phase.Progressing and f.status.rollout.to_revision == "v3"
+    assert f.status.rollout.phase == Phase.Progressing
+    assert f.status.rollout.to_revision == "v3"
 
 
 def test_without_auto_rollback_a_failed_wave_stops_where_it_is() -> None:

@@ -43,9 +43,7 @@ def resolve_model_path(model: str, verify: bool = True, sha256: str | None = Non
         return path
     import hybridllm_models
 
-    return Path(
-        hybridllm_models.ensure(model, target="hf", verify=verify, expected_sha256=sha256)
-    )
+    return Path(hybridllm_models.ensure(model, target="hf", verify=verify, expected_sha256=sha256))
 
 
 def served_name(settings: config_mod.ServeSettings) -> str:
