@@ -343,6 +343,10 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         finally:
             taken.close()
         assert fleet()["currentRevision"] == "v2"
+        with _https(ca) as http:  # the devices' heartbeat KPIs, per revision
+            metrics = http.get(f"{server_url}/metrics").text
+        assert 'hybridllm_fleet_revision_devices{fleet="shops",revision="v2"} 3.0' in metrics
+        assert 'revision="v3"' not in metrics.split("hybridllm_fleet_revision_tokens")[1]
         assert any("every device goes back to v2" in m for m in events("FleetRolledBack"))
     assert load.answered > 0
     assert load.failed == [], load.failed[:3]

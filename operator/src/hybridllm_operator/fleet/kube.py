@@ -130,8 +130,11 @@ class Kube:
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
-        self.custom = kubernetes.client.CustomObjectsApi()
-        self.core = kubernetes.client.CoreV1Api()
+        config = kubernetes.client.Configuration.get_default_copy()
+        config.connection_pool_maxsize = 32  # the status writers run 8 at a time, plus reads
+        api = kubernetes.client.ApiClient(config)
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.core = kubernetes.client.CoreV1Api(api)
         self.writes: dict[str, int] = {}
         self._lock = threading.Lock()
 

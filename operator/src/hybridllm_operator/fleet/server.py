@@ -123,6 +123,25 @@ class Metrics:
             "hybridllm_fleet_api_writes", "API-server writes since start, by kind.", ["kind"],
             registry=r,
         )  # fmt: skip
+        self.revision_devices = Gauge(
+            "hybridllm_fleet_revision_devices", "Online devices by fleet and revision.",
+            ["fleet", "revision"], registry=r,
+        )  # fmt: skip
+        self.revision_tokens = Gauge(
+            "hybridllm_fleet_revision_tokens_per_second",
+            "Tokens per second the online devices of a revision generate, summed.",
+            ["fleet", "revision"], registry=r,
+        )  # fmt: skip
+        self.revision_errors = Gauge(
+            "hybridllm_fleet_revision_error_rate",
+            "Share of a revision's device requests refused, weighted by requests.",
+            ["fleet", "revision"], registry=r,
+        )  # fmt: skip
+        self.revision_ttft = Gauge(
+            "hybridllm_fleet_revision_ttft_p95_seconds",
+            "Median over a revision's online devices of their TTFT p95.",
+            ["fleet", "revision"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter(
             "hybridllm_fleet_rejected_total", "Calls refused, by reason.", ["reason"], registry=r
         )
@@ -141,6 +160,7 @@ class FleetServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tokens: dict[str, tuple[float, str | None]] = {}
         self._informers: list[kube_mod.Informer] = []
+        self._kpi_revisions: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ Kubernetes side
 
@@ -184,8 +204,10 @@ class FleetServer:
                 status = crd.EdgeFleetStatus()
             fleet = Fleet(name, obj, spec, status, problem)
             self.fleets[name] = fleet
+        spec_changed = fleet.spec != spec
         fleet.obj, fleet.spec, fleet.problem = obj, spec, problem
-        self._wake(fleet)
+        if spec_changed:  # not the echo of a status write: ten thousand polls would wake
+            self._wake(fleet)
 
     def _on_device(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
         if obj is None:
@@ -211,9 +233,6 @@ class FleetServer:
         device.public_key, device.labels = public, labels
         device.fleet = spec.get("fleet", "")
         device.approved, device.revoked = bool(spec.get("approved")), bool(spec.get("revoked"))
-        fleet = self.fleets.get(device.fleet)
-        if fleet is not None:
-            self._wake(fleet)
 
     def _on_service(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
         if obj is None:
@@ -365,12 +384,43 @@ class FleetServer:
             if d.report.get("healthy", d.status.get("healthy"))
             and d.report.get("revision", d.status.get("revision")) == current_rev
         )  # fmt: skip
+        self._kpis(fleet.name, online)
         ages = [now - d.last_seen for d in online if d.last_seen is not None]
         st.oldest_heartbeat_seconds = round(max(ages), 1) if ages else None
         for phase in crd.DevicePhase:
             self.metrics.devices.labels(fleet=fleet.name, phase=phase.value).set(
                 sum(1 for d in members if d.status.get("phase") == phase.value)
             )
+
+    def _kpis(self, fleet: str, online: list[Device]) -> None:
+        """The devices' heartbeat KPIs per revision, on /metrics (not in any record)."""
+        by_revision: dict[str, list[dict[str, Any]]] = {}
+        for d in online:
+            revision = d.report.get("revision")
+            if revision:
+                by_revision.setdefault(revision, []).append(d.report.get("kpis") or {})
+        m = self.metrics
+        for gone in self._kpi_revisions.get(fleet, set()) - set(by_revision):
+            for gauge in (
+                m.revision_devices,
+                m.revision_tokens,
+                m.revision_errors,
+                m.revision_ttft,
+            ):
+                with contextlib.suppress(KeyError):  # no device runs it any more
+                    gauge.remove(fleet, gone)
+        self._kpi_revisions[fleet] = set(by_revision)
+        for revision, kpis in by_revision.items():
+            m.revision_devices.labels(fleet, revision).set(len(kpis))
+            m.revision_tokens.labels(fleet, revision).set(
+                sum(k.get("tokensPerSecond", 0.0) for k in kpis)
+            )
+            requests = sum(k.get("requests", 0.0) for k in kpis)
+            errors = sum(k.get("errorRate", 0.0) * k.get("requests", 0.0) for k in kpis)
+            m.revision_errors.labels(fleet, revision).set(errors / requests if requests else 0.0)
+            ttfts = sorted(k["ttftP95Seconds"] for k in kpis if "ttftP95Seconds" in k)
+            if ttfts:
+                m.revision_ttft.labels(fleet, revision).set(ttfts[len(ttfts) // 2])
 
     def _conditions(
         self, fleet: Fleet, st: crd.EdgeFleetStatus, problem: str | None, now: float

