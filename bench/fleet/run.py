@@ -35,6 +35,7 @@ import platform
 import random
 import re
 import resource
+import shutil
 import ssl
 import subprocess
 import sys
@@ -123,13 +124,23 @@ def proc_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def server_writes(session: aiohttp.ClientSession, url: str) -> float:
+async def pending_writes(session: aiohttp.ClientSession, url: str) -> float:
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return next(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hybridllm_fleet_pending_writes ")
+    )
+
+
+async def server_writes(session: aiohttp.ClientSession, url: str, kind: str = "") -> float:
     async with session.get(f"{url}/metrics") as r:
         text = await r.text()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("hybridllm_fleet_api_writes{")
+        if line.startswith("hybridllm_fleet_api_writes{") and kind in line
     )
 
 
@@ -144,6 +155,7 @@ class Device:
         self.got: dict[str, float] = {}  # revision -> when its config arrived
         self.latencies: list[float] = []
         self.record = False
+        self.sending = asyncio.Lock()  # one heartbeat at a time, as the agent sends them
 
     def _headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
         return signing.sign_request(self.key, self.name, method, path, body, time.time())
@@ -192,6 +204,10 @@ class Device:
             await self.heartbeat()  # report the new config at once
 
     async def heartbeat(self) -> None:
+        async with self.sending:
+            await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
         body = json.dumps({
             "revision": self.revision or None, "configVersion": self.version or None,
             "healthy": bool(self.version), "endpoint": f"http://10.0.0.1:{8000}",
@@ -253,6 +269,10 @@ async def run_devices(
             await asyncio.sleep(1.0)
         print(f"[fleet] {n} devices on v1; steady state for {steady_s:.0f} s", flush=True)
         await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 3)  # past the first-config heartbeats
+        settle = time.monotonic()
+        while await pending_writes(session, url) > 0:  # the records of the enrollment written
+            await asyncio.sleep(2.0)
+        print(f"[fleet] records written {time.monotonic() - settle:.0f} s later", flush=True)
         for d in devices:
             d.record = True
         cpu0, writes2, api2 = (
@@ -260,6 +280,7 @@ async def run_devices(
             await server_writes(session, url),
             api_writes(cluster),
         )
+        device_writes2 = await server_writes(session, url, "edgedevices")
         t0 = time.monotonic()
         rss: list[float] = []
         while time.monotonic() - t0 < steady_s:
@@ -271,6 +292,7 @@ async def run_devices(
             await server_writes(session, url),
             api_writes(cluster),
         )
+        device_writes3 = await server_writes(session, url, "edgedevices")
         latencies = [x for d in devices for x in d.latencies]
         for d in devices:
             d.record = False
@@ -314,6 +336,7 @@ async def run_devices(
         "server_rss_mb_per_1000": round(max(rss) / n * 1000, 1),
         "steady_server_writes_per_s": round((writes3 - writes2) / span, 3),
         "steady_api_writes_per_s": round((api3 - api2) / span, 2),
+        "steady_device_record_writes": int(device_writes3 - device_writes2),
         "config_reached": {
             **reached,
             "p100": round(arrivals[-1], 2) if len(arrivals) == n else None,
@@ -342,7 +365,7 @@ def run(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
         server = subprocess.Popen(
             [*CLI, "fleet", "serve", "-n", NAMESPACE, "--host", "127.0.0.1", "--port", str(port),
              "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"),
-             "--log-level", "warning"],
+             "--log-level", "debug" if os.environ.get("FLEET_BENCH_DEBUG") else "warning"],
             env={**cluster.env, "KUBECONFIG": str(cluster.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         url = f"https://127.0.0.1:{port}"
@@ -417,12 +440,17 @@ def main() -> int:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the server inherits it
     rows = []
-    with tempfile.TemporaryDirectory(prefix="hybridllm-fleet-") as tmp:
+    keep = bool(os.environ.get("FLEET_BENCH_DEBUG"))  # keep the server's log to read
+    tmp = tempfile.mkdtemp(prefix="hybridllm-fleet-")
+    try:
         for n in (int(x) for x in args.devices.split(",")):
             print(f"[fleet] {n} devices", flush=True)
             row = run(n, args.steady_seconds, Path(tmp))
             print(f"[fleet]   {row}", flush=True)
             rows.append(row)
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
     cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), platform.machine())  # fmt: skip
     result = {

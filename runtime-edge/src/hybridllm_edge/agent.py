@@ -623,10 +623,9 @@ def add_agent(subparsers: Any) -> None:
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(getattr(logging, args.log_level.upper()))  # also when the
+    # `hybridllm` command configured logging first
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
     if args.advertise_host is None:
         args.advertise_host = args.host if args.host != "0.0.0.0" else socket.gethostname()

@@ -26,10 +26,9 @@ from typing import Any
 def _serve(args: argparse.Namespace) -> int:
     from hybridllm_operator.fleet import kube, server
 
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(getattr(logging, args.log_level.upper()))  # also when the
+    # `hybridllm` command configured logging first
     tls = None
     if args.tls_cert and args.tls_key:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

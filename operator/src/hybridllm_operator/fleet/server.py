@@ -55,6 +55,10 @@ from hybridllm_operator.fleet import waves
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+# asyncio's TLS protocol gives every connection a 256 KiB read buffer: with ten thousand
+# devices each holding a long poll that is 2.5 GB. A TLS record is at most 16 KiB, so a
+# smaller buffer only means more, smaller reads (bench/results/fleet.md measured both).
+TLS_READ_BUFFER = 32 * 1024
 MAX_BODY = 64 * 1024
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_KEY = re.compile(
@@ -142,6 +146,10 @@ class Metrics:
             "Median over a revision's online devices of their TTFT p95.",
             ["fleet", "revision"], registry=r,
         )  # fmt: skip
+        self.pending_writes = Gauge(
+            "hybridllm_fleet_pending_writes", "Device records changed and not yet written.",
+            registry=r,
+        )  # fmt: skip
         self.rejected = Counter(
             "hybridllm_fleet_rejected_total", "Calls refused, by reason.", ["reason"], registry=r
         )
@@ -157,6 +165,7 @@ class FleetServer:
         self.started = time.time()
         self.metrics = Metrics()
         self.dirty: set[str] = set()
+        self.writing = 0  # records taken from dirty, not yet sent
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tokens: dict[str, tuple[float, str | None]] = {}
         self._informers: list[kube_mod.Informer] = []
@@ -308,18 +317,30 @@ class FleetServer:
     # ------------------------------------------------------------------ the tick
 
     async def run_ticks(self) -> None:
+        writer = asyncio.create_task(self.run_writer())
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except Exception:  # a bug must not stop the fleet: say so, go on
+                    log.exception("fleet tick failed")
+                await asyncio.sleep(self.tick_s)
+        finally:
+            writer.cancel()
+
+    async def run_writer(self) -> None:
+        """Write changed device records in the background: a tick never waits for them,
+        and a record that changes again before its turn is written once."""
         while True:
-            try:
-                await self.tick()
-            except Exception:  # a bug must not stop the fleet: say so, go on
-                log.exception("fleet tick failed")
-            await asyncio.sleep(self.tick_s)
+            if self.dirty:
+                await self.flush()
+            else:
+                await asyncio.sleep(self.tick_s / 2)
 
     async def tick(self) -> None:
         now = time.time()
         for fleet in list(self.fleets.values()):
             await self._tick_fleet(fleet, now)
-        await self.flush()
 
     async def _tick_fleet(self, fleet: Fleet, now: float) -> None:
         if fleet.spec is None:
@@ -504,33 +525,37 @@ class FleetServer:
             "healthy": healthy,
             "message": report.get("message", st.get("message", "")),
         }
-        if any(new.get(k) != d.status.get(k) for k in _RECORDED):
+        changed = [k for k in _RECORDED if new.get(k) != d.status.get(k)]
+        if changed:
+            log.debug("EdgeDevice %s: %s changed", d.name, ", ".join(changed))
             if d.last_seen is not None:
                 new["lastSeen"] = round(d.last_seen, 3)
             d.status = new
             self.dirty.add(d.name)
 
-    async def flush(self) -> None:
-        """Write the changed device records, a few at a time."""
-        names, self.dirty = list(self.dirty), set()
-        sem = asyncio.Semaphore(8)
+    async def flush(self, workers: int = 8) -> None:
+        """Write the changed device records, ``workers`` at a time, until none is left; a
+        record changed again while it waits is written once, as it is then."""
 
-        async def write(name: str) -> None:
-            device = self.devices.get(name)
-            if device is None:
-                return
-            async with sem:
+        async def worker() -> None:
+            while self.dirty:
+                name = self.dirty.pop()
+                device = self.devices.get(name)
+                if device is None:
+                    continue
+                self.writing += 1
                 try:
                     await asyncio.to_thread(
                         self.kube.patch_status, "EdgeDevice", name, dict(device.status)
                     )
-                except Exception as exc:  # noqa: BLE001 - written again at the next tick
+                except Exception as exc:  # noqa: BLE001 - the API server: try again soon
                     log.warning("status of EdgeDevice %s not written: %s", name, exc)
                     self.dirty.add(name)
+                    await asyncio.sleep(1.0)
+                finally:
+                    self.writing -= 1
 
-        await asyncio.gather(*(write(n) for n in names))
-        for kind, count in self.kube.writes.items():
-            self.metrics.writes.labels(kind=kind).set(count)
+        await asyncio.gather(*(worker() for _ in range(workers)))
 
     # ------------------------------------------------------------------ the device API
 
@@ -573,6 +598,9 @@ class FleetServer:
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        self.metrics.pending_writes.set(len(self.dirty) + self.writing)
+        for kind, count in list(self.kube.writes.items()):
+            self.metrics.writes.labels(kind=kind).set(count)
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"content-type": CONTENT_TYPE_LATEST},
@@ -811,6 +839,10 @@ async def serve(
     tick_s: float = 1.0,
     ready: Callable[[], None] | None = None,
 ) -> None:
+    if tls is not None:
+        from asyncio import sslproto
+
+        sslproto.SSLProtocol.max_size = TLS_READ_BUFFER  # this process serves devices only
     server = FleetServer(kube_mod.Kube(namespace), tick_s)
     server.loop = asyncio.get_running_loop()
     server.start_informers()
