@@ -425,8 +425,14 @@ def render(result: dict[str, Any], out: Path) -> None:
         "controller-manager's and kwok's leases included.",
         "- *config to x%*: from the `kubectl apply` of a new revision to the moment x% of the "
         "devices held its signed config (one wave, `maxUnavailable` = N); *rollout Completed*: "
-        "until the fleet's status said so; *rollout writes*: the server's writes for it (one "
-        "assignment and one status per device, and the fleet's status).",
+        "until the fleet's status said so; *rollout writes*: the server's writes up to then "
+        "(the background writer is still writing the devices' records: a record changed "
+        "again before its turn is written once).",
+        "- At 10,000 devices the heartbeat round trips are the devices' own process's: it "
+        "signs and verifies for ten thousand devices over TLS on the same two cores as the "
+        "server (0.7 cores), the API server and etcd; at 1,000 they are 2.5 ms at the median.",
+        "- Memory: asyncio gives every TLS connection a 256 KiB read buffer; the server sets "
+        "32 KiB (a TLS record is at most 16 KiB). Before that, 10,000 devices took 4.9 GB.",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -436,7 +442,13 @@ def main() -> int:
     parser.add_argument("--devices", default="1000,10000", help="comma-separated N")
     parser.add_argument("--steady-seconds", type=float, default=120.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fleet"))
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite the .md from the .json, run nothing"
+    )
     args = parser.parse_args()
+    if args.render_only:
+        render(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
+        return 0
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the server inherits it
     rows = []
