@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import platform
@@ -48,6 +47,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+from cluster_tools import proc_cpu_s, proc_mem_mb, testenv  # noqa: E402
 from portable import portable  # noqa: E402
 
 from hybridllm_common import signing  # noqa: E402
@@ -58,16 +58,6 @@ CLI = (sys.executable, "-m", "hybridllm_common.cli")
 HEARTBEAT_TIMEOUT_S = 120
 WRITES = ("POST", "PUT", "PATCH", "APPLY", "DELETE")
 TOKEN = "bench-token-" + "x" * 20
-
-
-def _testenv() -> Any:
-    spec = importlib.util.spec_from_file_location("testenv", ROOT / "hack/testenv/cluster.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["testenv"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def kubectl(cluster: Any, *args: str, stdin: str | None = None) -> str:
@@ -110,18 +100,6 @@ def api_writes(cluster: Any) -> float:
             if verb and verb.group(1) in WRITES:
                 total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def pending_writes(session: aiohttp.ClientSession, url: str) -> float:
@@ -285,7 +263,7 @@ async def run_devices(
         rss: list[float] = []
         while time.monotonic() - t0 < steady_s:
             await asyncio.sleep(5.0)
-            rss.append(proc_rss_mb(server_pid))
+            rss.append(proc_mem_mb(server_pid, "VmRSS"))
         span = time.monotonic() - t0
         cpu1, writes3, api3 = (
             proc_cpu_s(server_pid),
@@ -347,9 +325,9 @@ async def run_devices(
 
 
 def run(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
-    testenv = _testenv()
+    plane = testenv()
     state = workdir / f"cp-{n}"
-    cluster = testenv.up(state)
+    cluster = plane.up(state)
     server = None
     try:
         kubectl(cluster, "apply", "--server-side", "-f", str(ROOT / "crds"))
@@ -384,7 +362,7 @@ def run(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
         if server is not None:
             server.terminate()
             server.wait(timeout=60)
-        testenv.down(state)
+        plane.down(state)
 
 
 def render(result: dict[str, Any], out: Path) -> None:

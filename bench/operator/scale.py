@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import platform
@@ -41,6 +40,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+from cluster_tools import proc_cpu_s, proc_mem_mb, testenv  # noqa: E402
 from portable import portable  # noqa: E402
 
 from hybridllm_operator import builders, reconcile  # noqa: E402
@@ -50,16 +50,6 @@ PODS_PER_NODE = 500
 VERBS = ("GET", "LIST", "WATCH", "POST", "PUT", "PATCH", "APPLY", "DELETE")
 WRITES = ("POST", "PUT", "PATCH", "APPLY", "DELETE")
 OPERATOR_WRITES = ("PATCH", "APPLY", "DELETE")
-
-
-def _testenv() -> Any:
-    spec = importlib.util.spec_from_file_location("testenv", ROOT / "hack/testenv/cluster.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["testenv"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Kubectl:
@@ -126,18 +116,6 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {v: after[v] - before[v] for v in VERBS}
 
 
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_mem_mb(pid: int, field: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def ready_count(kubectl: Kubectl) -> int:
     items = json.loads(kubectl("get", "llms", "-n", NAMESPACE, "-o", "json"))["items"]
     n = 0
@@ -167,9 +145,9 @@ def wait(what: str, done: Any, timeout: float) -> float:
 
 
 def run_operator(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
-    testenv = _testenv()
+    plane = testenv()
     state = workdir / f"op-{n}"
-    cluster = testenv.up(state)
+    cluster = plane.up(state)
     proc = None
     try:
         kubectl = Kubectl(cluster)
@@ -218,7 +196,7 @@ def run_operator(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-        testenv.down(state)
+        plane.down(state)
 
 
 def baseline_objects(n: int) -> list[dict[str, Any]]:
@@ -235,9 +213,9 @@ def baseline_objects(n: int) -> list[dict[str, Any]]:
 
 
 def run_baseline(n: int, workdir: Path) -> dict[str, Any]:
-    testenv = _testenv()
+    plane = testenv()
     state = workdir / f"base-{n}"
-    cluster = testenv.up(state)
+    cluster = plane.up(state)
     try:
         kubectl = Kubectl(cluster)
         kubectl("create", "namespace", NAMESPACE)
@@ -260,7 +238,7 @@ def run_baseline(n: int, workdir: Path) -> dict[str, Any]:
             "api_requests_per_service": {v: round(rollout[v] / n, 2) for v in VERBS if rollout[v]},
         }
     finally:
-        testenv.down(state)
+        plane.down(state)
 
 
 def main() -> int:
