@@ -73,7 +73,8 @@ FLEET = {
     "apiVersion": "hybridllm.io/v1alpha1", "kind": "EdgeFleet",
     "metadata": {"name": "shops", "namespace": NAMESPACE},
     "spec": {
-        "service": "chat", "maxUnavailable": 1, "heartbeatTimeoutSeconds": 10,
+        "service": "chat", "selector": {"kind": "shop-pc"}, "maxUnavailable": 1,
+        "heartbeatTimeoutSeconds": 10,
         "configPollSeconds": 5,
         "rollout": {"waves": [{"count": 1, "matchLabels": {"site": "lab"}}]},
         "healthCheck": {"maxTokens": 4, "timeoutSeconds": 120},
@@ -132,7 +133,7 @@ class Agent:
         self.state, self.log = tmp / name, tmp / f"{name}.log"
         self.argv = [
             *CLI, "edge", "agent", "--server", server, "--fleet", "shops", "--name", name,
-            "--token", token, "--ca-file", str(ca), "--labels", f"site={site}",
+            "--token", token, "--ca-file", str(ca), "--labels", f"site={site},kind=shop-pc",
             "--state-dir", str(self.state), "--model-cache", str(tmp / "models"),
             "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1",
             "--drain-seconds", "8",
@@ -280,6 +281,12 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         })  # fmt: skip
         assert bad.status_code == 401
         assert "token does not match" in bad.text
+        stranger = http.post(f"{server_url}/v1/enroll", json={
+            "fleet": "shops", "name": "stranger", "token": token, "labels": {"kind": "kiosk"},
+            "publicKey": base64.b64encode(b"k" * 32).decode(),
+        })  # fmt: skip
+        assert stranger.status_code == 403
+        assert "spec.selector" in stranger.text
     for agent in agents.values():
         agent.start()
     kube.eventually(

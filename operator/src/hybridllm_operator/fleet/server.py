@@ -647,6 +647,10 @@ class FleetServer:
         expected = await self._token(secret)
         if expected is None or not hmac.compare_digest(expected.encode(), token.encode()):
             return self._refuse("bad_token", 401, f"token does not match Secret {secret}")
+        if not waves.matches(labels, fleet.spec.selector):
+            want = ",".join(f"{k}={v}" for k, v in (fleet.spec.selector or {}).items())
+            return self._refuse("not_a_member", 403, f"labels do not match the fleet's "
+                                                     f"spec.selector ({want})")  # fmt: skip
         existing = self.devices.get(name)  # type: ignore[arg-type]
         if existing is not None:
             if (
@@ -657,7 +661,7 @@ class FleetServer:
                                                        "another key")  # fmt: skip
             return web.json_response(self._identity(fleet, existing), status=200)
         rules = fleet.spec.enrollment
-        auto = rules.auto_approve and waves._matches(labels, rules.auto_approve_labels)
+        auto = rules.auto_approve and waves.matches(labels, rules.auto_approve_labels)
         spec = crd.EdgeDeviceSpec(
             fleet=fleet.name, public_key=public_text, approved=auto, facts=facts
         )

@@ -120,7 +120,8 @@ def wave_size(fleet: crd.EdgeFleetSpec, wave: int, members: int) -> int | None:
     return None
 
 
-def _matches(labels: dict[str, str], want: dict[str, str] | None) -> bool:
+def matches(labels: dict[str, str], want: dict[str, str] | None) -> bool:
+    """Whether labels hold every key and value of ``want`` (None: any labels)."""
     return all(labels.get(k) == v for k, v in (want or {}).items())
 
 
@@ -214,7 +215,7 @@ def _advance(out: Plan, fleet: crd.EdgeFleetSpec, devices: list[DeviceView], now
     rollout, config = st.rollout, st.config
     assert rollout is not None
     assert config is not None
-    members = [d for d in devices if _matches(d.labels, fleet.selector)]
+    members = [d for d in devices if matches(d.labels, fleet.selector)]
     waves = wave_count(fleet)
     rollout = rollout.model_copy(update={"waves": waves})
     policy = fleet.rollout
@@ -225,7 +226,7 @@ def _advance(out: Plan, fleet: crd.EdgeFleetSpec, devices: list[DeviceView], now
         # Devices this wave may take: its labels, not taken by an earlier wave.
         matching = [
             d for d in members
-            if _matches(d.labels, labels)
+            if matches(d.labels, labels)
             and (d.assigned_version != config.version or d.assigned_wave == k)
         ]  # fmt: skip
         size = wave_size(fleet, k, len(members))
