@@ -87,8 +87,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     )
     # Kubernetes Events only for warnings and errors: successful reconciles are frequent.
     settings.posting.level = logging.WARNING
-    # One operator replica (leader election is the Deployment's job): no peering CRD needed.
+    # Of several replicas one reconciles: `hybridllm operator run` took the Lease before kopf
+    # started (leader.py explains why not kopf's peering). No peering objects are needed.
     settings.peering.standalone = True
+    # The CRDs are resolved once, after `wait_for_discovery` below; no watch of every CRD
+    # and namespace in the cluster (and no cluster-wide RBAC for it in namespaced mode).
+    # A CRD removed and re-created is caught by the watchdog, which restarts the operator.
+    settings.scanning.disabled = True
+    # kopf's per-object event workers linger this long when idle, and a stopping operator
+    # waits for them before it returns (and releases its Lease): 5 s by default. A worker
+    # is cheap to start again on the next event.
+    settings.batching.idle_timeout = 1.0
     # A transient API error retries soon rather than after kopf's default minute.
     settings.watching.reconnect_backoff = 1.0
     try:
@@ -224,6 +233,7 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
 
 @kopf.on.startup()
 async def start_watchdog(memo: kopf.Memo, logger: Logger, **_: Any) -> None:
+    memo.loop = asyncio.get_running_loop()  # for `operator run`'s step-down from its thread
     memo.watchdog = asyncio.get_running_loop().create_task(watchdog(memo, logger))
 
 

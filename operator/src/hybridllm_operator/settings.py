@@ -12,7 +12,27 @@ class OperatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HYBRIDLLM_OPERATOR_")
 
     namespace: str | None = Field(
-        default=None, description="Watch only this namespace; all namespaces when unset."
+        default=None,
+        description="Watch only these namespaces (comma-separated); all namespaces when unset.",
+    )
+    leader_election: bool = Field(
+        default=True,
+        description="Take the Lease before reconciling, so that of several replicas one acts.",
+    )
+    lease_name: str = Field(default="hybridllm-operator", description="The Lease's name.")
+    lease_namespace: str | None = Field(
+        default=None,
+        description="The Lease's namespace; unset: the pod's namespace (POD_NAMESPACE, else "
+        "its service account's), else default.",
+    )
+    lease_duration_seconds: float = Field(
+        default=15.0, gt=0, description="How long a leader that stopped renewing keeps the Lease."
+    )
+    renew_deadline_seconds: float = Field(
+        default=10.0, gt=0, description="A leader that could not renew this long steps down."
+    )
+    retry_period_seconds: float = Field(
+        default=2.0, gt=0, description="How often standbys try the Lease and the leader renews."
     )
     edge_image: str = Field(default=builders.Images.edge, description="Default edge runtime image.")
     cloud_image: str = Field(
