@@ -10,7 +10,7 @@ help:
 	@echo "make down          stop it"
 	@echo "make demo          the Kubernetes walkthrough: a real node runs the example LLMService, which answers (root)"
 	@echo "make test          set up everything, lint, check CRD drift, run all tests"
-	@echo "make lint          ruff, mypy and the CRD drift check"
+	@echo "make lint          ruff, mypy, the CRD drift check and the chart values table"
 	@echo "make crds          regenerate crds/ from the models"
 	@echo "make cluster-up    start the local control plane (.testenv/kubeconfig)"
 	@echo "make cluster-down  stop it (and the demo operator)"
@@ -34,7 +34,7 @@ demo: setup
 	@hack/demo.sh
 
 lint:
-	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check'
+	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check && uv run --no-sync hybridllm chart docs --check'
 
 test: setup lint
 	@hack/phase.sh pytest uv run --no-sync pytest $(PYTEST_ARGS)

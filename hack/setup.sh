@@ -46,4 +46,6 @@ if [ "${HYBRIDLLM_SKIP_TESTENV:-0}" != "1" ]; then
   hack/testenv/build.sh >/dev/null
   echo "[setup] building Prometheus for the autoscaling tests (first run: ~5-7 min; cached after)"
   hack/testenv/build-prometheus.sh >/dev/null
+  echo "[setup] building helm and helm-unittest for the chart tests (first run: ~3-5 min; cached after)"
+  hack/testenv/build-helm.sh >/dev/null
 fi

@@ -401,6 +401,32 @@ def build_prometheus() -> Path:
     return Path(result.stdout.strip())
 
 
+def build_helm() -> Path:
+    """hack/testenv/build-helm.sh: the cached folder holding bin/helm and plugins/ (helm-unittest)."""
+    result = subprocess.run([str(HERE / "build-helm.sh")], stdout=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0:
+        raise TestEnvError(f"hack/testenv/build-helm.sh failed with exit code {result.returncode}; its log is above")
+    return Path(result.stdout.strip())
+
+
+def service_account_kubeconfig(cluster: "Cluster", namespace: str, name: str, path: Path, hours: int = 6) -> Path:
+    """A kubeconfig that authenticates as ServiceAccount ``namespace/name`` (a bound token
+    from the TokenRequest API, as a pod's projected token is): what a process started with
+    it may do is exactly what RBAC grants that ServiceAccount."""
+    bin_dir = cluster.state_dir / "bin"
+    token = _kubectl(bin_dir, cluster.kubeconfig, "create", "token", name, "-n", namespace, f"--duration={hours}h").strip()
+    admin = json.loads(_kubectl(bin_dir, cluster.kubeconfig, "config", "view", "--raw", "-o", "json"))
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "testenv", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [{"name": name, "context": {"cluster": "testenv", "user": name, "namespace": namespace}}],
+        "current-context": name,
+    }, indent=2))  # fmt: skip
+    path.chmod(0o600)
+    return path
+
+
 def prometheus_up(state_dir: Path, scrape_interval: str = "1s") -> str:
     """A real Prometheus beside the control plane, scraping the targets that
     `prometheus_targets` lists (file-based discovery, re-read every second); returns its

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +17,11 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "hybridllm"
+# The release the chart's RBAC is rendered for: `helm install hybridllm charts/hybridllm -n
+# hybridllm`, the README's command. Its full name is the release's (it holds the chart's name).
+RELEASE = RELEASE_NAMESPACE = "hybridllm"
+OPERATOR_ACCOUNT = "hybridllm-operator"  # the operator's ServiceAccount, Lease and ClusterRole
 T = TypeVar("T")
 _counter = itertools.count()
 
@@ -77,23 +83,81 @@ class Kube:
 
 @contextlib.contextmanager
 def own_control_plane(
-    state_dir: Path, namespace: str, *, real_node: bool = False, images: tuple[str, ...] = ()
+    state_dir: Path,
+    namespace: str,
+    *,
+    real_node: bool = False,
+    images: tuple[str, ...] = (),
+    crds: bool = True,
 ) -> Iterator[tuple[Any, Kube]]:
     """A control plane of a test's own (one it may kill, or with the real node), with the
-    CRDs and ``namespace``; ``images`` are loaded into the real node. Needs the session
-    cluster fixture first (it loads hack/testenv)."""
+    CRDs (unless ``crds`` is false) and ``namespace``; ``images`` are loaded into the real
+    node. Needs the session cluster fixture first (it loads hack/testenv)."""
     testenv = sys.modules["hybridllm_testenv"]
     cluster = testenv.up(state_dir, real_node=real_node)
     try:
         if images:
             testenv.node.load_images(cluster, list(images))
         own = Kube(cluster)
-        own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
-        own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
+        if crds:
+            own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
+            own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
         own.run("create", "namespace", namespace)
         yield cluster, own
     finally:
         testenv.down(state_dir)
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """The pinned helm (hack/testenv/build-helm.sh), its helm-unittest plugin installed."""
+    home = sys.modules["hybridllm_testenv"].build_helm()
+    result = subprocess.run(
+        [str(home / "bin" / "helm"), *args],
+        env={**os.environ, "HELM_PLUGINS": str(home / "plugins")},
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed: {result.stderr}{result.stdout}")
+    return result
+
+
+def chart_operator_env(
+    cluster: Any, kube: Kube, env: dict[str, str], workdir: Path, *values: str
+) -> dict[str, str]:
+    """``env`` for an operator process that runs as the chart's ServiceAccount: the chart's
+    ServiceAccount and RBAC (``helm template``, ``values`` as ``--set`` flags) applied to
+    ``cluster``, and a kubeconfig holding a token of that ServiceAccount. The end-to-end
+    tests run the operator this way, so that a verb missing from the chart fails them.
+
+    ``POD_NAME`` is fixed, as it is for a container restarted in its pod: a restarted
+    operator takes its own Lease back at once instead of waiting out its duration."""
+    if kube.run("get", "namespace", RELEASE_NAMESPACE, check=False).returncode != 0:
+        kube.run("create", "namespace", RELEASE_NAMESPACE)
+    rendered = helm(
+        "template", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
+        "--show-only", "templates/operator-serviceaccount.yaml",
+        "--show-only", "templates/operator-rbac.yaml",
+        *[flag for value in values for flag in ("--set", value)],
+    ).stdout  # fmt: skip
+    kube.run("apply", "-f", "-", stdin=rendered)
+    return operator_account_env(cluster, env, workdir)
+
+
+def operator_account_env(
+    cluster: Any, env: dict[str, str], workdir: Path, namespace: str = RELEASE_NAMESPACE
+) -> dict[str, str]:
+    """``env`` with a kubeconfig of the chart's operator ServiceAccount (which must exist)."""
+    testenv = sys.modules["hybridllm_testenv"]
+    kubeconfig = testenv.service_account_kubeconfig(
+        cluster, namespace, OPERATOR_ACCOUNT, workdir / "operator-sa.kubeconfig"
+    )
+    return {
+        **env,
+        "KUBECONFIG": str(kubeconfig),
+        "POD_NAME": f"{OPERATOR_ACCOUNT}-0",
+        "POD_NAMESPACE": namespace,
+        "HYBRIDLLM_OPERATOR_LEASE_NAME": OPERATOR_ACCOUNT,
+    }
 
 
 @pytest.fixture(scope="session")

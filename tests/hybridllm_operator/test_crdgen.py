@@ -8,7 +8,9 @@ import yaml
 
 from hybridllm_operator import crdgen
 
-CRDS = Path(__file__).resolve().parents[2] / "crds"
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+CHART_CRDS = ROOT / "charts" / "hybridllm" / "files" / "crds"
 
 
 def walk(node: object, path: str = "") -> list[tuple[str, dict]]:
@@ -26,6 +28,9 @@ def walk(node: object, path: str = "") -> list[tuple[str, dict]]:
 
 def test_committed_crds_match_the_models() -> None:
     assert crdgen.drift(CRDS) == [], "run `hybridllm crds generate` and commit crds/"
+    # the Helm chart's copy, which its templates install and upgrade, is the same
+    assert crdgen.drift(CHART_CRDS) == [], "run `hybridllm crds generate` and commit the chart"
+    assert sorted(p.name for p in CHART_CRDS.glob("*.yaml")) == sorted(crdgen.render())
 
 
 def test_schemas_are_structural() -> None:

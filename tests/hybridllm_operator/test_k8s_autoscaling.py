@@ -29,7 +29,7 @@ import pytest
 from hybridllm_common import crd
 from hybridllm_operator import autoscaling, builders
 
-from .conftest import own_control_plane
+from .conftest import chart_operator_env, own_control_plane
 
 NAMESPACE = "scale"
 NAME = "svc"
@@ -154,13 +154,12 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
                 cluster.state_dir,
                 [(f"127.0.0.1:{gateway_port}", {"namespace": NAMESPACE, "llmservice": NAME})],
             )
-            env = {
+            env = chart_operator_env(cluster, kube, {
                 **os.environ,
-                "KUBECONFIG": str(cluster.kubeconfig),
                 "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": prometheus,
                 "HYBRIDLLM_OPERATOR_PROMETHEUS_RATE_WINDOW_SECONDS": "5",
                 "HYBRIDLLM_OPERATOR_FORECAST_BIN_SECONDS": "5",
-            }
+            }, tmp_path)  # fmt: skip
             yield {
                 "cluster": cluster, "kube": kube, "testenv": testenv, "env": env,
                 "gateway": f"http://127.0.0.1:{gateway_port}", "log": tmp_path / "operator.log",

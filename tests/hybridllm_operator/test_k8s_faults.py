@@ -25,7 +25,7 @@ import yaml
 
 from hybridllm_operator import builders, reconcile
 
-from .conftest import own_control_plane
+from .conftest import chart_operator_env, own_control_plane
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -198,7 +198,9 @@ def test_operator_and_api_server_killed_50_times_mid_reconcile_converge(
     cluster, kube = own_cluster
     rng = random.Random(20261124)
     docs = {name: _base(name) for name in SERVICES}
-    operator = Operator(cluster.env, tmp_path / "operator.log")
+    operator = Operator(
+        chart_operator_env(cluster, kube, cluster.env, tmp_path), tmp_path / "operator.log"
+    )
     testenv = sys.modules["hybridllm_testenv"]
     operator.start()
     try:

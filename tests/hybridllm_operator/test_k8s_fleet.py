@@ -36,7 +36,7 @@ from hybridllm_models import sources, uri
 from hybridllm_operator import builders
 from hybridllm_operator.fleet import cli as fleet_cli
 
-from .conftest import Kube, own_control_plane
+from .conftest import Kube, chart_operator_env, own_control_plane
 from .test_k8s_autoscaling import Operator, _free_port, _serve
 from .test_k8s_rollout import Load
 
@@ -267,7 +267,8 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
     token = run("fleet", "token", "shops", "-n", NAMESPACE)
     server = fleet_server()
     stack["procs"].append(server)
-    operator = Operator(env, tmp / "operator.log", NAMESPACE)
+    operator_env = chart_operator_env(stack["cluster"], kube, env, tmp)
+    operator = Operator(operator_env, tmp / "operator.log", NAMESPACE)
     operator.start()
     stack["procs"].append(operator.proc)  # type: ignore[arg-type]
     agents = {n: Agent(n, site, tmp, server_url, token, ca) for n, site in DEVICES.items()}

@@ -26,7 +26,7 @@ import pytest
 
 from hybridllm_operator import builders
 
-from .conftest import own_control_plane
+from .conftest import chart_operator_env, own_control_plane
 from .test_k8s_autoscaling import Operator, _free_port, _serve
 
 NAMESPACE = "rollout"
@@ -173,11 +173,9 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
     urls = {_service_url("edge"): local["stable"], _service_url("edge", "canary"): local["good"]}
     routing = tmp / "routing.json"
     follower = Follower(kube, routing, urls)
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(cluster.kubeconfig),
-        "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": stack["prometheus"],
-    }
+    env = chart_operator_env(
+        cluster, kube, {**os.environ, "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": stack["prometheus"]}, tmp
+    )
     operator = Operator(env, tmp / "operator.log", NAMESPACE)
     testenv.prometheus_targets(
         cluster.state_dir,

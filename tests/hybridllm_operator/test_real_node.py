@@ -5,7 +5,9 @@ by the model store, pass their readiness probes, and the gateway Service answers
 
 The cluster is a control plane of its own whose one node is a real kubelet with containerd
 (hack/testenv/node.py), so every pod really runs. The operator runs as its own process
-(`hybridllm operator run`), as it would in its Deployment.
+(`hybridllm operator run`), as it would in its Deployment, with the token of the Helm
+chart's ServiceAccount and the chart's RBAC (the control plane listens on loopback only,
+which a pod's network cannot reach, so the process runs beside it rather than in a pod).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import openai
 import pytest
 import yaml
 
-from .conftest import own_control_plane
+from .conftest import chart_operator_env, own_control_plane
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -80,11 +82,14 @@ def model_claim(real_cluster: tuple[Any, Any], tmp_path_factory: pytest.TempPath
 def operator_process(
     real_cluster: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
-    cluster, _ = real_cluster
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    cluster, kube = real_cluster
+    workdir = tmp_path_factory.mktemp("operator")
+    log = workdir / "operator.log"
+    # as the chart's ServiceAccount, with its RBAC: what `helm install` gives the operator
+    env = chart_operator_env(cluster, kube, cluster.env, workdir)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            list(OPERATOR_COMMAND), env=cluster.env, stdout=out, stderr=subprocess.STDOUT
+            list(OPERATOR_COMMAND), env=env, stdout=out, stderr=subprocess.STDOUT
         )
     try:
         yield log
