@@ -40,6 +40,19 @@ def _value(samples, name: str, **labels: str) -> float:
     )
 
 
+def _settled(url: str, requests: int) -> list:
+    """The samples once the gateway has accounted ``requests`` answers: a streamed answer
+    is complete for the client when its last bytes arrive, and the gateway books it just
+    after, so a scrape at once can miss the last one."""
+    deadline = time.monotonic() + 10
+    while True:
+        samples = _samples(url)
+        if _value(samples, names.GATEWAY_REQUESTS_TOTAL) >= requests:
+            return samples
+        assert time.monotonic() < deadline, f"the gateway did not account {requests} requests"
+        time.sleep(0.05)
+
+
 def test_weights_split_traffic_by_revision_and_sessions_stay_on_one(procs, table) -> None:
     a1, a2, b = procs.tokenservers(["a1", "a2", "b"], "--rate", "1000")
     gw = procs.gateway(_table(table, [a1.url, a2.url], [b.url], weight=20, generation=7))
@@ -86,7 +99,7 @@ def test_a_failing_canary_fails_no_request_and_its_errors_are_counted(procs, tab
             stream=True,
         )  # fmt: skip
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    samples = _samples(gw.url)
+    samples = _settled(gw.url, 40)
     errors = _value(samples, names.GATEWAY_REVISION_ATTEMPTS_TOTAL, revision="v2", result="error")
     assert errors >= 1  # tried until ejected, each retried on v1
     assert _value(samples, names.GATEWAY_REVISION_ATTEMPTS_TOTAL, revision="v1", result="ok") == 40

@@ -97,7 +97,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     # kopf's per-object event workers linger this long when idle, and a stopping operator
     # waits for them before it returns (and releases its Lease): 5 s by default. A worker
     # is cheap to start again on the next event.
-    settings.batching.idle_timeout = 1.0
+    settings.queueing.idle_timeout = 1.0
     # A transient API error retries soon rather than after kopf's default minute.
     settings.watching.reconnect_backoff = 1.0
     try:
