@@ -118,7 +118,7 @@ async def server_writes(session: aiohttp.ClientSession, url: str, kind: str = ""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("hybridllm_fleet_api_writes{") and kind in line
+        if line.startswith("hybridllm_fleet_api_writes_total{") and kind in line
     )
 
 

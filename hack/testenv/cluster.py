@@ -427,10 +427,10 @@ def service_account_kubeconfig(cluster: "Cluster", namespace: str, name: str, pa
     return path
 
 
-def prometheus_up(state_dir: Path, scrape_interval: str = "1s") -> str:
+def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list[Path] | None = None) -> str:
     """A real Prometheus beside the control plane, scraping the targets that
-    `prometheus_targets` lists (file-based discovery, re-read every second); returns its
-    URL. `down` stops it with everything else."""
+    `prometheus_targets` lists (file-based discovery, re-read every second), evaluating
+    ``rule_files``; returns its URL. `down` stops it with everything else."""
     bin_dir = build_prometheus()
     home = state_dir / "prometheus"
     (home / "data").mkdir(parents=True, exist_ok=True)
@@ -443,6 +443,7 @@ def prometheus_up(state_dir: Path, scrape_interval: str = "1s") -> str:
             "job_name": "hybridllm",
             "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
         }],
+        "rule_files": [str(p) for p in rule_files or []],
     }, indent=2))  # fmt: skip
     port = _free_port()
     _start(state_dir, "prometheus", [

@@ -27,7 +27,6 @@ NUM_REQUESTS_RUNNING = "hybridllm_num_requests_running"
 NUM_REQUESTS_WAITING = "hybridllm_num_requests_waiting"
 KV_BLOCKS_USED = "hybridllm_kv_cache_blocks_used"
 KV_BLOCKS_FREE = "hybridllm_kv_cache_blocks_free"
-KV_CACHE_USAGE_RATIO = "hybridllm_kv_cache_usage_ratio"
 
 # Engine counters and per-step histograms.
 PREFIX_CACHE_QUERIES_TOTAL = "hybridllm_prefix_cache_queries_tokens_total"
@@ -95,3 +94,41 @@ TPOT_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
     0.2, 0.3, 0.5, 1.0, 2.5,
 )  # fmt: skip
+
+# The control plane (hybridllm_operator.observability.metrics), per LLMService
+# (labels: namespace, llmservice) and pool. Replica-denominated series share one unit,
+# replicas at the pool's target utilisation.
+SERVICE_SLO_TTFT_SECONDS = "hybridllm_service_slo_ttft_seconds"
+SERVICE_SLO_TBT_SECONDS = "hybridllm_service_slo_tbt_seconds"
+AUTOSCALER_DESIRED_REPLICAS = "hybridllm_autoscaler_desired_replicas"
+AUTOSCALER_PROVISIONED_REPLICAS = "hybridllm_autoscaler_provisioned_replicas"
+AUTOSCALER_READY_REPLICAS = "hybridllm_autoscaler_ready_replicas"
+AUTOSCALER_POLICY_REPLICAS = "hybridllm_autoscaler_policy_replicas"  # label: policy
+AUTOSCALER_DEMAND_REPLICAS = "hybridllm_autoscaler_demand_replicas"
+AUTOSCALER_FORECAST_REPLICAS = "hybridllm_autoscaler_forecast_replicas"  # label: quantile
+AUTOSCALER_FORECAST_ERROR_RATIO = "hybridllm_autoscaler_forecast_error_ratio"
+AUTOSCALER_CAPACITY_BOUND = "hybridllm_autoscaler_capacity_bound"
+AUTOSCALER_METRICS_AVAILABLE = "hybridllm_autoscaler_metrics_available"
+AUTOSCALER_DECISION_INFO = "hybridllm_autoscaler_decision_info"  # label: reason
+AUTOSCALER_SCALE_EVENTS_TOTAL = "hybridllm_autoscaler_scale_events_total"  # label: direction
+AUTOSCALER_REPLICA_SECONDS_TOTAL = "hybridllm_autoscaler_replica_seconds_total"
+ROLLOUT_PHASE = "hybridllm_rollout_phase"  # label: phase (1 for the current one)
+ROLLOUT_STEP = "hybridllm_rollout_step"
+ROLLOUT_STEPS = "hybridllm_rollout_steps"
+ROLLOUT_CANARY_WEIGHT = "hybridllm_rollout_canary_weight_percent"  # label: tier
+ROLLOUT_ANALYSIS_VALUE = "hybridllm_rollout_analysis_value"  # labels: metric, tier, role
+ROLLOUT_ANALYSIS_RESULT = "hybridllm_rollout_analysis_result"  # labels: metric, tier, result
+
+# The edge fleet server (hybridllm_operator.fleet.server; labels: fleet, revision, phase).
+FLEET_REQUESTS_TOTAL = "hybridllm_fleet_requests_total"
+FLEET_REQUEST_SECONDS = "hybridllm_fleet_request_seconds"
+FLEET_DEVICES = "hybridllm_fleet_devices"
+FLEET_REVISION_DEVICES = "hybridllm_fleet_revision_devices"
+FLEET_REVISION_TOKENS_PER_SECOND = "hybridllm_fleet_revision_tokens_per_second"
+FLEET_REVISION_ERROR_RATE = "hybridllm_fleet_revision_error_rate"
+FLEET_REVISION_TTFT_P95_SECONDS = "hybridllm_fleet_revision_ttft_p95_seconds"
+FLEET_PENDING_WRITES = "hybridllm_fleet_pending_writes"
+FLEET_REJECTED_TOTAL = "hybridllm_fleet_rejected_total"
+FLEET_HEARTBEAT_AGE_SECONDS = "hybridllm_fleet_heartbeat_age_seconds"  # label: quantile
+FLEET_API_WRITES_TOTAL = "hybridllm_fleet_api_writes_total"
+OPERATOR_LEADER = "hybridllm_operator_leader"

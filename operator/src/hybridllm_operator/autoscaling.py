@@ -78,6 +78,14 @@ class ServiceAutoscaler:
     decisions: dict[str, autoscaler.Decision] = field(default_factory=dict)
     problems: dict[str, str] = field(default_factory=dict)  # tier -> why demand is missing
     observed: dict[str, Observed] = field(default_factory=dict)  # set by each reconcile
+    # For the metrics (hybridllm_operator.observability.metrics), kept by `step`: each
+    # pool's load at its last decision (work/s), the replica changes applied by direction,
+    # and the replica-seconds run (provisioned replicas times the time between steps).
+    demand: dict[str, float] = field(default_factory=dict)
+    scale_events: dict[tuple[str, str], int] = field(default_factory=dict)
+    replica_seconds: dict[str, float] = field(default_factory=dict)
+    last_step_s: float | None = None
+    spec: crd.LLMServiceSpec | None = None  # the last configured
     _saved: dict[str, Any] = field(default_factory=dict)  # restored state not yet used
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -86,6 +94,7 @@ class ServiceAutoscaler:
         autoscaler (and what it remembers)."""
         with self.lock:
             self._configure(spec)
+            self.spec = spec
 
     def _configure(self, spec: crd.LLMServiceSpec) -> None:
         mode = spec.autoscaling.mode.value
@@ -138,6 +147,8 @@ class ServiceAutoscaler:
     ) -> dict[str, tuple[int, int]]:
         changed: dict[str, tuple[int, int]] = {}
         desired, decisions = dict(self.desired), dict(self.decisions)
+        loads, events = dict(self.demand), dict(self.scale_events)
+        seconds = dict(self.replica_seconds)
         for component, scaler in list(self.scalers.items()):
             seen = observed.get(component)
             if seen is None:  # the Deployment does not exist yet: nothing to size
@@ -170,12 +181,24 @@ class ServiceAutoscaler:
                 unschedulable=seen.unschedulable,
             )
             decisions[component] = decision
+            if work is not None:
+                loads[component] = work
+            else:
+                loads.pop(component, None)
+            if self.last_step_s is not None and now_s > self.last_step_s:
+                seconds[component] = seconds.get(component, 0.0) + seen.replicas * (
+                    now_s - self.last_step_s
+                )
             if self.applies:
                 if decision.desired != current:
                     changed[component] = (current, decision.desired)
+                    way = (component, "up" if decision.desired > current else "down")
+                    events[way] = events.get(way, 0) + 1
                 desired[component] = decision.desired
         # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
         self.problems, self.decisions, self.desired = dict(snapshot.problems), decisions, desired
+        self.demand, self.scale_events, self.replica_seconds = loads, events, seconds
+        self.last_step_s = now_s
         return changed
 
     # ------------------------------------------------------------------ state

@@ -165,6 +165,35 @@ def _elector() -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from hybridllm_operator.observability import metrics
+    from hybridllm_operator.settings import OperatorSettings
+
+    namespaces = watched_namespaces(args.namespace)
+    # An asyncio.Event (bound to kopf's loop when first awaited): kopf would wait for a
+    # threading.Event in a thread that keeps the process alive after a stop by signal.
+    stop = asyncio.Event()
+    memo = kopf.Memo(namespaces=namespaces, stop=stop, stopped_by_watchdog=False, loop=None)
+    # Served from the start, standby included (it exports leader 0 and no service), so
+    # a scrape never finds a replica down for being a standby.
+    exported = metrics.OperatorMetrics(lambda: metrics.operator_views(memo))
+    address = args.metrics or OperatorSettings().metrics_address
+    stop_metrics = metrics.serve(exported, address) if address else None
+    try:
+        return _lead(args, namespaces, memo, stop, exported)
+    finally:
+        if stop_metrics is not None:
+            stop_metrics()
+
+
+def _lead(
+    args: argparse.Namespace,
+    namespaces: list[str],
+    memo: Any,
+    stop: asyncio.Event,
+    exported: Any,
+) -> int:
     import os
     import signal
     import threading
@@ -173,7 +202,6 @@ def _run(args: argparse.Namespace) -> int:
 
     from hybridllm_operator import handlers  # registers the handlers
 
-    namespaces = watched_namespaces(args.namespace)
     elector = _elector()
     lost = threading.Event()
     if elector is not None:
@@ -192,10 +220,7 @@ def _run(args: argparse.Namespace) -> int:
             health.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    # An asyncio.Event (bound to kopf's loop when first awaited): kopf would wait for a
-    # threading.Event in a thread that keeps the process alive after a stop by signal.
-    stop = asyncio.Event()
-    memo = kopf.Memo(namespaces=namespaces, stop=stop, stopped_by_watchdog=False, loop=None)
+    exported.leader.set(1)
     renewing = threading.Event()
 
     def step_down() -> None:
@@ -224,6 +249,7 @@ def _run(args: argparse.Namespace) -> int:
             stop_flag=stop,
         )
     finally:
+        exported.leader.set(0)
         renewing.set()
         if elector is not None and not lost.is_set():
             elector.release()
@@ -246,6 +272,13 @@ def register_operator(subparsers: Any) -> None:
         "--liveness",
         default=None,
         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
+    run.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the control plane's Prometheus metrics on /metrics there, e.g. "
+        "0.0.0.0:8081 (default: HYBRIDLLM_OPERATOR_METRICS_ADDRESS, else not served)",
     )
     run.set_defaults(func=_run)
 

@@ -51,6 +51,12 @@ class OperatorSettings(BaseSettings):
         "net for an event lost while a watch reconnected).",
     )
 
+    metrics_address: str | None = Field(
+        default=None,
+        pattern=r"^[^:]*:[0-9]{1,5}$",
+        description="Serve the control plane's Prometheus metrics (/metrics) on host:port, "
+        "e.g. 0.0.0.0:8081; unset: not served. docs/metrics.md lists them.",
+    )
     prometheus_url: str | None = Field(
         default=None,
         description="Prometheus server the autoscaler reads demand from (its gateway series "

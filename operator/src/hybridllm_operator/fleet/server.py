@@ -31,8 +31,9 @@ import json
 import logging
 import re
 import ssl
+import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +47,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from hybridllm_common import crd, signing
+from hybridllm_common import metrics as names
 from hybridllm_operator import builders, reconcile
 from hybridllm_operator.fleet import kube as kube_mod
 from hybridllm_operator.fleet import waves
@@ -123,10 +127,7 @@ class Metrics:
             "hybridllm_fleet_devices", "Devices by fleet and phase.", ["fleet", "phase"],
             registry=r,
         )  # fmt: skip
-        self.writes = Gauge(
-            "hybridllm_fleet_api_writes", "API-server writes since start, by kind.", ["kind"],
-            registry=r,
-        )  # fmt: skip
+        self.writes = _Writes(r)
         self.revision_devices = Gauge(
             "hybridllm_fleet_revision_devices", "Online devices by fleet and revision.",
             ["fleet", "revision"], registry=r,
@@ -153,6 +154,32 @@ class Metrics:
         self.rejected = Counter(
             "hybridllm_fleet_rejected_total", "Calls refused, by reason.", ["reason"], registry=r
         )
+        self.heartbeat_age = Gauge(
+            names.FLEET_HEARTBEAT_AGE_SECONDS,
+            "Seconds since the online devices of a fleet last heartbeat: the median "
+            "(quantile 0.5) and the oldest (quantile 1).", ["fleet", "quantile"], registry=r,
+        )  # fmt: skip
+
+
+class _Writes(Collector):
+    """API-server writes since start, by kind: a counter read from `Kube.writes` (which
+    counts them where they happen) at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counts: Callable[[], dict[str, int]] = dict
+        registry.register(self)
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            names.FLEET_API_WRITES_TOTAL.removesuffix("_total"),
+            "API-server writes since start, by kind.", labels=["kind"],
+        )  # fmt: skip
+        for kind, count in sorted(self.counts().items()):
+            family.add_metric([kind], count)
+        yield family
 
 
 class FleetServer:
@@ -164,6 +191,7 @@ class FleetServer:
         self.services: dict[str, dict[str, Any]] = {}
         self.started = time.time()
         self.metrics = Metrics()
+        self.metrics.writes.counts = lambda: dict(kube.writes)
         self.dirty: set[str] = set()
         self.writing = 0  # records taken from dirty, not yet sent
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -408,6 +436,13 @@ class FleetServer:
         self._kpis(fleet.name, online)
         ages = [now - d.last_seen for d in online if d.last_seen is not None]
         st.oldest_heartbeat_seconds = round(max(ages), 1) if ages else None
+        for quantile, age in (("0.5", statistics.median(ages) if ages else None),
+                              ("1", max(ages) if ages else None)):  # fmt: skip
+            if age is None:
+                with contextlib.suppress(KeyError):
+                    self.metrics.heartbeat_age.remove(fleet.name, quantile)
+            else:
+                self.metrics.heartbeat_age.labels(fleet.name, quantile).set(age)
         for phase in crd.DevicePhase:
             self.metrics.devices.labels(fleet=fleet.name, phase=phase.value).set(
                 sum(1 for d in members if d.status.get("phase") == phase.value)
@@ -599,8 +634,6 @@ class FleetServer:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         self.metrics.pending_writes.set(len(self.dirty) + self.writing)
-        for kind, count in list(self.kube.writes.items()):
-            self.metrics.writes.labels(kind=kind).set(count)
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"content-type": CONTENT_TYPE_LATEST},

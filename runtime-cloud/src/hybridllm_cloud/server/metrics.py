@@ -2,16 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from hybridllm_cloud.disagg import connector
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_common import metrics as names
 
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class _Totals(Collector):
+    """Counters whose value the engine keeps (cumulative since start): each is read at
+    scrape time from a function, or from the last value set."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._docs: dict[str, str] = {}
+        self._values: dict[str, float] = {}
+        self._reads: dict[str, Callable[[], float]] = {}
+        registry.register(self)
+
+    def add(self, name: str, doc: str) -> None:
+        self._docs[name] = doc
+
+    def set(self, name: str, value: float) -> None:
+        self._values[name] = value
+
+    def read(self, name: str, fn: Callable[[], float]) -> None:
+        self._reads[name] = fn
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc in self._docs.items():
+            read = self._reads.get(name)
+            value = read() if read is not None else self._values.get(name, 0.0)
+            yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
 
 
 class ServerMetrics:
@@ -54,14 +85,15 @@ class ServerMetrics:
         self.hit_rate = Gauge(
             names.PREFIX_CACHE_HIT_RATE, "Prefix cache hit rate (tokens)", registry=r
         )
-        self.preemptions = Gauge(names.PREEMPTIONS_TOTAL, "Preemptions so far", registry=r)
-        self.step_failures = Gauge(
-            names.ENGINE_STEP_FAILURES_TOTAL, "Engine steps that raised, so far", registry=r
+        # Counts the engine keeps itself (since start), exported as counters at each scrape.
+        self.totals = _Totals(r)
+        self.totals.add(
+            names.PREEMPTIONS_TOTAL, "Preemptions (requests swapped out of the KV cache)"
         )
-        self.requests_failed = Gauge(
+        self.totals.add(names.ENGINE_STEP_FAILURES_TOTAL, "Engine steps that raised")
+        self.totals.add(
             names.ENGINE_REQUESTS_FAILED_TOTAL,
-            "Requests the engine failed after isolating a failed step, so far",
-            registry=r,
+            "Requests the engine failed after isolating a failed step",
         )
         self.batch_size = Histogram(
             names.BATCH_SIZE, "Requests per engine step", buckets=STEP_BUCKETS, registry=r
@@ -122,8 +154,8 @@ class ServerMetrics:
 
     def watch_failures(self, engine: Any) -> None:
         """Read the AsyncEngine's failure counters at every scrape."""
-        self.step_failures.set_function(lambda: engine.num_step_failures)
-        self.requests_failed.set_function(lambda: engine.num_requests_failed)
+        self.totals.read(names.ENGINE_STEP_FAILURES_TOTAL, lambda: engine.num_step_failures)
+        self.totals.read(names.ENGINE_REQUESTS_FAILED_TOTAL, lambda: engine.num_requests_failed)
 
     def on_step(self, stats: llm_engine.EngineStats) -> None:
         """Called from the engine thread after every step (prometheus_client is thread-safe)."""
@@ -132,7 +164,7 @@ class ServerMetrics:
         self.blocks_used.set(stats.num_kv_blocks_used)
         self.blocks_free.set(stats.num_kv_blocks_free)
         self.hit_rate.set(stats.prefix_hit_rate)
-        self.preemptions.set(stats.num_preemptions)
+        self.totals.set(names.PREEMPTIONS_TOTAL, stats.num_preemptions)
         self.batch_size.observe(stats.last_batch_size)
         self.step_tokens.observe(stats.last_num_tokens)
         if stats.num_local_prefills > self._local_prefills:
