@@ -427,10 +427,12 @@ def service_account_kubeconfig(cluster: "Cluster", namespace: str, name: str, pa
     return path
 
 
-def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list[Path] | None = None) -> str:
+def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list[Path] | None = None,
+                  ca_file: Path | None = None) -> str:
     """A real Prometheus beside the control plane, scraping the targets that
-    `prometheus_targets` lists (file-based discovery, re-read every second), evaluating
-    ``rule_files``; returns its URL. `down` stops it with everything else."""
+    `prometheus_targets` lists (file-based discovery, re-read every second; over HTTPS,
+    verified against ``ca_file``, when one is given), evaluating ``rule_files``; returns
+    its URL. `down` stops it with everything else."""
     bin_dir = build_prometheus()
     home = state_dir / "prometheus"
     (home / "data").mkdir(parents=True, exist_ok=True)
@@ -442,6 +444,7 @@ def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list
         "scrape_configs": [{
             "job_name": "hybridllm",
             "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
+            **({"scheme": "https", "tls_config": {"ca_file": str(ca_file)}} if ca_file else {}),
         }],
         "rule_files": [str(p) for p in rule_files or []],
     }, indent=2))  # fmt: skip

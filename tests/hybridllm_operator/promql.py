@@ -9,6 +9,7 @@ rules every dashboard panel and alert is held to.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -87,3 +88,60 @@ def problems(ast: dict[str, Any], families: dict[str, catalogue.Entry]) -> list[
 
     walk(ast, None)
     return out
+
+
+def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
+    """An instant query's result (raises on an error answer)."""
+    r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    if body.get("status") != "success":
+        raise ParseError(f"{body.get('error')}: {expr}")
+    result = body["data"]["result"]
+    return result if isinstance(result, list) else [result]
+
+
+def without_data(
+    prometheus: str,
+    dashboard: Any,
+    values: dict[str, str],
+    titles: set[str] | None = None,
+    rate: str = "10s",
+    range_: str = "5m",
+) -> list[str]:
+    """The dashboard's queries (of the panels titled ``titles``; None: all) that return no
+    series from this Prometheus now, as "panel: query"."""
+    from hybridllm_operator.observability import panels
+
+    out = []
+    for p in dashboard.panels:
+        if titles is not None and p.title not in titles:
+            continue
+        for q in p.queries:
+            expr = panels.render(q.expr, values, rate=rate, range_=range_)
+            if not query(prometheus, expr):
+                out.append(f"{p.title}: {expr}")
+    return out
+
+
+def wait_for_data(
+    prometheus: str,
+    dashboards: list[tuple[Any, set[str] | None]],
+    values: dict[str, str],
+    timeout: float,
+    range_: str = "5m",
+    skip: str | None = None,
+) -> list[str]:
+    """Polls (each scrape is a second apart) until every query of the dashboards' panels
+    (those titled in each set; None: all) returns data, or ``timeout`` passes; returns
+    those still without data (skipping queries that contain ``skip``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [
+            m
+            for dashboard, titles in dashboards
+            for m in without_data(prometheus, dashboard, values, titles, range_=range_)
+            if skip is None or skip not in m
+        ]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.5)

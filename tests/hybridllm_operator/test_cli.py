@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 
@@ -34,3 +36,29 @@ def test_a_subcommand_loads_only_its_own_distribution() -> None:
             [sys.executable, "-c", code, command], capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == "[]", (command, out.stdout)
+
+
+@pytest.mark.parametrize("address", ["8081", "0.0.0.0:http", "0.0.0.0:70000"])
+def test_a_bad_metrics_address_is_refused_by_name(address: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridllm_common.cli", "operator", "run", "--metrics", address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"cannot serve metrics on {address}" in out.stderr
+    assert "HOST:PORT" in out.stderr
+
+
+def test_the_metrics_address_comes_from_the_environment_and_a_taken_port_is_named() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        out = subprocess.run(
+            [sys.executable, "-m", "hybridllm_common.cli", "operator", "run"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "HYBRIDLLM_OPERATOR_METRICS_ADDRESS": address},
+        )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"cannot serve metrics on {address}" in out.stderr
+    assert "in use" in out.stderr

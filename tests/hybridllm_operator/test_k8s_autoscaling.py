@@ -27,13 +27,18 @@ import httpx
 import pytest
 
 from hybridllm_common import crd
+from hybridllm_common import metrics as names
 from hybridllm_operator import autoscaling, builders
+from hybridllm_operator.observability import panels
 
+from . import promql
 from .conftest import chart_operator_env, own_control_plane
 
 NAMESPACE = "scale"
 NAME = "svc"
 OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
+# The service dashboard's panels fed by the runtimes' own series (no runtime here).
+RUNTIME_PANELS = {"Queue depth", "KV cache use"}
 MANIFEST = {
     "apiVersion": "hybridllm.io/v1alpha1",
     "kind": "LLMService",
@@ -87,7 +92,8 @@ def _serve(argv: list[str], log: Path, port: int) -> subprocess.Popen[bytes]:
 
 
 class Load:
-    """One client asking the gateway for edge answers back to back, until stopped."""
+    """One client asking the gateway for edge answers back to back, every other one
+    streamed, until stopped."""
 
     def __init__(self, url: str) -> None:
         self.url, self.stop, self.answered = url, threading.Event(), 0
@@ -100,6 +106,7 @@ class Load:
                     "model": "smollm2",
                     "messages": [{"role": "user", "content": "x" * 400}],
                     "max_tokens": 8,
+                    "stream": self.answered % 2 == 1,
                 }
                 if client.post(self.url + "/v1/chat/completions", json=body).is_success:
                     self.answered += 1
@@ -163,6 +170,7 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
             yield {
                 "cluster": cluster, "kube": kube, "testenv": testenv, "env": env,
                 "gateway": f"http://127.0.0.1:{gateway_port}", "log": tmp_path / "operator.log",
+                "prometheus": prometheus,
                 "serve_backend": serve_backend, "serve_gateway": serve_gateway,
             }  # fmt: skip
         finally:
@@ -172,15 +180,17 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 
 class Operator:
-    def __init__(self, env: dict[str, str], log: Path, namespace: str = NAMESPACE) -> None:
-        self.env, self.log, self.namespace = env, log, namespace
+    def __init__(
+        self, env: dict[str, str], log: Path, namespace: str = NAMESPACE, *args: str
+    ) -> None:
+        self.env, self.log, self.namespace, self.args = env, log, namespace, args
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [*OPERATOR_COMMAND, "--namespace", self.namespace], env=self.env, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                [*OPERATOR_COMMAND, "--namespace", self.namespace, *self.args], env=self.env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
     def kill(self) -> None:
@@ -193,7 +203,14 @@ def test_load_scales_the_pool_within_bounds_hand_scaling_is_reverted_missing_met
     stack: dict[str, Any],
 ) -> None:
     kube, testenv, cluster = stack["kube"], stack["testenv"], stack["cluster"]
-    operator = Operator(stack["env"], stack["log"])
+    metrics_port = _free_port()
+    operator = Operator(
+        stack["env"], stack["log"], NAMESPACE, f"--metrics=127.0.0.1:{metrics_port}"
+    )
+    testenv.prometheus_targets(cluster.state_dir, [
+        (stack["gateway"].removeprefix("http://"), {"namespace": NAMESPACE, "llmservice": NAME}),
+        (f"127.0.0.1:{metrics_port}", {}),  # the operator's series carry their own labels
+    ])  # fmt: skip
     seen: list[int] = []
 
     def llms() -> dict[str, Any]:
@@ -247,6 +264,27 @@ def test_load_scales_the_pool_within_bounds_hand_scaling_is_reverted_missing_met
             assert edge["recommendedReplicas"] == 4
             assert max(edge["reactiveReplicas"], edge["predictiveReplicas"]) == 4
             assert "capped at maxReplicas 4" in edge["scalingReason"]
+
+            # the dashboards: every query of the autoscaling dashboard and the service
+            # dashboard's gateway panels answers from this Prometheus (the runtimes' queue
+            # and KV panels are checked against a real runtime in tests/hybridllm_cloud)
+            values = {"namespace": NAMESPACE, "llmservice": NAME, "pool": "edge"}
+            prometheus = stack["prometheus"]
+            gateway_panels = {p.title for p in panels.SERVICE.panels} - RUNTIME_PANELS
+            missing = promql.wait_for_data(
+                prometheus,
+                [(panels.AUTOSCALING, None), (panels.SERVICE, gateway_panels)],
+                values,
+                timeout=60,
+            )
+            assert missing == [], missing
+            queue = next(p for p in panels.SERVICE.panels if p.title == "Queue depth")
+            in_flight = panels.render(queue.queries[1].expr, values)  # the gateway's part
+            assert names.GATEWAY_OUTSTANDING_REQUESTS in in_flight
+            assert promql.query(prometheus, in_flight)
+            up = promql.query(prometheus, f'{names.AUTOSCALER_DESIRED_REPLICAS}{{pool="edge"}}')
+            assert float(up[0]["value"][1]) == 4
+            assert float(promql.query(prometheus, names.OPERATOR_LEADER)[0]["value"][1]) == 1
 
             # a hand scale is reverted, and an Event says by whom and why
             kube.run("scale", "deployment", f"{NAME}-edge", "-n", NAMESPACE, "--replicas=2")

@@ -32,10 +32,13 @@ import httpx
 import openai
 import pytest
 
+from hybridllm_common import metrics as names
 from hybridllm_models import sources, uri
 from hybridllm_operator import builders
 from hybridllm_operator.fleet import cli as fleet_cli
+from hybridllm_operator.observability import panels
 
+from . import promql
 from .conftest import Kube, chart_operator_env, own_control_plane
 from .test_k8s_autoscaling import Operator, _free_port, _serve
 from .test_k8s_rollout import Load
@@ -355,6 +358,20 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
             metrics = http.get(f"{server_url}/metrics").text
         assert 'hybridllm_fleet_revision_devices{fleet="shops",revision="v2"} 3.0' in metrics
         assert 'revision="v3"' not in metrics.split("hybridllm_fleet_revision_tokens")[1]
+        # the fleet dashboard: every query answers from a real Prometheus scraping the
+        # fleet server over HTTPS
+        testenv, home = sys.modules["hybridllm_testenv"], tmp / "prometheus-state"
+        prometheus = testenv.prometheus_up(home, ca_file=ca)
+        try:
+            testenv.prometheus_targets(home, [(server_url.removeprefix("https://"), {})])
+            missing = promql.wait_for_data(
+                prometheus, [(panels.FLEET, None)], {"fleet": "shops"}, timeout=60
+            )
+            assert missing == [], missing
+            mix = promql.query(prometheus, f'{names.FLEET_REVISION_DEVICES}{{fleet="shops"}}')
+            assert {(r["metric"]["revision"], r["value"][1]) for r in mix} == {("v2", "3")}
+        finally:
+            testenv.stop(home, "prometheus")
         assert any("every device goes back to v2" in m for m in events("FleetRolledBack"))
     assert load.answered > 0
     assert load.failed == [], load.failed[:3]

@@ -24,8 +24,11 @@ from typing import Any
 import openai
 import pytest
 
+from hybridllm_common import metrics as names
 from hybridllm_operator import builders
+from hybridllm_operator.observability import panels
 
+from . import promql
 from .conftest import chart_operator_env, own_control_plane
 from .test_k8s_autoscaling import Operator, _free_port, _serve
 
@@ -176,11 +179,12 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
     env = chart_operator_env(
         cluster, kube, {**os.environ, "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": stack["prometheus"]}, tmp
     )
-    operator = Operator(env, tmp / "operator.log", NAMESPACE)
-    testenv.prometheus_targets(
-        cluster.state_dir,
-        [(f"127.0.0.1:{ports['gateway']}", {"namespace": NAMESPACE, "llmservice": NAME})],
-    )
+    metrics_port = _free_port()
+    operator = Operator(env, tmp / "operator.log", NAMESPACE, f"--metrics=127.0.0.1:{metrics_port}")
+    testenv.prometheus_targets(cluster.state_dir, [
+        (f"127.0.0.1:{ports['gateway']}", {"namespace": NAMESPACE, "llmservice": NAME}),
+        (f"127.0.0.1:{metrics_port}", {}),  # the operator's series carry their own labels
+    ])  # fmt: skip
 
     def llms() -> dict[str, Any]:
         obj = kube.get("llmservice", NAME, NAMESPACE)
@@ -265,6 +269,22 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
             message = rollout_status()["message"]
             assert "ttftP95" in message, message
             assert any("ttftP95" in m for m in events("RolloutAborted")), events("RolloutAborted")
+            # the rollouts dashboard: every query answers, the analysis that failed v3 too
+            values = {"namespace": NAMESPACE, "llmservice": NAME}
+            prometheus = stack["prometheus"]
+            missing = promql.wait_for_data(
+                prometheus, [(panels.ROLLOUTS, None)], values, timeout=60, range_="10m"
+            )
+            assert missing == [], missing
+            verdicts = promql.query(
+                prometheus, f'{names.ROLLOUT_ANALYSIS_RESULT}{{metric="ttftP95", result="fail"}}'
+            )
+            assert verdicts, "the failed verdict is not exported"
+            revisions = {
+                r["metric"]["revision"]
+                for r in promql.query(prometheus, f"{names.GATEWAY_REVISION_WEIGHT}")
+            }
+            assert {"v2"} <= revisions
             assert rollout_status()["stableRevision"] == "v2"
             kube.eventually(
                 lambda: kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) is None,

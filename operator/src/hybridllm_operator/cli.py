@@ -179,7 +179,11 @@ def _run(args: argparse.Namespace) -> int:
     # a scrape never finds a replica down for being a standby.
     exported = metrics.OperatorMetrics(lambda: metrics.operator_views(memo))
     address = args.metrics or OperatorSettings().metrics_address
-    stop_metrics = metrics.serve(exported, address) if address else None
+    try:
+        stop_metrics = metrics.serve(exported, address) if address else None
+    except (ValueError, OSError) as exc:
+        print(f"hybridllm operator: cannot serve metrics on {address}: {exc}", file=sys.stderr)
+        return 2
     try:
         return _lead(args, namespaces, memo, stop, exported)
     finally:

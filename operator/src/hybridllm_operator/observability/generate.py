@@ -4,6 +4,7 @@ alerting rules, written from the code (``--check``: compare instead, for ``make 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,16 @@ def run(root: Path, check: bool) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    try:
+        import grafana_foundation_sdk  # noqa: F401
+    except ImportError:
+        print(
+            "hybridllm observability generate needs grafana-foundation-sdk (in the "
+            "workspace's dev dependencies: `uv sync`; or pip install "
+            "'grafana-foundation-sdk==1769699379!11.6.0')",
+            file=sys.stderr,
+        )
+        return 2
     return run(Path(args.root), args.check)
 
 

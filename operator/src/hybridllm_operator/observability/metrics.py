@@ -247,7 +247,9 @@ class OperatorMetrics:
 
 def serve(metrics: OperatorMetrics, address: str) -> Callable[[], None]:
     """Serve ``/metrics`` on ``host:port`` from a thread; returns the function that stops it."""
-    host, _, port = address.rpartition(":")
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT (e.g. 0.0.0.0:8081)")
     server, thread = start_http_server(int(port), host or "0.0.0.0", registry=metrics.registry)
 
     def stop() -> None:

@@ -132,7 +132,7 @@ SERVICE = Dashboard(
             "Share of the gateway's answers that were 5xx.",
             (
                 _q(
-                    f'sum (rate({REQUESTS}{{sel, code=~"5.."}}[{RATE}])) '
+                    f'(sum (rate({REQUESTS}{{sel, code=~"5.."}}[{RATE}])) or vector(0)) '
                     f"/ sum (rate({REQUESTS}{{sel}}[{RATE}]))",
                     "5xx share",
                 ),
@@ -144,7 +144,7 @@ SERVICE = Dashboard(
             "Share of the answers the edge tier served.",
             (
                 _q(
-                    f'sum (rate({REQUESTS}{{sel, tier="edge"}}[{RATE}])) '
+                    f'(sum (rate({REQUESTS}{{sel, tier="edge"}}[{RATE}])) or vector(0)) '
                     f"/ sum (rate({REQUESTS}{{sel}}[{RATE}]))",
                     "edge",
                 ),
@@ -325,10 +325,12 @@ ROLLOUTS = Dashboard(
         ),
         Panel(
             "Error rate by revision",
-            "Share of each revision's upstream attempts that failed (retried or not).",
+            "Share of each revision's upstream attempts that failed (retried or not); 0 "
+            "while a revision has had no error.",
             (
                 _q(
-                    f'sum by (revision) (rate({ATTEMPTS}{{sel, result="error"}}[{RATE}])) '
+                    f'(sum by (revision) (rate({ATTEMPTS}{{sel, result="error"}}[{RATE}])) '
+                    f"or 0 * sum by (revision) (rate({ATTEMPTS}{{sel}}[{RATE}]))) "
                     f"/ sum by (revision) (rate({ATTEMPTS}{{sel}}[{RATE}]))",
                     "{{revision}}",
                 ),
