@@ -6,10 +6,13 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from hybridllm_operator import cli
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hybrid-cpu.yaml"
 
 
 def test_the_namespace_comes_from_the_flag_then_the_environment(
@@ -62,3 +65,20 @@ def test_the_metrics_address_comes_from_the_environment_and_a_taken_port_is_name
     assert out.returncode == 2, out.stderr
     assert f"cannot serve metrics on {address}" in out.stderr
     assert "in use" in out.stderr
+
+
+def test_hybridllm_up_refuses_a_bad_metrics_address_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridllm_common.cli", "up", "-f", str(EXAMPLE), "--port", port,
+         "--state-root", str(tmp_path), "--metrics", "localhost"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "--metrics localhost" in out.stderr
+    assert "HOST:PORT" in out.stderr
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written

@@ -25,6 +25,7 @@ import openai
 import pytest
 import yaml
 
+from hybridllm_common import metrics as names
 from hybridllm_operator.local import supervisor as sup
 
 pytestmark = pytest.mark.slow
@@ -109,7 +110,7 @@ class Local:
         return hybridllm("down", self.name, "--state-root", str(self.root), check=False)
 
 
-def _up_detached(root: Path, manifest: Path, name: str) -> Local:
+def _up_detached(root: Path, manifest: Path, name: str, *args: str) -> Local:
     port = _free_port()
     hybridllm(
         "up",
@@ -120,6 +121,7 @@ def _up_detached(root: Path, manifest: Path, name: str) -> Local:
         str(root),
         "--port",
         str(port),
+        *args,
         timeout=START_TIMEOUT_S + 30,
     )
     return Local(name, root, port)
@@ -443,7 +445,10 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
     }
     manifest = tmp_path / "scaler.yaml"
     manifest.write_text(yaml.safe_dump(doc))
-    local = _up_detached(tmp_path / "root", manifest, "scaler")
+    metrics_port = _free_port()
+    local = _up_detached(
+        tmp_path / "root", manifest, "scaler", "--metrics", f"127.0.0.1:{metrics_port}"
+    )
     failures: list[str] = []
     answered: list[str] = []
     stop = threading.Event()
@@ -467,6 +472,12 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
         log = (tmp_path / "root" / "scaler" / "supervisor.log").read_text()
         assert "autoscaler: edge 1 -> 2 replicas (scale up to 2:" in log, log[-3000:]
         assert local.status()["autoscaling"]["pools"]["edge"]["desired"] == 2
+        # the operator's metrics, from the same autoscaler, in local mode
+        exported = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        pool = 'llmservice="scaler",namespace="local",pool="edge"'
+        assert f"{names.AUTOSCALER_DESIRED_REPLICAS}{{{pool}}} 2.0" in exported, exported
+        ups = f'{names.AUTOSCALER_SCALE_EVENTS_TOTAL}{{direction="up",{pool}}} '
+        assert float(exported.split(ups)[1].split()[0]) >= 1, exported
         routing = json.loads((tmp_path / "root" / "scaler" / "routing.json").read_text())
         assert len(routing["tiers"]["edge"]["backends"]) == 2
         stop.set()

@@ -13,8 +13,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridllm_operator.local")
     parser.add_argument("state_dir", type=Path)
     parser.add_argument("--grace-period", type=float, default=supervisor.DEFAULT_GRACE_S)
+    parser.add_argument("--metrics", default=None)
     args = parser.parse_args()
-    return supervisor.run_detached(args.state_dir, args.grace_period)
+    return supervisor.run_detached(args.state_dir, args.grace_period, args.metrics)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local import supervisor as sup
+from hybridllm_operator.observability import metrics as observed
 
 EXIT_INVALID = 2
 
@@ -89,11 +91,21 @@ def _up(args: argparse.Namespace) -> int:
         return _error(str(exc), EXIT_INVALID)
     for note in plan_mod.local_notes(service):
         print(f"note: {note}")
+    if args.metrics:
+        try:
+            with socket.socket() as probe:  # refused now, not after the replicas started
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(observed.split_address(args.metrics))
+        except (ValueError, OSError) as exc:
+            return _error(f"--metrics {args.metrics}: {exc}", EXIT_INVALID)
     service_dir.mkdir(parents=True, exist_ok=True)
     (service_dir / sup.PLAN_FILE).write_text(plan.to_json())
     if not args.detach:
         try:
-            return asyncio.run(sup.Supervisor(plan, service_dir, grace_s=args.grace_period).run())
+            supervisor = sup.Supervisor(
+                plan, service_dir, grace_s=args.grace_period, metrics_address=args.metrics
+            )
+            return asyncio.run(supervisor.run())
         except sup.AlreadyRunning as exc:
             return _error(str(exc))
     return _up_detached(args, plan, service_dir)
@@ -111,6 +123,7 @@ def _up_detached(args: argparse.Namespace, plan: plan_mod.Plan, service_dir: Pat
                 str(service_dir),
                 "--grace-period",
                 str(args.grace_period),
+                *(["--metrics", args.metrics] if args.metrics else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -293,6 +306,13 @@ def register_up(subparsers: Any) -> None:
         default=900.0,
         help="--detach: seconds to wait for ready (default %(default)s; the first run "
         "converts the model)",
+    )
+    up.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the autoscaler's metrics (the operator's, docs/metrics.md) on /metrics "
+        "there, e.g. 127.0.0.1:8081 (default: not served)",
     )
     _state_root_flag(up)
     up.set_defaults(func=_up)

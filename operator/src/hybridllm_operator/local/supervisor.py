@@ -46,6 +46,7 @@ import aiohttp
 from hybridllm_forecaster.autoscaler import DECIDING
 from hybridllm_operator import autoscaling, demand
 from hybridllm_operator.local.plan import Plan, Replica, local_scaled_pools
+from hybridllm_operator.observability import metrics as observed
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -152,10 +153,12 @@ class Supervisor:
         *,
         grace_s: float = DEFAULT_GRACE_S,
         out: TextIO | None = None,
+        metrics_address: str | None = None,
     ) -> None:
         self.plan = plan
         self.state_dir = state_dir
         self.grace_s = grace_s
+        self.metrics_address = metrics_address
         self.out = out or sys.stdout
         self.procs = [
             Proc(
@@ -493,8 +496,26 @@ class Supervisor:
             ) from None
         self._lock_fd = fd
 
+    def views(self) -> list[observed.ServiceView]:
+        """This service as the control-plane metrics show it (the operator's collector)."""
+        service = self.plan.service()
+        return [observed.ServiceView(service.namespace, service.name, service.spec, self.scaling)]
+
     async def run(self) -> int:
         self._acquire_lock()
+        stop_metrics = None
+        if self.metrics_address:
+            exported = observed.OperatorMetrics(self.views)
+            exported.leader.set(1)  # one supervisor per service: it always decides
+            stop_metrics = observed.serve(exported, self.metrics_address)
+            self.say(f"control-plane metrics on http://{self.metrics_address}/metrics")
+        try:
+            return await self._run()
+        finally:
+            if stop_metrics is not None:
+                stop_metrics()
+
+    async def _run(self) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(signum, self._on_signal, signum)
@@ -531,11 +552,11 @@ def _killpg(pid: int | None, signum: int) -> None:
             os.killpg(pid, signum)
 
 
-def run_detached(state_dir: Path, grace_s: float) -> int:
+def run_detached(state_dir: Path, grace_s: float, metrics_address: str | None = None) -> int:
     """The body of ``python -m hybridllm_operator.local STATE_DIR``: a supervisor for the
     plan ``up`` wrote there, its output going to ``supervisor.log``."""
     plan = Plan.from_json((state_dir / PLAN_FILE).read_text())
-    supervisor = Supervisor(plan, state_dir, grace_s=grace_s)
+    supervisor = Supervisor(plan, state_dir, grace_s=grace_s, metrics_address=metrics_address)
     try:
         return asyncio.run(supervisor.run())
     except AlreadyRunning as exc:

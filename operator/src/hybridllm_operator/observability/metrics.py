@@ -245,12 +245,18 @@ class OperatorMetrics:
         )
 
 
-def serve(metrics: OperatorMetrics, address: str) -> Callable[[], None]:
-    """Serve ``/metrics`` on ``host:port`` from a thread; returns the function that stops it."""
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (an empty host: every interface); ValueError names a bad one."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{address!r} is not HOST:PORT (e.g. 0.0.0.0:8081)")
-    server, thread = start_http_server(int(port), host or "0.0.0.0", registry=metrics.registry)
+    return host or "0.0.0.0", int(port)
+
+
+def serve(metrics: OperatorMetrics, address: str) -> Callable[[], None]:
+    """Serve ``/metrics`` on ``host:port`` from a thread; returns the function that stops it."""
+    host, port = split_address(address)
+    server, thread = start_http_server(port, host, registry=metrics.registry)
 
     def stop() -> None:
         server.shutdown()
