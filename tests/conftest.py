@@ -29,6 +29,13 @@ def _load_testenv() -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="session")
+def testenv() -> ModuleType:
+    """hack/testenv/cluster.py as a module (its Prometheus, helm and control-plane
+    helpers), for tests that need one of its parts without the shared control plane."""
+    return sys.modules.get("hybridllm_testenv") or _load_testenv()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch

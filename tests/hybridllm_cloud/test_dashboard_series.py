@@ -4,8 +4,6 @@ series the queries select exist and answer, as the chart's PodMonitor labels the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,28 +18,14 @@ from ..hybridllm_operator import promql
 from .test_disagg_processes import _start
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 LABELS = {"namespace": "ns", "llmservice": "svc", "component": "monolithic"}
 RUNTIME_PANELS = ("Queue depth", "KV cache use")
 
 
-def _testenv() -> Any:
-    module = sys.modules.get("hybridllm_testenv")
-    if module is None:
-        spec = importlib.util.spec_from_file_location(
-            "hybridllm_testenv", ROOT / "hack" / "testenv" / "cluster.py"
-        )
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["hybridllm_testenv"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
-def scraped_runtime(real_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    testenv = _testenv()
+def scraped_runtime(
+    testenv: Any, real_model_dir: Path, tmp_path: Path
+) -> Iterator[tuple[str, str]]:
     proc, url = _start(["--model", str(real_model_dir)], tmp_path / "runtime.log")
     try:
         prometheus = testenv.prometheus_up(tmp_path / "prometheus-state")

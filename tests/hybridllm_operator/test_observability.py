@@ -4,8 +4,6 @@ current, and the operator's collector exporting a real autoscaler's decisions.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,25 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 VALUES = {"namespace": "ns", "llmservice": "svc", "pool": "edge", "fleet": "f"}
 
 
-def _testenv() -> Any:
-    module = sys.modules.get("hybridllm_testenv")
-    if module is None:
-        spec = importlib.util.spec_from_file_location(
-            "hybridllm_testenv", ROOT / "hack" / "testenv" / "cluster.py"
-        )
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["hybridllm_testenv"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def prometheus(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus (no targets) with the generated alerts loaded: its parser is the
     judge of every query."""
-    testenv = _testenv()
     state = tmp_path_factory.mktemp("prometheus")
     url = testenv.prometheus_up(state, rule_files=[ROOT / generate.ALERTS_FILE])
     try:

@@ -140,16 +140,13 @@ class _StandbyHealth:
 def _elector() -> Any:
     import kubernetes
 
-    from hybridllm_operator import leader
+    from hybridllm_operator import kubeconfig, leader
     from hybridllm_operator.settings import OperatorSettings
 
     settings = OperatorSettings()
     if not settings.leader_election:
         return None
-    try:
-        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
+    kubeconfig.load(in_cluster_first=True)
     timing = leader.Timing(
         lease_duration=settings.lease_duration_seconds,
         renew_deadline=settings.renew_deadline_seconds,

@@ -38,13 +38,20 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
-import kubernetes
 import urllib3
 from kubernetes.client import exceptions as k8s_errors
 
 from hybridllm_common import crd
 from hybridllm_forecaster.autoscaler import DECIDING
-from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
+from hybridllm_operator import (
+    analysis,
+    autoscaling,
+    builders,
+    demand,
+    kubeconfig,
+    reconcile,
+    rollout,
+)
 from hybridllm_operator.settings import OperatorSettings
 
 LLMSERVICES = (crd.GROUP, crd.VERSION, "llmservices")
@@ -100,10 +107,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     settings.queueing.idle_timeout = 1.0
     # A transient API error retries soon rather than after kopf's default minute.
     settings.watching.reconnect_backoff = 1.0
-    try:
-        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
+    kubeconfig.load(in_cluster_first=True)
     operator_settings = OperatorSettings()
     memo.cluster = reconcile.Cluster.connect()
     # kopf resolves the resources it serves once, right after this handler: an API server

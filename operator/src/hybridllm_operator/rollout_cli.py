@@ -21,10 +21,9 @@ from hybridllm_common import crd
 def _api() -> Any:
     import kubernetes
 
-    try:
-        kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
+    from hybridllm_operator import kubeconfig
+
+    kubeconfig.load(in_cluster_first=False)
     return kubernetes.client.CustomObjectsApi()
 
 

@@ -19,6 +19,7 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from hybridllm_common import crd, signing
+from hybridllm_operator import kubeconfig
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,7 @@ PLURALS = {"EdgeFleet": "edgefleets", "EdgeDevice": "edgedevices", "LLMService":
 
 
 def load_config() -> None:
-    try:
-        kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
+    kubeconfig.load(in_cluster_first=False)
 
 
 def signing_key_secret(fleet: str) -> str:
