@@ -119,7 +119,7 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return await handler(request)
     except APIError as exc:
         request.app[STATE].metrics.rejected.labels(code=exc.code).inc()
-        return error_response(exc.code, exc.message, exc.param, exc.headers)
+        return _answered(request, error_response(exc.code, exc.message, exc.param, exc.headers))
     except web.HTTPException as exc:
         code = oai.MODEL_NOT_FOUND if exc.status == 404 else oai.INVALID_REQUEST
         _, body = oai.make_error(code, f"{request.method} {request.path}: {exc.reason}")
@@ -128,7 +128,20 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         raise
     except Exception as exc:
         log.exception("request %s %s failed", request.method, request.path)
-        return error_response(oai.INTERNAL_ERROR, f"internal error: {type(exc).__name__}: {exc}")
+        return _answered(
+            request,
+            error_response(oai.INTERNAL_ERROR, f"internal error: {type(exc).__name__}: {exc}"),
+        )
+
+
+def _answered(request: web.Request, response: web.Response) -> web.Response:
+    """An API request answered with an error: counted in requests_total with its status
+    (a 502 for an upstream that failed, a 429 for a limit), under the tier it was routed
+    to, so that error rates and burn-rate alerts see the errors the gateway answers."""
+    tier = request.get(router.ROUTE_TIER)
+    if tier is not None:
+        request.app[STATE].metrics.requests.labels(tier=tier, code=str(response.status)).inc()
+    return response
 
 
 def _validate(model_cls: type[BaseModel], body: Any) -> None:
@@ -156,6 +169,7 @@ async def _handle(
     request: web.Request, path: str, model_cls: type[BaseModel]
 ) -> web.StreamResponse:
     t_start = time.perf_counter()
+    request[router.ROUTE_TIER] = "none"
     state = request.app[STATE]
     s = state.settings
     if (request.content_length or 0) > s.max_body_bytes:
@@ -207,6 +221,7 @@ async def _handle(
     state.limiter.admit(key_name, features.prompt_tokens)
     route = router.choose(routing, pools, state.classifier, features, explicit)
     request[router.ROUTE_REASON] = route.reason
+    request[router.ROUTE_TIER] = route.tiers[0]
     state.metrics.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
     key = _affinity_key(state, request, body)
     stream = bool(body.get("stream"))

@@ -17,6 +17,7 @@ generating.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -338,7 +339,7 @@ class Forwarder:
             else:
                 resp.close()
         if completed:
-            await out.write_eof()
+            await _finish(out)
         return out
 
     # -- the raw streaming path (relay.py): no aiohttp client, bytes written from callbacks
@@ -497,7 +498,7 @@ class Forwarder:
             await out.write_eof()
             return out
         conn.release()
-        await out.write_eof()
+        await _finish(out)
         return out
 
     async def _pump(self, request: web.Request, conn: relay.Upstream) -> None:
@@ -569,3 +570,11 @@ def _sse_response(request: web.Request, replica: balancer_mod.Replica) -> web.St
             "x-hybridllm-route": request.get(router.ROUTE_REASON, ""),
         },
     )
+
+
+async def _finish(out: web.StreamResponse) -> None:
+    """The stream's last chunk. A client that read the whole answer (``data: [DONE]``
+    included) may close before the chunked terminator reaches it: the answer is complete
+    and counted as such, not lost to the error the closed socket raises here."""
+    with contextlib.suppress(ConnectionResetError, RuntimeError):
+        await out.write_eof()

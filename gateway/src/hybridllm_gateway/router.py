@@ -33,6 +33,9 @@ TIER_HEADER = "x-hybridllm-tier"
 TIERS = ("edge", "cloud")
 
 ROUTE_REASON = web.RequestKey("route_reason", str)  # the reason label, per request
+# The tier an API request was routed to ("none" before routing): every answer, an error
+# included, is counted in requests_total under it.
+ROUTE_TIER = web.RequestKey("route_tier", str)
 
 
 @dataclass(frozen=True)
