@@ -33,7 +33,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            names.GATEWAY_REQUESTS_TOTAL, "Requests answered, by tier and status code.",
+            names.GATEWAY_REQUESTS_TOTAL, "Requests answered, errors included, by tier (none: "
+            "refused before routing) and status code.",
             ["tier", "code"], registry=r,
         )  # fmt: skip
         self.decisions = Counter(
