@@ -18,12 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
+from hybridllm_common import metrics as names
 from hybridllm_operator import leader
 
 from .conftest import ROOT, Kube, chart_operator_env, own_control_plane
+from .test_k8s_autoscaling import _free_port
 
 pytestmark = pytest.mark.k8s
 
@@ -165,11 +168,22 @@ def _manifest(replicas: int) -> dict[str, Any]:
 class Proc:
     def __init__(self, env: dict[str, str], name: str, log: Path) -> None:
         self.name, self.log = name, log
+        address = f"127.0.0.1:{_free_port()}"
+        self.metrics = f"http://{address}/metrics"
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                list(OPERATOR_COMMAND), env={**env, "POD_NAME": name}, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                [*OPERATOR_COMMAND, "--metrics", address], env={**env, "POD_NAME": name},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
+
+    def leading(self) -> float | None:
+        """``hybridllm_operator_leader`` as its /metrics says (None: not answering yet)."""
+        try:
+            text = httpx.get(self.metrics, timeout=5).text
+        except httpx.TransportError:
+            return None
+        line = next(x for x in text.splitlines() if x.startswith(names.OPERATOR_LEADER + " "))
+        return float(line.split()[1])
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -215,6 +229,9 @@ def test_two_operators_one_reconciles_the_other_takes_over_when_it_dies_or_hands
         b = Proc(env, "operator-b", tmp_path / "b.log")
         procs.append(b)
         kube.eventually(lambda: "standing by" in b.text(), what="operator-b standing by")
+        # both serve their metrics; only the leader says it leads
+        kube.eventually(lambda: b.leading() is not None, what="operator-b's metrics")
+        assert (a.leading(), b.leading()) == (1, 0)
 
         kube.apply(_manifest(1), NAMESPACE)
         kube.eventually(lambda: edge_replicas() == 1, what="the leader's reconcile")
@@ -233,6 +250,7 @@ def test_two_operators_one_reconciles_the_other_takes_over_when_it_dies_or_hands
         assert takeover <= TIMING["lease"] + 2 * TIMING["retry"] + 3, takeover
         kube.apply(_manifest(2), NAMESPACE)
         kube.eventually(lambda: edge_replicas() == 2, what="the new leader's reconcile")
+        assert b.leading() == 1
         assert b.text().count("hybridllm operator configured") == 1
 
         # a clean stop hands over at once: the leader releases the Lease
