@@ -143,6 +143,34 @@ def chart_operator_env(
     return operator_account_env(cluster, env, workdir)
 
 
+FLEET_ACCOUNT = "hybridllm-fleet"  # the fleet server's ServiceAccount and Role
+
+
+def chart_fleet_env(
+    cluster: Any, kube: Kube, env: dict[str, str], workdir: Path, namespace: str
+) -> dict[str, str]:
+    """``env`` for a fleet server process that runs as the chart's fleet ServiceAccount:
+    its ServiceAccount, Role and RoleBinding (``helm template`` of ``templates/fleet.yaml``
+    for ``namespace``) applied to ``cluster``, and a kubeconfig with that account's token.
+    The Deployment and Service are left out: the server is a process here."""
+    rendered = helm(
+        "template", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
+        "--show-only", "templates/fleet.yaml", "--set", "fleet.enabled=true",
+        "--set", "fleet.tls.secretName=unused", "--set", f"fleet.namespace={namespace}",
+    ).stdout  # fmt: skip
+    wanted = [
+        doc for doc in yaml.safe_load_all(rendered)
+        if doc and doc["kind"] in ("ServiceAccount", "Role", "RoleBinding")
+    ]  # fmt: skip
+    assert len(wanted) == 3, [d["kind"] for d in wanted]
+    kube.run("apply", "-f", "-", stdin=yaml.safe_dump_all(wanted))
+    testenv = sys.modules["hybridllm_testenv"]
+    kubeconfig = testenv.service_account_kubeconfig(
+        cluster, namespace, FLEET_ACCOUNT, workdir / "fleet-sa.kubeconfig"
+    )
+    return {**env, "KUBECONFIG": str(kubeconfig)}
+
+
 def operator_account_env(
     cluster: Any, env: dict[str, str], workdir: Path, namespace: str = RELEASE_NAMESPACE
 ) -> dict[str, str]:

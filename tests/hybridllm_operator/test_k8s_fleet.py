@@ -39,7 +39,7 @@ from hybridllm_operator.fleet import cli as fleet_cli
 from hybridllm_operator.observability import panels
 
 from . import promql
-from .conftest import Kube, chart_operator_env, own_control_plane
+from .conftest import Kube, chart_fleet_env, chart_operator_env, own_control_plane
 from .test_k8s_autoscaling import Operator, _free_port, _serve
 from .test_k8s_rollout import Load
 
@@ -240,13 +240,17 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
+    # the fleet server runs as the chart's fleet ServiceAccount: a verb its Role lacks
+    # fails this test
+    fleet_env = chart_fleet_env(stack["cluster"], kube, env, tmp, NAMESPACE)
+
     def fleet_server() -> subprocess.Popen[bytes]:
         with (tmp / "fleet.log").open("ab") as out:
             proc = subprocess.Popen(
                 [*CLI, "fleet", "serve", "-n", NAMESPACE, "--host", "127.0.0.1", "--port",
                  str(port), "--tls-cert", str(certs / "server.pem"), "--tls-key",
                  str(certs / "server-key.pem"), "--tick-seconds", "0.5"],
-                env=env, stdout=out, stderr=subprocess.STDOUT,
+                env=fleet_env, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         with _https(ca) as http:
             kube.eventually(lambda: _ok(http, f"{server_url}/healthz"), what="the fleet server")
@@ -373,6 +377,7 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         finally:
             testenv.stop(home, "prometheus")
         assert any("every device goes back to v2" in m for m in events("FleetRolledBack"))
+        assert "Forbidden" not in (tmp / "fleet.log").read_text()  # the chart's Role sufficed
     assert load.answered > 0
     assert load.failed == [], load.failed[:3]
 
