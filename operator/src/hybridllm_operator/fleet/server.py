@@ -115,44 +115,44 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "hybridllm_fleet_requests_total", "Device API calls by endpoint and status code.",
+            names.FLEET_REQUESTS_TOTAL, "Device API calls by endpoint and status code.",
             ["endpoint", "code"], registry=r,
         )  # fmt: skip
         self.seconds = Histogram(
-            "hybridllm_fleet_request_seconds", "Time to answer a device call (long polls "
+            names.FLEET_REQUEST_SECONDS, "Time to answer a device call (long polls "
             "excluded).", ["endpoint"], registry=r,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
         )  # fmt: skip
         self.devices = Gauge(
-            "hybridllm_fleet_devices", "Devices by fleet and phase.", ["fleet", "phase"],
+            names.FLEET_DEVICES, "Devices by fleet and phase.", ["fleet", "phase"],
             registry=r,
         )  # fmt: skip
         self.writes = _Writes(r)
         self.revision_devices = Gauge(
-            "hybridllm_fleet_revision_devices", "Online devices by fleet and revision.",
+            names.FLEET_REVISION_DEVICES, "Online devices by fleet and revision.",
             ["fleet", "revision"], registry=r,
         )  # fmt: skip
         self.revision_tokens = Gauge(
-            "hybridllm_fleet_revision_tokens_per_second",
+            names.FLEET_REVISION_TOKENS_PER_SECOND,
             "Tokens per second the online devices of a revision generate, summed.",
             ["fleet", "revision"], registry=r,
         )  # fmt: skip
         self.revision_errors = Gauge(
-            "hybridllm_fleet_revision_error_rate",
+            names.FLEET_REVISION_ERROR_RATE,
             "Share of a revision's device requests refused, weighted by requests.",
             ["fleet", "revision"], registry=r,
         )  # fmt: skip
         self.revision_ttft = Gauge(
-            "hybridllm_fleet_revision_ttft_p95_seconds",
+            names.FLEET_REVISION_TTFT_P95_SECONDS,
             "Median over a revision's online devices of their TTFT p95.",
             ["fleet", "revision"], registry=r,
         )  # fmt: skip
         self.pending_writes = Gauge(
-            "hybridllm_fleet_pending_writes", "Device records changed and not yet written.",
+            names.FLEET_PENDING_WRITES, "Device records changed and not yet written.",
             registry=r,
         )  # fmt: skip
         self.rejected = Counter(
-            "hybridllm_fleet_rejected_total", "Calls refused, by reason.", ["reason"], registry=r
+            names.FLEET_REJECTED_TOTAL, "Calls refused, by reason.", ["reason"], registry=r
         )
         self.heartbeat_age = Gauge(
             names.FLEET_HEARTBEAT_AGE_SECONDS,

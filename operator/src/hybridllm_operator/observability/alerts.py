@@ -155,7 +155,3 @@ def groups() -> list[dict[str, Any]]:
             ],
         },
     ]
-
-
-def expressions() -> list[str]:
-    return [rule["expr"] for group in groups() for rule in group["rules"]]

@@ -16,11 +16,11 @@ DASHBOARDS_DIR = Path("charts/hybridllm/files/dashboards")
 ALERTS_FILE = Path("charts/hybridllm/files/alerts.yaml")
 
 
-def outputs() -> dict[Path, str]:
+def outputs(entries: list[catalogue.Entry] | None = None) -> dict[Path, str]:
     """Each generated file (relative to the repository root) and its text."""
     from hybridllm_operator.observability import grafana  # the SDK: a dev dependency
 
-    out = {catalogue.DOC: catalogue.render(catalogue.catalogue())}
+    out = {catalogue.DOC: catalogue.render(entries or catalogue.catalogue())}
     for d in panels.DASHBOARDS:
         out[DASHBOARDS_DIR / f"{d.uid}.json"] = grafana.render(d)
     header = (
@@ -46,11 +46,12 @@ _Dumper.add_representer(str, _str)
 
 
 def run(root: Path, check: bool) -> int:
-    bad = catalogue.problems(catalogue.catalogue())
+    entries = catalogue.catalogue()
+    bad = catalogue.problems(entries)
     for line in bad:
         print(f"metric naming: {line}")
     stale: list[str] = []
-    wanted = outputs()
+    wanted = outputs(entries)
     for rel, text in wanted.items():
         path = root / rel
         if check:

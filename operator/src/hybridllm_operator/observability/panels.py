@@ -49,9 +49,6 @@ class Dashboard:
     panels: tuple[Panel, ...]
     annotations: tuple[Query, ...] = field(default_factory=tuple)
 
-    def queries(self) -> list[str]:
-        return [q.expr for p in self.panels for q in p.queries] + [a.expr for a in self.annotations]
-
 
 def render(expr: str, values: dict[str, str], rate: str = "1m", range_: str = "1h") -> str:
     """The query with the variables substituted (no Grafana to do it)."""
