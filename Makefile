@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-python up down demo test lint crds cluster-up cluster-down testenv
+.PHONY: help setup setup-python up down demo test lint crds cluster-up cluster-down testenv dashboard-screenshot
 
 help:
 	@echo "make up            run the example LLMService on this machine and ask it a question per tier"
@@ -12,6 +12,7 @@ help:
 	@echo "make test          set up everything, lint, check CRD drift, run all tests"
 	@echo "make lint          ruff, mypy, the CRD drift check and the chart values table"
 	@echo "make crds          regenerate crds/ from the models"
+	@echo "make dashboard-screenshot  docs/images/dashboard.png: the built-in page of a local service under load"
 	@echo "make cluster-up    start the local control plane (.testenv/kubeconfig)"
 	@echo "make cluster-down  stop it (and the demo operator)"
 
@@ -41,6 +42,10 @@ test: setup lint
 
 crds:
 	uv run --no-sync hybridllm crds generate
+
+dashboard-screenshot: setup
+	HYBRIDLLM_DASHBOARD_SCREENSHOT=$(CURDIR)/docs/images/dashboard.png uv run --no-sync pytest -q \
+	  "tests/hybridllm_operator/test_local_e2e.py::test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_idle"
 
 cluster-up: setup
 	@uv run --no-sync python hack/testenv/cluster.py up

@@ -428,17 +428,19 @@ def service_account_kubeconfig(cluster: "Cluster", namespace: str, name: str, pa
 
 
 def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list[Path] | None = None,
-                  ca_file: Path | None = None) -> str:
+                  ca_file: Path | None = None, targets: Path | None = None) -> str:
     """A real Prometheus beside the control plane, scraping the targets that
     `prometheus_targets` lists (file-based discovery, re-read every second; over HTTPS,
-    verified against ``ca_file``, when one is given), evaluating ``rule_files``; returns
-    its URL. `down` stops it with everything else."""
+    verified against ``ca_file``, when one is given), or those of another file_sd file
+    ``targets`` (local mode's scrape-targets.json), evaluating ``rule_files``; returns its
+    URL. `down` stops it with everything else."""
     bin_dir = build_prometheus()
     home = state_dir / "prometheus"
     (home / "data").mkdir(parents=True, exist_ok=True)
-    targets = home / "targets.json"
-    if not targets.exists():
-        targets.write_text("[]")
+    if targets is None:
+        targets = home / "targets.json"
+        if not targets.exists():
+            targets.write_text("[]")
     (home / "prometheus.yml").write_text(json.dumps({
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "scrape_configs": [{

@@ -28,6 +28,8 @@ import yaml
 from hybridllm_common import metrics as names
 from hybridllm_operator.local import supervisor as sup
 
+from . import browser
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -422,12 +424,17 @@ def test_killing_one_of_three_cloud_replicas_fails_no_request_that_had_not_start
 
 
 def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_idle(
-    tmp_path: Path,
+    tmp_path: Path, testenv: Any
 ) -> None:
     """`hybridllm up` of an edge-only service whose replicas carry little (its capacity
     says 20 prompt tokens a second): a client asking back to back takes the edge pool from
     one replica to two, both in the routing table; idle, the second is retired (out of
-    the table, then SIGTERM) and its slot goes back on standby. No request fails."""
+    the table, then SIGTERM) and its slot goes back on standby. No request fails.
+
+    Under the load, the dashboard page (`--metrics`, fed by a real Prometheus scraping the
+    supervisor's scrape-targets.json) opened in headless Chromium draws the traffic and the
+    autoscaler's panels with data, and logs nothing to the console. With
+    HYBRIDLLM_DASHBOARD_SCREENSHOT=PATH it also saves a screenshot there (docs/images)."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = "scaler"
     doc["spec"]["cloud"] = {"enabled": False}
@@ -446,9 +453,21 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
     manifest = tmp_path / "scaler.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     metrics_port = _free_port()
-    local = _up_detached(
-        tmp_path / "root", manifest, "scaler", "--metrics", f"127.0.0.1:{metrics_port}"
+    prometheus_state = tmp_path / "prometheus-state"
+    prometheus = testenv.prometheus_up(
+        prometheus_state, targets=tmp_path / "root" / "scaler" / sup.SCRAPE_FILE
     )
+    try:
+        _autoscale_and_look(tmp_path, manifest, metrics_port, prometheus)
+    finally:
+        testenv.stop(prometheus_state, "prometheus")
+
+
+def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prometheus: str) -> None:
+    local = _up_detached(
+        tmp_path / "root", manifest, "scaler", "--metrics", f"127.0.0.1:{metrics_port}",
+        "--prometheus-url", prometheus,
+    )  # fmt: skip
     failures: list[str] = []
     answered: list[str] = []
     stop = threading.Event()
@@ -480,6 +499,7 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
         assert float(exported.split(ups)[1].split()[0]) >= 1, exported
         routing = json.loads((tmp_path / "root" / "scaler" / "routing.json").read_text())
         assert len(routing["tiers"]["edge"]["backends"]) == 2
+        _look_at_the_page(f"http://127.0.0.1:{metrics_port}", "local", "scaler")
         stop.set()
         asker.join(timeout=60)
         wait_for(
@@ -494,3 +514,38 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
         local.down()
     assert failures == [], failures[:3]
     assert len(answered) > 0
+
+
+def _look_at_the_page(url: str, namespace: str, name: str) -> None:
+    """The service's page in headless Chromium once Prometheus holds the gateway's traffic
+    and the autoscaler's decisions."""
+    api = f"{url}/api/v1/services/{namespace}/{name}/panels"
+
+    def has_data(dashboard: str, index: int, **params: str) -> bool:
+        body = httpx.get(f"{api}/{dashboard}/{index}", params=params, timeout=30).json()
+        return any(p[1] for s in body.get("series", []) for p in s["points"])
+
+    wait_for("Prometheus to hold the gateway's requests",
+             lambda: has_data("service", 0, range="5m"), timeout_s=120)  # fmt: skip
+    wait_for("Prometheus to hold the autoscaler's decisions",
+             lambda: has_data("autoscaling", 1, range="5m", pool="edge"), timeout_s=60)  # fmt: skip
+    page = f"{url}/services/{namespace}/{name}?range=5m"
+    loaded = browser.load(page)
+    body, shown = browser.panels_of(loaded.dom)
+    assert body.get("data-loaded") == "1", loaded.dom[-2000:]
+    assert loaded.console == []
+    states = {(p["data-section"], p["data-title"]): p["data-state"] for p in shown}
+    assert not {"error", "loading"} & set(states.values()), states
+    for key in [
+        ("service", "Requests per second by tier"),
+        ("service", "Tokens per second by tier"),
+        ("service", "Time to first token"),
+        ("service", "Edge share"),
+        ("autoscaling:edge", "Demand and forecast (replicas at target)"),
+        ("autoscaling:edge", "Replicas: desired, provisioned, ready"),
+        ("autoscaling:edge", "Scaling decisions"),
+    ]:
+        assert states[key] == "ok", (key, states)
+    target = os.environ.get("HYBRIDLLM_DASHBOARD_SCREENSHOT")
+    if target:
+        browser.screenshot(page, Path(target))

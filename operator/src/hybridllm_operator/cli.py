@@ -164,7 +164,7 @@ def _elector() -> Any:
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from hybridllm_operator.observability import metrics
+    from hybridllm_operator.observability import metrics, page
     from hybridllm_operator.settings import OperatorSettings
 
     namespaces = watched_namespaces(args.namespace)
@@ -175,9 +175,16 @@ def _run(args: argparse.Namespace) -> int:
     # Served from the start, standby included (it exports leader 0 and no service), so
     # a scrape never finds a replica down for being a standby.
     exported = metrics.OperatorMetrics(lambda: metrics.operator_views(memo))
-    address = args.metrics or OperatorSettings().metrics_address
+    settings = OperatorSettings()
+    address = args.metrics or settings.metrics_address
     try:
-        stop_metrics = metrics.serve(exported, address) if address else None
+        stop_metrics = (
+            page.serve(
+                exported, address, settings.prometheus_url, settings.prometheus_rate_window_seconds
+            )
+            if address
+            else None
+        )
     except (ValueError, OSError) as exc:
         print(f"hybridllm operator: cannot serve metrics on {address}: {exc}", file=sys.stderr)
         return 2
@@ -221,7 +228,7 @@ def _lead(
             health.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    exported.leader.set(1)
+    exported.lead(True)
     renewing = threading.Event()
 
     def step_down() -> None:
@@ -250,7 +257,7 @@ def _lead(
             stop_flag=stop,
         )
     finally:
-        exported.leader.set(0)
+        exported.lead(False)
         renewing.set()
         if elector is not None and not lost.is_set():
             elector.release()
@@ -278,7 +285,8 @@ def register_operator(subparsers: Any) -> None:
         "--metrics",
         default=None,
         metavar="HOST:PORT",
-        help="serve the control plane's Prometheus metrics on /metrics there, e.g. "
+        help="serve the control plane's Prometheus metrics on /metrics there, and the "
+        "dashboard page on / (its data from HYBRIDLLM_OPERATOR_PROMETHEUS_URL), e.g. "
         "0.0.0.0:8081 (default: HYBRIDLLM_OPERATOR_METRICS_ADDRESS, else not served)",
     )
     run.set_defaults(func=_run)

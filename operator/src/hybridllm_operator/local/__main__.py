@@ -14,8 +14,11 @@ def main() -> int:
     parser.add_argument("state_dir", type=Path)
     parser.add_argument("--grace-period", type=float, default=supervisor.DEFAULT_GRACE_S)
     parser.add_argument("--metrics", default=None)
+    parser.add_argument("--prometheus-url", default=None)
     args = parser.parse_args()
-    return supervisor.run_detached(args.state_dir, args.grace_period, args.metrics)
+    return supervisor.run_detached(
+        args.state_dir, args.grace_period, args.metrics, args.prometheus_url
+    )
 
 
 if __name__ == "__main__":

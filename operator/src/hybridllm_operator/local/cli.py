@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,13 +99,27 @@ def _up(args: argparse.Namespace) -> int:
                 probe.bind(observed.split_address(args.metrics))
         except (ValueError, OSError) as exc:
             return _error(f"--metrics {args.metrics}: {exc}", EXIT_INVALID)
+    if args.prometheus_url:
+        if not args.metrics:
+            return _error(
+                "--prometheus-url feeds the dashboard page, which --metrics HOST:PORT serves: "
+                "give both",
+                EXIT_INVALID,
+            )
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", args.prometheus_url):
+            return _error(
+                f"--prometheus-url {args.prometheus_url!r} is not an http(s) URL "
+                "(e.g. http://127.0.0.1:9090)",
+                EXIT_INVALID,
+            )
     service_dir.mkdir(parents=True, exist_ok=True)
     (service_dir / sup.PLAN_FILE).write_text(plan.to_json())
     if not args.detach:
         try:
             supervisor = sup.Supervisor(
-                plan, service_dir, grace_s=args.grace_period, metrics_address=args.metrics
-            )
+                plan, service_dir, grace_s=args.grace_period, metrics_address=args.metrics,
+                prometheus_url=args.prometheus_url,
+            )  # fmt: skip
             return asyncio.run(supervisor.run())
         except sup.AlreadyRunning as exc:
             return _error(str(exc))
@@ -124,6 +139,7 @@ def _up_detached(args: argparse.Namespace, plan: plan_mod.Plan, service_dir: Pat
                 "--grace-period",
                 str(args.grace_period),
                 *(["--metrics", args.metrics] if args.metrics else []),
+                *(["--prometheus-url", args.prometheus_url] if args.prometheus_url else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -312,7 +328,14 @@ def register_up(subparsers: Any) -> None:
         default=None,
         metavar="HOST:PORT",
         help="serve the autoscaler's metrics (the operator's, docs/metrics.md) on /metrics "
-        "there, e.g. 127.0.0.1:8081 (default: not served)",
+        "there, and the dashboard page on /, e.g. 127.0.0.1:8081 (default: not served)",
+    )
+    up.add_argument(
+        "--prometheus-url",
+        default=None,
+        metavar="URL",
+        help="the Prometheus the dashboard page queries; have it scrape the file_sd targets "
+        "the supervisor writes to STATE_ROOT/NAME/scrape-targets.json (docs/dashboards.md)",
     )
     _state_root_flag(up)
     up.set_defaults(func=_up)

