@@ -62,7 +62,6 @@ def _scaled_service() -> control_metrics.ServiceView:
     observed = {"edge": autoscaling.Observed(replicas=1, ready=1)}
     scaling.step(1000.0, heavy, observed)
     scaling.step(1010.0, heavy, observed)
-    scaling.observed = observed  # what a reconcile records
     assert scaling.desired["edge"] > 1
     return control_metrics.ServiceView("ns", "svc", spec, scaling, None)
 

@@ -546,6 +546,8 @@ def _look_at_the_page(url: str, namespace: str, name: str) -> None:
         ("autoscaling:edge", "Scaling decisions"),
     ]:
         assert states[key] == "ok", (key, states)
+    replicas = next(p for p in shown if p["data-title"] == "Replicas: desired, provisioned, ready")
+    assert replicas["data-series"] == "3"  # the supervisor's replicas, as a reconcile's
     target = os.environ.get("HYBRIDLLM_DASHBOARD_SCREENSHOT")
     if target:
         browser.screenshot(page, Path(target))

@@ -198,6 +198,7 @@ class ServiceAutoscaler:
         # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
         self.problems, self.decisions, self.desired = dict(snapshot.problems), decisions, desired
         self.demand, self.scale_events, self.replica_seconds = loads, events, seconds
+        self.observed = dict(observed)  # local mode has no reconcile to record it
         self.last_step_s = now_s
         return changed
 
