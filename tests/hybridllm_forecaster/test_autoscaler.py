@@ -284,3 +284,36 @@ def test_hybrid_raises_the_pool_before_a_daily_rise_and_reactive_after_it():
     lead_h = pool.lead_time_s / 3600
     assert 9.0 - lead_h - 0.05 <= first_up["hybrid"] < 9.0, first_up
     assert first_up["reactive"] >= 9.0, first_up
+
+
+@pytest.mark.parametrize("mode", ["reactive", "predictive", "hybrid", "advisory", "off"])
+def test_the_cause_of_a_decision_takes_few_values_and_no_numbers(mode):
+    """A day of changing load, pods that cannot be scheduled, an SLO violation, a pool at
+    zero and missing metrics: the reasons carry numbers and take many values; the causes
+    (a metric label) take a few fixed ones."""
+    pool = PoolConfig(min_replicas=0, max_replicas=50)
+    scaler = _scaler(pool, mode, 60.0, "last")
+    rng = np.random.default_rng(0)
+    provisioned, reasons, causes = 5, set(), set()
+    capacity = pool.target_utilisation  # the work one replica carries at its target
+    for k in range(2000):
+        now = k * 15.0
+        work = capacity * max(0.0, 10 + 8 * np.sin(now / 3000) + rng.normal(0, 2))
+        if k % 97 == 0:
+            work = None  # a failed scrape
+        if 900 <= k < 960:
+            work = 0.0  # idle: the pool may go to zero and wake on waiting requests
+        scaler.forecast.update(np.full(k // 4, capacity * 10.0), 0.0)
+        d = scaler.decide(
+            now, provisioned, provisioned,
+            autoscaler.Reading(work, slo_violation="p95 TTFT 3 s > 1 s" if k % 50 == 1 else None,
+                               waiting=2.0 if 960 <= k < 970 else 0.0),
+            unschedulable=3 if k % 33 == 0 else 0,
+        )  # fmt: skip
+        provisioned = d.desired
+        reasons.add(d.reason)
+        causes.add(d.cause)
+    assert all(not any(ch.isdigit() for ch in c) for c in causes), causes
+    assert len(causes) <= 12, causes
+    if mode != "off":
+        assert len(reasons) > 2 * len(causes), (len(reasons), causes)

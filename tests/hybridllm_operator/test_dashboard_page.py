@@ -4,6 +4,7 @@ queries, its refusals, and the page itself in headless Chromium."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from hybridllm_common import crd
 from hybridllm_operator import autoscaling
@@ -30,6 +32,7 @@ SPEC = {
     "autoscaling": {"mode": "reactive", "intervalSeconds": 5},
 }
 PAGE = Path(page.__file__).with_name("page.html")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -137,12 +140,12 @@ def test_a_panel_answers_with_the_dashboards_own_query_from_prometheus(
     assert body["end"] - body["start"] == 300
     # an instant panel (a table) answers one point per series
     table = _panel(served, "autoscaling", "Why: the last decision", pool="edge").json()
-    reasons = [
-        s for s in table["series"] if s["legend"] == served["view"].scaling.decisions["edge"].reason
+    causes = [
+        s for s in table["series"] if s["legend"] == served["view"].scaling.decisions["edge"].cause
     ]
     assert table["kind"] == "table"
-    assert reasons
-    assert reasons[0]["points"][0][1] == 1
+    assert causes
+    assert causes[0]["points"][0][1] == 1
 
 
 @pytest.mark.parametrize(
@@ -238,3 +241,67 @@ def test_the_page_in_a_real_browser_draws_the_control_plane_panels(served: dict[
     assert int(drawn["data-points"]) >= 2
     assert '<path d="M' in loaded.dom
     assert 'class="series"' in loaded.dom
+
+
+def test_hovering_a_chart_shows_each_series_value_at_that_time(served: dict[str, Any]) -> None:
+    """Driven over the DevTools protocol: the mouse over the replicas chart's latest sample
+    shows a rule and each series' value there; leaving hides them; nothing is logged."""
+    desired = served["view"].scaling.desired["edge"]
+    wait_for("Prometheus to hold the desired replicas", lambda: _panel(
+        served, "autoscaling", "Replicas: desired, provisioned, ready", pool="edge", range="5m",
+    ).json()["series"])  # fmt: skip
+    panel = (
+        '[...document.querySelectorAll("section.panel")]'
+        '.find((n) => n.dataset.title === "Replicas: desired, provisioned, ready")'
+    )
+
+    async def look() -> tuple[list[str], bool, list[str]]:
+        async with browser.tab(served["url"] + "/services/ns/svc?range=5m") as tab:
+            await tab.wait_for('document.body.dataset.loaded === "1"')
+            box = await tab.evaluate(
+                f"(() => {{ const p = {panel}; p.scrollIntoView(); "
+                "const r = p.querySelector('svg').getBoundingClientRect(); "
+                "return [r.right, r.top + r.height / 2]; })()"
+            )
+            await tab.move(box[0] - 10, box[1])
+            shown = await tab.evaluate(
+                f"(() => {{ const t = {panel}.querySelector('.tip'); "
+                "return t.hidden ? [] : [...t.children].map((c) => c.textContent); })()"
+            )
+            await tab.move(1, 1)
+            hidden = await tab.evaluate(f"{panel}.querySelector('.tip').hidden")
+            return shown, hidden, tab.problems
+
+    shown, hidden, problems = asyncio.run(look())
+    assert re.fullmatch(r"\d\d:\d\d:\d\d", shown[0]), shown
+    assert f"desired: {desired}" in shown[1:], shown
+    assert {"provisioned: 1", "ready: 1"} <= set(shown[1:]), shown
+    assert hidden is True
+    assert problems == []
+
+
+def test_a_service_on_devices_shows_its_fleet_and_queries_by_the_fleets_name(
+    served: dict[str, Any],
+) -> None:
+    """examples/edge-fleet.yaml's edge tier runs on the kiosks fleet: its page gets the
+    fleet section, whose queries select that fleet."""
+    doc = next(
+        d for d in yaml.safe_load_all((ROOT / "examples" / "edge-fleet.yaml").read_text())
+        if d["kind"] == "LLMService"
+    )  # fmt: skip
+    view = control_metrics.ServiceView(
+        "shop", doc["metadata"]["name"], crd.LLMServiceSpec.model_validate(doc["spec"])
+    )
+    assert [(s.key, s.values) for s in page.sections(view)][-1] == ("fleet", {"fleet": "kiosks"})
+    exported = control_metrics.OperatorMetrics(lambda: [view])
+    port = _free_port()
+    stop = page.serve(exported, f"127.0.0.1:{port}", served["prometheus"])
+    try:
+        base = f"http://127.0.0.1:{port}/api/v1/services/shop/{view.name}/panels/fleet"
+        r = httpx.get(f"{base}/0", timeout=30)
+        html = httpx.get(f"http://127.0.0.1:{port}/services/shop/{view.name}", timeout=10).text
+    finally:
+        stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["queries"] == ['sum by (phase) (hybridllm_fleet_devices{fleet="kiosks"})']
+    assert '"title": "Edge fleet: kiosks"' in html

@@ -232,9 +232,19 @@ def test_two_operators_one_reconciles_the_other_takes_over_when_it_dies_or_hands
         # both serve their metrics; only the leader says it leads
         kube.eventually(lambda: b.leading() is not None, what="operator-b's metrics")
         assert (a.leading(), b.leading()) == (1, 0)
+        # the standby's page points at the leader
+        page = httpx.get(b.metrics.removesuffix("metrics"), timeout=5).text
+        assert "this operator replica is a standby; the leader is pod operator-a" in page
 
         kube.apply(_manifest(1), NAMESPACE)
         kube.eventually(lambda: edge_replicas() == 1, what="the leader's reconcile")
+        kube.eventually(  # the leader's page lists it
+            lambda: (
+                f'<a href="services/{NAMESPACE}/chat">'
+                in httpx.get(a.metrics.removesuffix("metrics"), timeout=5).text
+            ),
+            what="the service on the leader's page",
+        )
         # the standby never started its handlers: it watched nothing and wrote nothing
         assert "hybridllm operator configured" in a.text()
         assert "hybridllm operator configured" not in b.text()

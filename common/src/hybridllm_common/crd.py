@@ -662,7 +662,11 @@ class SLOSpec(_Model):
     )
     tbt_p95_seconds: float = Field(default=0.1, gt=0, le=60, description="p95 time between tokens.")
     availability: float = Field(
-        default=0.995, ge=0.5, le=1, description="Share of requests answered without error."
+        default=0.995,
+        ge=0.5,
+        le=1,
+        description="Share of requests answered without a 5xx; the rest is the error budget "
+        "the burn-rate alerts watch.",
     )
 
 

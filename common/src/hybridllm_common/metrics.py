@@ -100,6 +100,7 @@ TPOT_BUCKETS: tuple[float, ...] = (
 # replicas at the pool's target utilisation.
 SERVICE_SLO_TTFT_SECONDS = "hybridllm_service_slo_ttft_seconds"
 SERVICE_SLO_TBT_SECONDS = "hybridllm_service_slo_tbt_seconds"
+SERVICE_SLO_AVAILABILITY_RATIO = "hybridllm_service_slo_availability_ratio"
 AUTOSCALER_DESIRED_REPLICAS = "hybridllm_autoscaler_desired_replicas"
 AUTOSCALER_PROVISIONED_REPLICAS = "hybridllm_autoscaler_provisioned_replicas"
 AUTOSCALER_READY_REPLICAS = "hybridllm_autoscaler_ready_replicas"

@@ -152,6 +152,10 @@ class Decision:
     reason: str
     metrics_available: bool
     capacity_bound: bool = False
+    # The reason in a few fixed words, without its numbers (e.g. "scale up: forecast"):
+    # a metric label whose values stay few, where the reason would make a new series at
+    # every decision.
+    cause: str = "hold"
 
 
 class PoolScaler:
@@ -221,13 +225,14 @@ class PoolScaler:
                 else "autoscaling is off: replicas come from the spec"
             )
             return Decision(provisioned, None, None, None, reason=reason,
-                            metrics_available=reading.available, **common)  # fmt: skip
+                            metrics_available=reading.available, cause=f"hold: {self.mode}",
+                            **common)  # fmt: skip
         if not reading.available:
             return Decision(
                 provisioned, None, None, None,
                 reason="holding: no load metric for this pool (no samples yet, a NaN or a "
                 "failed scrape); replicas stay until one arrives",
-                metrics_available=False, **common,
+                metrics_available=False, cause="hold: no load metric", **common,
             )  # fmt: skip
         assert reading.work_per_s is not None
         if not self._started:
@@ -254,18 +259,22 @@ class PoolScaler:
                 return Decision(0, want, None, None, reason=(
                     f"capacity-bound: {unschedulable} pod(s) cannot be scheduled, so the pool "
                     f"stays at 0 (wanted {want})"
-                ), metrics_available=True, capacity_bound=True, **common)  # fmt: skip
+                ), metrics_available=True, capacity_bound=True, cause="hold: capacity-bound",
+                    **common)  # fmt: skip
+            cause = "scale up: requests waiting" if want else "hold: no request waiting"
             if self.mode == "advisory":
                 return Decision(0, want, None, None, reason=f"advisory, not applied: {why}",
-                                metrics_available=True, **common)  # fmt: skip
+                                metrics_available=True, cause=f"advisory, {cause}",
+                                **common)  # fmt: skip
             return Decision(want, want, None, None, reason=why, metrics_available=True,
-                            **common)  # fmt: skip
+                            cause=cause, **common)  # fmt: skip
         obs = policies.Observation(
             now_s, ready, provisioned, float(reading.work_per_s), reading.in_flight
         )
         recommended = self.policy.decide(obs)
         reactive, predictive = self._parts(recommended)
-        desired, reason = recommended, self._why(recommended, provisioned, reactive, predictive)
+        reason, cause = self._explain(recommended, provisioned, reactive, predictive)
+        desired = recommended
         bound = False
         if recommended > provisioned and unschedulable > 0:
             desired, bound = provisioned, True
@@ -273,17 +282,21 @@ class PoolScaler:
                 f"capacity-bound: {unschedulable} pod(s) cannot be scheduled, so the pool is "
                 f"not scaled beyond {provisioned} (wanted {recommended})"
             )
+            cause = "hold: capacity-bound"
         elif recommended < provisioned and reading.slo_violation:
             desired = provisioned
             reason = (
                 f"holding at {provisioned} (wanted {recommended}): the SLO is violated "
                 f"({reading.slo_violation})"
             )
+            cause = "hold: SLO violated"
         if self.mode == "advisory":
             reason = f"advisory, not applied: {reason}"
+            cause = f"advisory, {cause}"
             desired = provisioned
         return Decision(desired, recommended, reactive, predictive, reason=reason,
-                        metrics_available=True, capacity_bound=bound, **common)  # fmt: skip
+                        metrics_available=True, capacity_bound=bound, cause=cause,
+                        **common)  # fmt: skip
 
     def _predicted(self) -> tuple[float, float] | None:
         latest = self.forecast.latest()
@@ -300,24 +313,32 @@ class PoolScaler:
             return recommended, None
         return None, recommended
 
-    def _why(
+    def _explain(
         self, recommended: int, provisioned: int, reactive: int | None, predictive: int | None
-    ) -> str:
+    ) -> tuple[str, str]:
+        """(the reason, the cause: the reason's direction and driver in fixed words)."""
         direction = (
             "scale up" if recommended > provisioned
             else "scale down" if recommended < provisioned else "hold"
         )  # fmt: skip
         if self.mode in ("hybrid", "advisory") and reactive is not None and predictive is not None:
             if predictive > reactive:
-                driver = f"the forecast (predictive {predictive} > reactive {reactive})"
+                short, driver = (
+                    "forecast",
+                    f"the forecast (predictive {predictive} > reactive {reactive})",
+                )
             elif reactive > predictive:
+                short = "measured load"
                 driver = f"the measured load (reactive {reactive} > predictive {predictive})"
             else:
-                driver = f"forecast and measured load agree ({reactive})"
+                short, driver = (
+                    "forecast and load agree",
+                    f"forecast and measured load agree ({reactive})",
+                )
         elif self.mode == "reactive":
-            driver = "the measured load (HPA rules)"
+            short, driver = "measured load", "the measured load (HPA rules)"
         else:
-            driver = "the forecast and the measured load"
+            short, driver = "forecast and load", "the forecast and the measured load"
         warming = (
             ""
             if self.forecast.ready or self.mode == "reactive"
@@ -327,4 +348,4 @@ class PoolScaler:
         if recommended == self.pool.max_replicas and recommended > provisioned:
             driver += f", capped at maxReplicas {self.pool.max_replicas}"
         verb = f"{direction} at" if direction == "hold" else f"{direction} to"
-        return f"{verb} {recommended}: {driver}{warming}"
+        return f"{verb} {recommended}: {driver}{warming}", f"{direction}: {short}"

@@ -213,6 +213,9 @@ def _lead(
     elector = _elector()
     lost = threading.Event()
     if elector is not None:
+        exported.leader_is = lambda: (
+            f"pod {elector.holder} in namespace {elector.namespace}" if elector.holder else None
+        )
         # Wait for the Lease before kopf starts: a standby watches and writes nothing.
         # SIGTERM/SIGINT while waiting end the wait (kopf installs its own handlers later).
         waiting = threading.Event()

@@ -2,9 +2,10 @@
 dashboards and checked by the same tests.
 
 - SLO burn rate: the multiwindow, multi-burn-rate alerts of the Google SRE workbook on
-  the gateway's 5xx share against a 99.9% availability objective (page at 14.4x over
-  5 m and 1 h, ticket at 6x over 30 m and 6 h), and the p95 time to first token above
-  the service's own objective (``spec.slo``, exported by the operator) for 10 minutes.
+  the gateway's 5xx share against each service's own availability objective
+  (``spec.slo.availability``, exported by the operator: the error budget is the rest;
+  page at 14.4x over 5 m and 1 h, ticket at 6x over 30 m and 6 h), and the p95 time to
+  first token above the service's objective (``spec.slo.ttftP95Seconds``) for 10 minutes.
 - Autoscaling: a forecast off by more than half for 30 minutes; a pool that wants more
   replicas than the cluster schedules; a pool held without its load metric.
 - Rollouts: a rollout whose step has not moved for an hour.
@@ -17,7 +18,6 @@ from typing import Any
 
 from hybridllm_common import metrics as n
 
-OBJECTIVE = 0.999  # availability objective of the burn-rate alerts
 SERVICE = ("namespace", "llmservice")
 
 
@@ -30,8 +30,13 @@ def _error_ratio(window: str) -> str:
 
 
 def _burn(long: str, short: str, factor: float) -> str:
-    budget = round(factor * (1 - OBJECTIVE), 6)
-    return f"({_error_ratio(long)}) > {budget}\nand\n({_error_ratio(short)}) > {budget}"
+    """Both windows' error ratios above ``factor`` times the service's error budget."""
+    by = ", ".join(SERVICE)
+    budget = f"({factor:g} * (1 - max by ({by}) ({n.SERVICE_SLO_AVAILABILITY_RATIO})))"
+    return (
+        f"({_error_ratio(long)})\n> on ({by}) {budget}\nand\n"
+        f"({_error_ratio(short)})\n> on ({by}) {budget}"
+    )
 
 
 def _rule(
@@ -64,8 +69,10 @@ def groups() -> list[dict[str, Any]]:
                     "2m",
                     "critical",
                     f"{service} burns its error budget 14x too fast",
-                    "The 5xx share of the gateway's answers is over 14.4 times the 0.1% budget "
-                    "over 1 h and 5 m: 2% of a 30-day budget gone in an hour.",
+                    "The 5xx share of the gateway's answers ({{ $value | humanizePercentage }} "
+                    "over the last hour) is over 14.4 times the error budget of its "
+                    "spec.slo.availability over 1 h and 5 m: 2% of a 30-day budget gone in an "
+                    "hour.",
                 ),
                 _rule(
                     "HybridllmErrorBudgetBurnSlow",
@@ -73,8 +80,10 @@ def groups() -> list[dict[str, Any]]:
                     "15m",
                     "warning",
                     f"{service} burns its error budget 6x too fast",
-                    "The 5xx share of the gateway's answers is over 6 times the 0.1% budget "
-                    "over 6 h and 30 m: 5% of a 30-day budget gone in 6 hours.",
+                    "The 5xx share of the gateway's answers ({{ $value | humanizePercentage }} "
+                    "over the last 6 hours) is over 6 times the error budget of its "
+                    "spec.slo.availability over 6 h and 30 m: 5% of a 30-day budget gone in 6 "
+                    "hours.",
                 ),
                 _rule(
                     "HybridllmTimeToFirstTokenOverObjective",

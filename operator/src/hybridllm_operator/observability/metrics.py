@@ -60,6 +60,7 @@ class ControlPlaneCollector(Collector):
             if view.spec is not None:
                 g.slo_ttft.add_metric(service, view.spec.slo.ttft_p95_seconds)
                 g.slo_tbt.add_metric(service, view.spec.slo.tbt_p95_seconds)
+                g.slo_availability.add_metric(service, view.spec.slo.availability)
             if view.scaling is not None:
                 _pools(g, service, view.scaling)
             if view.rollout is not None:
@@ -79,6 +80,11 @@ class _Families:
         self.slo_tbt = gauge(
             names.SERVICE_SLO_TBT_SECONDS,
             "The service's time-between-tokens objective (p95), seconds.", SERVICE_LABELS,
+        )  # fmt: skip
+        self.slo_availability = gauge(
+            names.SERVICE_SLO_AVAILABILITY_RATIO,
+            "The service's availability objective: the share of requests to answer without "
+            "a 5xx (its error budget is the rest).", SERVICE_LABELS,
         )  # fmt: skip
         self.desired = gauge(
             names.AUTOSCALER_DESIRED_REPLICAS,
@@ -122,8 +128,10 @@ class _Families:
         )  # fmt: skip
         self.decision = gauge(
             names.AUTOSCALER_DECISION_INFO,
-            "The last decision's reason, as a label (value 1; one series per pool).",
-            [*POOL_LABELS, "reason"],
+            "The last decision's cause as a label, its direction and driver in a few fixed "
+            "words (e.g. 'scale up: forecast'; value 1, one series per pool); the full "
+            "reason, with its numbers, is in the LLMService's status and Events.",
+            [*POOL_LABELS, "cause"],
         )  # fmt: skip
         self.scaled = CounterMetricFamily(
             names.AUTOSCALER_SCALE_EVENTS_TOTAL.removesuffix("_total"),
@@ -198,7 +206,7 @@ def _pools(g: _Families, service: list[str], scaling: autoscaling.ServiceAutosca
             g.forecast_error.add_metric(labels, decision.forecast_error)
         g.bound.add_metric(labels, float(decision.capacity_bound))
         g.available.add_metric(labels, float(decision.metrics_available))
-        g.decision.add_metric([*labels, decision.reason[:200]], 1.0)
+        g.decision.add_metric([*labels, decision.cause], 1.0)
 
 
 def _rollout(g: _Families, service: list[str], state: crd.RolloutStatus) -> None:
@@ -238,6 +246,9 @@ class OperatorMetrics:
     def __init__(self, views: Callable[[], Iterable[ServiceView]] = lambda: []) -> None:
         self.views = views
         self.leading = False
+        # who leads, as this replica last read the Lease ("pod NAME in NAMESPACE"; None:
+        # no election, or not read yet): the page of a standby points there
+        self.leader_is: Callable[[], str | None] = lambda: None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ControlPlaneCollector(views))
         self.leader = Gauge(

@@ -103,6 +103,15 @@ class Page:
     def standby(self) -> bool:
         return not self.exported.leading
 
+    def standby_note(self) -> str:
+        """What a standby's page says: that it is one, and who leads."""
+        holder = self.exported.leader_is()
+        return "this operator replica is a standby" + (
+            f"; the leader is {holder}: open its page (port-forward to that pod)"
+            if holder
+            else ": open the leader's page"
+        )
+
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
@@ -136,12 +145,10 @@ class Page:
         return view
 
     def _unknown(self, namespace: str, name: str) -> str:
-        known = ", ".join(f"{ns}/{n}" for ns, n in sorted(self._views())) or "none"
-        why = (
-            " (this operator replica is a standby: open the leader's page)"
-            if self.standby()
-            else ""
-        )
+        names = [f"{ns}/{n}" for ns, n in sorted(self._views())]
+        known = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        known = known or "none"
+        why = f" ({self.standby_note()})" if self.standby() else ""
         return f"no LLMService {namespace}/{name} here{why}; the services: {known}"
 
     async def index(self, _request: web.Request) -> web.Response:
@@ -154,11 +161,7 @@ class Page:
         if not items:
             items = (
                 "<li>"
-                + (
-                    "this operator replica is a standby: the leader's page shows the services"
-                    if self.standby()
-                    else "no LLMService yet"
-                )
+                + (html.escape(self.standby_note()) if self.standby() else "no LLMService yet")
                 + "</li>"
             )
         return self._html({"title": "hybridllm", "services": items})

@@ -179,7 +179,7 @@ AUTOSCALING = Dashboard(
     uid="hybridllm-autoscaling",
     title="hybridllm / Autoscaling",
     description="One pool's load against the forecast, and the replicas every policy asked "
-    "for; each applied decision is annotated with its reason.",
+    "for; each applied decision is annotated with its cause.",
     variables=("namespace", "llmservice", "pool"),
     panels=(
         Panel(
@@ -269,12 +269,11 @@ AUTOSCALING = Dashboard(
         ),
         Panel(
             "Why: the last decision",
-            "The pool's last decision and its reason; whether it is capacity-bound (1) and "
+            "The cause of the pool's last decision (the full reason is in the LLMService's "
+            "status and Events); whether it is capacity-bound (1) and "
             "whether its load metric was read (1).",
             (
-                _q(
-                    f"max by (reason) ({n.AUTOSCALER_DECISION_INFO}{{sel}})", "{{reason}}", POOL_SEL
-                ),
+                _q(f"max by (cause) ({n.AUTOSCALER_DECISION_INFO}{{sel}})", "{{cause}}", POOL_SEL),
                 _q(f"max ({n.AUTOSCALER_CAPACITY_BOUND}{{sel}})", "capacity-bound", POOL_SEL),
                 _q(f"min ({n.AUTOSCALER_METRICS_AVAILABLE}{{sel}})", "metrics available", POOL_SEL),
             ),
@@ -284,9 +283,9 @@ AUTOSCALING = Dashboard(
     ),
     annotations=(
         _q(
-            f"max by (reason) ({n.AUTOSCALER_DECISION_INFO}{{sel}}) and on () "
+            f"max by (cause) ({n.AUTOSCALER_DECISION_INFO}{{sel}}) and on () "
             f"(sum (increase({n.AUTOSCALER_SCALE_EVENTS_TOTAL}{{sel}}[1m])) > 0)",
-            "{{reason}}",
+            "{{cause}}",
             POOL_SEL,
         ),
     ),
