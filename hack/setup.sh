@@ -28,8 +28,9 @@ if [ "${HYBRIDLLM_SKIP_TESTENV:-0}" != "1" ]; then
   # The real node of the test environment (hack/testenv/node.py) and the image builder
   # (hack/images/oci.py) use Debian's container runtime, CNI plugins, mmdebstrap, and the
   # Debian python3.11 the images carry (their environments are built against it here);
-  # the dashboard page's tests open it in Debian's headless Chromium.
-  node_packages=(containerd runc containernetworking-plugins catatonit mmdebstrap iptables iproute2 python3.11 chromium)
+  # the dashboard page's tests open it in Debian's headless Chromium (with a font: it is
+  # only recommended, and the packages are installed without recommends).
+  node_packages=(containerd runc containernetworking-plugins catatonit mmdebstrap iptables iproute2 python3.11 chromium fonts-liberation)
   missing=()
   for p in "${node_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
