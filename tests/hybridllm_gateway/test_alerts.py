@@ -6,7 +6,6 @@ one whose own `spec.slo.availability` leaves it a budget no failure rate can bur
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from hybridllm_common import crd
 from hybridllm_operator.observability import generate, page
 from hybridllm_operator.observability import metrics as control_metrics
 
-from .conftest import MODEL
+from .conftest import MODEL, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +35,6 @@ def prometheus(testenv: Any, tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 def _alerts(prometheus: str) -> list[dict[str, Any]]:
     return httpx.get(f"{prometheus}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_failing_service_burns_its_budget_and_a_healthy_one_does_not(
@@ -70,7 +63,7 @@ def test_a_failing_service_burns_its_budget_and_a_healthy_one_does_not(
         for name, objective in objectives.items()
     ]  # fmt: skip
     operator = control_metrics.OperatorMetrics(lambda: views)
-    operator_port = _free_port()
+    operator_port = free_port()
     stop = page.serve(operator, f"127.0.0.1:{operator_port}")
     request.addfinalizer(stop)
     testenv.prometheus_targets(state, [

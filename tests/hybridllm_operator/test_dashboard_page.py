@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,31 +15,15 @@ import pytest
 import yaml
 
 from hybridllm_common import crd
+from hybridllm_operator.local.plan import free_ports
 from hybridllm_operator.observability import metrics as control_metrics
 from hybridllm_operator.observability import page, panels
 
 from . import browser
-from .conftest import scaled_service
+from .conftest import Kube, scaled_service
 
 PAGE = Path(page.__file__).with_name("page.html")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +35,7 @@ def served(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     exported.lead(True)
     state = tmp_path_factory.mktemp("prometheus")
     prometheus = testenv.prometheus_up(state)
-    port = _free_port()
+    port = free_ports(1)[0]
     stop = page.serve(exported, f"127.0.0.1:{port}", prometheus, rate_floor_s=4)
     try:
         testenv.prometheus_targets(state, [(f"127.0.0.1:{port}", {})])
@@ -101,7 +83,7 @@ def test_a_panel_answers_with_the_dashboards_own_query_from_prometheus(
         got = [p[1] for p in series.get("desired", {}).get("points", []) if p[1] is not None]
         return body if got else None
 
-    body = wait_for("Prometheus to hold the desired replicas", answered)
+    body = Kube.eventually(answered, what="Prometheus to hold the desired replicas")
     series = {s["legend"]: s for s in body["series"]}
     assert [p[1] for p in series["desired"]["points"] if p[1] is not None][-1] == desired
     panel = next(p for p in panels.AUTOSCALING.panels if p.title.startswith("Replicas: desired"))
@@ -152,9 +134,9 @@ def test_without_a_reachable_prometheus_the_panels_say_why() -> None:
     exported = control_metrics.OperatorMetrics(lambda: [scaled_service()])
     for prometheus, status, message in (
         (None, 503, "no Prometheus to query: start the operator with --prometheus-url"),
-        (f"http://127.0.0.1:{_free_port()}", 502, "did not answer"),
+        (f"http://127.0.0.1:{free_ports(1)[0]}", 502, "did not answer"),
     ):
-        port = _free_port()
+        port = free_ports(1)[0]
         stop = page.serve(exported, f"127.0.0.1:{port}", prometheus)
         try:
             r = httpx.get(f"http://127.0.0.1:{port}/api/v1/services/ns/svc/panels/service/0")
@@ -166,7 +148,7 @@ def test_without_a_reachable_prometheus_the_panels_say_why() -> None:
 
 def test_a_standby_says_so_and_a_taken_port_is_refused() -> None:
     exported = control_metrics.OperatorMetrics()  # a standby holds no service
-    port = _free_port()
+    port = free_ports(1)[0]
     stop = page.serve(exported, f"127.0.0.1:{port}", None)
     try:
         assert "this operator replica is a standby" in httpx.get(f"http://127.0.0.1:{port}/").text
@@ -193,9 +175,9 @@ def test_the_page_loads_nothing_from_outside_the_package() -> None:
 def test_the_page_in_a_real_browser_draws_the_control_plane_panels(served: dict[str, Any]) -> None:
     """Headless Chromium: every panel of every section drawn, none failing, the
     autoscaling panels the operator feeds holding data; no console message."""
-    wait_for("Prometheus to hold the desired replicas", lambda: _panel(
+    Kube.eventually(lambda: _panel(
         served, "autoscaling", "Replicas: desired, provisioned, ready", pool="edge", range="5m",
-    ).json()["series"])  # fmt: skip
+    ).json()["series"], what="Prometheus to hold the desired replicas")  # fmt: skip
     loaded = browser.load(served["url"] + "/services/ns/svc?range=5m")
     body, shown = browser.panels_of(loaded.dom)
     assert body.get("data-loaded") == "1", loaded.dom[-2000:]
@@ -222,9 +204,9 @@ def test_hovering_a_chart_shows_each_series_value_at_that_time(served: dict[str,
     """Driven over the DevTools protocol: the mouse over the replicas chart's latest sample
     shows a rule and each series' value there; leaving hides them; nothing is logged."""
     desired = served["view"].scaling.desired["edge"]
-    wait_for("Prometheus to hold the desired replicas", lambda: _panel(
+    Kube.eventually(lambda: _panel(
         served, "autoscaling", "Replicas: desired, provisioned, ready", pool="edge", range="5m",
-    ).json()["series"])  # fmt: skip
+    ).json()["series"], what="Prometheus to hold the desired replicas")  # fmt: skip
     panel = (
         '[...document.querySelectorAll("section.panel")]'
         '.find((n) => n.dataset.title === "Replicas: desired, provisioned, ready")'
@@ -269,7 +251,7 @@ def test_a_service_on_devices_shows_its_fleet_and_queries_by_the_fleets_name(
     )
     assert [(s.key, s.values) for s in page.sections(view)][-1] == ("fleet", {"fleet": "kiosks"})
     exported = control_metrics.OperatorMetrics(lambda: [view])
-    port = _free_port()
+    port = free_ports(1)[0]
     stop = page.serve(exported, f"127.0.0.1:{port}", served["prometheus"])
     try:
         base = f"http://127.0.0.1:{port}/api/v1/services/shop/{view.name}/panels/fleet"

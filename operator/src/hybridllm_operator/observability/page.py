@@ -13,6 +13,7 @@ loads is in this package (page.html: inline CSS and JavaScript, SVG charts).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import html
 import json
 import math
@@ -94,7 +95,6 @@ class Page:
         self, metrics: OperatorMetrics, prometheus_url: str | None, rate_floor_s: float = 60.0
     ) -> None:
         self.exported = metrics
-        self.registry, self.views = metrics.registry, metrics.views
         self.prometheus_url = prometheus_url.rstrip("/") if prometheus_url else None
         self.rate_floor_s = rate_floor_s
         self.template = resources.files(__package__).joinpath("page.html").read_text()
@@ -131,11 +131,11 @@ class Page:
     # ------------------------------------------------------------------ routes
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(generate_latest, self.registry)
+        body = await asyncio.to_thread(generate_latest, self.exported.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _views(self) -> dict[tuple[str, str], ServiceView]:
-        return {(v.namespace, v.name): v for v in self.views()}
+        return {(v.namespace, v.name): v for v in self.exported.views()}
 
     def _view(self, request: web.Request) -> ServiceView:
         key = (request.match_info["namespace"], request.match_info["name"])
@@ -169,7 +169,7 @@ class Page:
     async def services_json(self, _request: web.Request) -> web.Response:
         return web.json_response([
             {"namespace": v.namespace, "name": v.name,
-             "sections": [s.__dict__ for s in sections(v)]}
+             "sections": [dataclasses.asdict(s) for s in sections(v)]}
             for v in sorted(self._views().values(), key=lambda v: (v.namespace, v.name))
         ])  # fmt: skip
 
@@ -200,8 +200,6 @@ class Page:
 
     def _html(self, values: dict[str, str]) -> web.Response:
         page = self.template
-        kind = "service" if "config" in values else "index"
-        page = page.replace("{{kind}}", kind)
         for key in ("title", "services", "config"):
             text = values.get(key, "" if key != "config" else "null")
             page = page.replace("{{" + key + "}}", html.escape(text) if key == "title" else text)
