@@ -101,6 +101,7 @@ class Tab:
         self.ws, self._id = ws, 0
         self.problems: list[str] = []
         self.seen: set[str] = set()
+        self.requests: list[str] = []  # every URL the page asked for
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
         self._id += 1
@@ -120,7 +121,9 @@ class Tab:
     def _event(self, msg: dict[str, Any]) -> None:
         method, params = msg.get("method"), msg.get("params") or {}
         self.seen.add(str(method))
-        if method == "Runtime.consoleAPICalled":
+        if method == "Network.requestWillBeSent":
+            self.requests.append(params["request"]["url"])
+        elif method == "Runtime.consoleAPICalled":
             self.problems.append(f"console.{params['type']}: {params.get('args')}")
         elif method == "Runtime.exceptionThrown":
             self.problems.append(f"exception: {params['exceptionDetails']}")
@@ -169,7 +172,7 @@ async def tab(url: str, width: int = 1400, height: int = 1000) -> AsyncIterator[
                     pages = [t for t in await r.json() if t["type"] == "page"]
                 async with http.ws_connect(pages[0]["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                     t = Tab(ws)
-                    for domain in ("Runtime", "Log", "Page"):
+                    for domain in ("Runtime", "Log", "Network", "Page"):
                         await t.call(f"{domain}.enable")
                     await t.call("Page.navigate", url=url)
                     await t.wait_event("Page.loadEventFired")
