@@ -7,6 +7,7 @@ polling `hybridllm status --json` with a deadline.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -551,3 +552,143 @@ def _look_at_the_page(url: str, namespace: str, name: str) -> None:
     target = os.environ.get("HYBRIDLLM_DASHBOARD_SCREENSHOT")
     if target:
         browser.screenshot(page, Path(target))
+
+
+def _revision_answers(local: Local) -> dict[str, float]:
+    """Requests each revision answered, from the gateway's per-revision counters."""
+    from hybridllm_operator import analysis
+
+    text = httpx.get(f"http://127.0.0.1:{local.port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for (_, revision, result), value in analysis.parse_revision_metrics(text).counters.items():
+        if result == "ok":
+            out[revision] = out.get(revision, 0.0) + value
+    return out
+
+
+def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot_load(
+    tmp_path: Path,
+) -> None:
+    """`hybridllm apply` of a new revision to a running edge service: the operator's
+    rollout runs in the supervisor. A canary replica starts beside the stable one, takes
+    half the traffic, passes the step's analysis (on the gateway's metrics), is promoted
+    by hand at the last step (`hybridllm rollout promote --local`), the stable replica is
+    restarted on the new revision and the canary retired. A revision whose model fails its
+    sha256 check crashes on start: the rollout aborts and the stable revision keeps every
+    request. A change to anything but the model is refused with the field named. One
+    client asks back to back throughout, and no request fails."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "canary"
+    doc["spec"]["cloud"] = {"enabled": False}
+    doc["spec"]["routing"]["policy"] = "edge-only"
+    # one client, back to back
+    doc["spec"]["gateway"] = {"requestsPerMinute": 100_000, "tokensPerMinute": 10_000_000}
+    doc["spec"]["edge"]["pool"].update(replicas=1, minReplicas=1, maxReplicas=1)
+    doc["spec"]["rollout"] = {
+        "strategy": "canary",
+        "steps": [{"weight": 50, "pauseSeconds": 10}, {"weight": 100, "pauseSeconds": 3600}],
+        "analysis": {"intervalSeconds": 5, "minRequests": 3},
+    }
+    manifest = tmp_path / "canary.yaml"
+
+    def write(revision: str, **model: Any) -> None:
+        doc["spec"]["model"]["revision"] = revision
+        doc["spec"]["model"].update(model)
+        manifest.write_text(yaml.safe_dump(doc))
+
+    write("v1")
+    root = tmp_path / "root"
+    local = _up_detached(root, manifest, "canary")
+    state_root = ("--state-root", str(root))
+    log = root / "canary" / sup.SUPERVISOR_LOG
+
+    def rollout() -> dict[str, Any]:
+        return local.status().get("rollout") or {}
+
+    def names_() -> set[str]:
+        return {p["name"] for p in local.status()["processes"]}
+
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        client = local.client()
+        for i in itertools.count():  # a new question each time: no answer from a cache
+            if stop.is_set():
+                return
+            try:
+                _chat(client, [{"role": "user", "content": f"Name a French city ({i})."}])
+            except openai.OpenAIError as exc:
+                failures.append(repr(exc))
+
+    asker = threading.Thread(target=ask, daemon=True)
+    try:
+        wait_for("the first rollout state", lambda: rollout().get("phase") == "Completed")
+        asker.start()
+        stable = local.process("edge-0")
+        assert stable["revision"] == "v1"
+
+        # ---- a good revision: a canary at 50%, analysed, then promoted by hand at 100%
+        write("v2")
+        out = hybridllm("apply", "-f", str(manifest), *state_root)
+        assert "revision v1 -> v2 applied" in out.stdout
+        wait_for(
+            "the canary replica ready", lambda: local.process("edge-canary-0")["status"] == "ready"
+        )
+        assert local.process("edge-canary-0")["revision"] == "v2"
+        wait_for("the first step analysed and passed", lambda: rollout().get("step") == 1,
+                 timeout_s=180)  # fmt: skip
+        assert "RolloutStepPassed: step 1/2 passed" in log.read_text()
+        answered = _revision_answers(local)
+        assert answered.get("v1", 0) > 0, answered
+        assert answered.get("v2", 0) > 0, answered
+        wait_for("every request on the canary at the last step",
+                 lambda: rollout().get("weight") == 100)  # fmt: skip
+        shown = hybridllm("rollout", "status", "canary", "--local", *state_root).stdout
+        assert "canary revision: v2" in shown, shown
+        assert "step:            2/2" in shown, shown
+        hybridllm("rollout", "promote", "canary", "--local", *state_root)
+        wait_for("the rollout completed", lambda: rollout().get("phase") == "Completed",
+                 timeout_s=180)  # fmt: skip
+        wait_for("the canary retired", lambda: names_() == {"edge-0", "gateway-0"})
+        promoted = local.process("edge-0")
+        assert (promoted["revision"], promoted["status"]) == ("v2", "ready")
+        assert promoted["pid"] != stable["pid"]
+        assert promoted["restarts"] == 0  # a restart on the new revision is not a crash
+        routing = json.loads((root / "canary" / "routing.json").read_text())
+        assert [(b["revision"], b["weight"]) for b in routing["tiers"]["edge"]["backends"]] == [
+            ("v2", 100)
+        ]
+        assert rollout()["stableRevision"] == "v2"
+
+        # ---- a revision that cannot load: aborted, the stable revision serves
+        write("v3", sha256="0" * 64)
+        hybridllm("apply", "-f", str(manifest), *state_root)
+        wait_for("the rollout aborted", lambda: rollout().get("phase") == "Aborted",
+                 timeout_s=180)  # fmt: skip
+        wait_for("the canary gone", lambda: names_() == {"edge-0", "gateway-0"})
+        message = rollout()["message"]
+        assert "the pods of v3 cannot run: edge-canary-0 exited (exit code 3)" in message
+        assert f"expected {'0' * 64}" in message  # its last words: why it could not load
+        shown = hybridllm("rollout", "status", "canary", "--local", *state_root).stdout
+        assert "Aborted" in shown, shown
+        assert "stable revision: v2" in shown, shown
+        assert local.process("edge-0")["pid"] == promoted["pid"]  # left alone
+        answered = _revision_answers(local)
+        wait_for(
+            "the stable revision answers", lambda: _revision_answers(local)["v2"] > answered["v2"]
+        )
+
+        # ---- anything but the model and the rollout is refused, naming the field
+        doc["spec"]["edge"]["parallel"] = 2
+        manifest.write_text(yaml.safe_dump(doc))
+        refused = hybridllm("apply", "-f", str(manifest), *state_root, check=False)
+        assert refused.returncode == 2
+        assert "spec.edge.parallel: a running local service takes changes to spec.model" in (
+            refused.stderr
+        )
+    finally:
+        stop.set()
+        asker.join(timeout=60)
+        local.down()
+    assert failures == [], failures[:3]

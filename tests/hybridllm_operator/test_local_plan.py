@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -13,8 +15,9 @@ import pytest
 import yaml
 
 from hybridllm_common import crd
-from hybridllm_operator import builders
+from hybridllm_operator import builders, rollout
 from hybridllm_operator.local import plan as plan_mod
+from hybridllm_operator.local import supervisor as sup
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(
@@ -80,22 +83,134 @@ def test_decode_replicas_are_pointed_at_every_prefill_replica(tmp_path: Path) ->
         assert prefill.command[prefill.command.index("--kv-port") + 1] == str(prefill.kv_port)
 
 
+def _rollout_at(weight: int, stable: crd.LLMServiceSpec) -> crd.RolloutStatus:
+    """A canary of v2 at ``weight`` on every tier, v1 stable (as the controller writes it)."""
+    return crd.RolloutStatus(
+        phase=crd.RolloutPhase.progressing, stable_revision="v1", canary_revision="v2",
+        stable_spec=rollout.spec_wire(stable), step=0, steps=3, routing_generation=4,
+        weights={"edge": weight, "cloud": weight},
+    )  # fmt: skip
+
+
 def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path) -> None:
+    """The supervisor writes the operator's table (`builders.routing_config`) with one
+    backend per ready replica; during a rollout, the canary's ready replicas at its weight
+    and the stable ones at the rest, as the operator weights the two Services."""
     manifest = plan_mod.load_manifest(REPO / "examples" / "hybrid-cpu.yaml")
     plan = plan_mod.make_plan(manifest, tmp_path, ports=itertools.count(20000))
-    edge = plan.pool("edge")[0].url
-    table = plan.routing({"edge": [edge], "cloud": []})
+    supervisor = sup.Supervisor(plan, tmp_path, out=io.StringIO())
+    edge = next(p for p in supervisor.procs if p.replica.name == "edge-0")
+    edge.status = "ready"
+    supervisor._update_routing()
+    table = json.loads(Path(plan.routing_path).read_text())
     cluster = builders.build_routing_config(manifest.service())
     assert {k: v for k, v in table.items() if k != "tiers"} == {
         k: v for k, v in cluster.items() if k != "tiers"
     }
     assert table["tiers"] == {
         "edge": {
-            "backends": [{"url": edge, "revision": "v1", "weight": 100}],
+            "backends": [{"url": edge.replica.url, "revision": "v1", "weight": 100}],
             "scaleFromZero": False,
         }
     }
     assert plan.tiers == {"edge": "edge", "cloud": "monolithic"}
+
+    # a rollout: v2's replica (placed from the operator's canary pool) at 25%
+    v2 = manifest.spec.model_copy(
+        update={"model": manifest.spec.model.model_copy(update={"revision": "v2"})}
+    )
+    supervisor.spec = v2
+    supervisor.rollouts.state = _rollout_at(25, manifest.spec)
+    canary_pool = next(
+        p for p in builders.pools(supervisor.service())
+        if p.track == builders.CANARY and p.component == "edge"
+    )  # fmt: skip
+    canary = sup.Proc(plan_mod.place(canary_pool, 0, 30000), tmp_path / "c.log", status="ready")
+    supervisor.procs.append(canary)
+    assert canary.replica.name == "edge-canary-0"
+    supervisor._update_routing()
+    table = json.loads(Path(plan.routing_path).read_text())
+    assert table["generation"] == 4
+    assert table["revision"] == "v1"
+    assert table["tiers"]["edge"]["backends"] == [
+        {"url": edge.replica.url, "revision": "v1", "weight": 75},
+        {"url": canary.replica.url, "revision": "v2", "weight": 25},
+    ]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_a_local_canary_runs_the_commands_and_flags_of_the_operators_canary_pools(
+    example: Path, tmp_path: Path
+) -> None:
+    """Mid-rollout the operator renders `NAME-<component>-canary` Deployments for the
+    new revision; local mode places the same pools (a new model source here) with its own
+    addresses only, and decode replicas point at the canary's prefill replicas."""
+    manifest = plan_mod.load_manifest(example)
+    model = manifest.spec.model.model_copy(
+        update={"revision": "v2", "source": manifest.spec.model.source + "-v2"}
+    )
+    v2 = manifest.spec.model_copy(update={"model": model})
+    service = builders.Service(
+        name=manifest.name, namespace=plan_mod.NAMESPACE, uid="local", spec=v2,
+        rollout=_rollout_at(50, manifest.spec),
+    )  # fmt: skip
+    canaries = [p for p in builders.pools(service) if p.track == builders.CANARY]
+    assert canaries
+    kv = [31000 + i for i in range(len(canaries))]
+    deployments = {
+        d["metadata"]["name"]: d for d in builders.build_children(service)
+        if d["kind"] == "Deployment"
+    }  # fmt: skip
+    for pool in canaries:
+        replica = plan_mod.place(
+            pool, 0, 30000, kv_port=kv[0] if pool.component == "prefill" else None, prefill_kv=kv
+        )
+        container = deployments[builders.child_name(service, pool.component, builders.CANARY)][
+            "spec"
+        ]["template"]["spec"]["containers"][0]
+        assert (replica.track, replica.revision) == ("canary", "v2")
+        assert Path(replica.command[0]).name == container["command"][0]
+        assert _without_addresses(replica.command[1:]) == _without_addresses(container["args"])
+        assert model.source in replica.command
+        if pool.component == "decode":
+            url = replica.command[replica.command.index("--prefill-url") + 1]
+            assert url == ",".join(f"tcp://127.0.0.1:{p}" for p in kv)
+
+
+def test_apply_takes_model_and_rollout_changes_and_names_every_other_field() -> None:
+    spec = plan_mod.load_manifest(REPO / "examples" / "hybrid-cpu.yaml").spec
+    wire = spec.to_wire()
+    wire["model"]["revision"] = "v2"
+    wire["rollout"] = {"strategy": "blueGreen"}
+    wire["edge"]["parallel"] = 2
+    wire["routing"]["edgeLimits"]["maxPromptTokens"] = 128
+    changes = plan_mod.spec_changes(spec, crd.LLMServiceSpec.model_validate(wire))
+    assert "spec.model.revision" in changes
+    assert "spec.rollout.strategy" in changes
+    assert plan_mod.refused_changes(changes) == [
+        "spec.edge.parallel",
+        "spec.routing.edgeLimits.maxPromptTokens",
+    ]
+    assert plan_mod.spec_changes(spec, spec) == []
+
+
+def test_apply_to_a_service_that_is_not_running_says_how_to_start_it(tmp_path: Path) -> None:
+    manifest = _manifest(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridllm_common.cli", "apply", "-f", str(manifest),
+         "--state-root", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "smollm2-cpu is not running" in result.stderr
+    assert "hybridllm up -f" in result.stderr
+    rollout_cmd = subprocess.run(
+        [sys.executable, "-m", "hybridllm_common.cli", "rollout", "promote", "smollm2-cpu",
+         "--local", "--state-root", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert rollout_cmd.returncode == 1
+    assert "smollm2-cpu is not running" in rollout_cmd.stderr
 
 
 def test_the_plan_survives_its_file(tmp_path: Path) -> None:

@@ -183,6 +183,25 @@ def test_hand_commands_pause_resume_promote_and_each_acts_once() -> None:
     assert events[0][1] == "UnknownRolloutAction"
 
 
+@pytest.mark.parametrize("action", ["promote-full@1", "promote@1"])
+def test_a_promotion_by_hand_waits_for_the_stable_pools_on_the_new_spec(action: str) -> None:
+    """The observation that carries the command was taken before it: its stable pools were
+    ready on the old stable spec. Promoting by hand must not finalise in the same look
+    (the stable pools would never have taken the new revision)."""
+    spec = _spec("v2", steps=[{"weight": 100, "pauseSeconds": 3600}])
+    state = _started()
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True, stable_ready=True))
+    assert (state.phase, state.step) == (Phase.progressing, 0)
+    ready = {"canary_ready": True, "stable_ready": True, "routed": True}
+    state, _ = rollout.advance(state, spec, _obs(1, action=action, **ready))
+    assert state.phase == Phase.promoting
+    assert state.stable_revision == "v2"
+    state, _ = rollout.advance(state, spec, _obs(2, action=action, stable_ready=False))
+    assert state.phase == Phase.promoting
+    state, _ = rollout.advance(state, spec, _obs(3, action=action, stable_ready=True))
+    assert state.phase == Phase.finalizing
+
+
 def test_a_new_revision_mid_rollout_restarts_and_the_old_revision_aborts() -> None:
     state = _started()
     state, _ = rollout.advance(state, _spec("v2"), _obs(0, canary_ready=True))

@@ -475,32 +475,6 @@ def _windows(memo: kopf.Memo, key: tuple[str, str]) -> analysis.WindowSource:
     return analysis.ScrapeWindows(lambda: list(memo.gateways.get(key, {}).values()))
 
 
-def _look(
-    controller: Any, spec: crd.LLMServiceSpec, source: analysis.WindowSource, action: str | None
-) -> rollout.Observation:
-    """What the rollout loop sees now: the pools (from the last reconcile), the gateways'
-    routing and the step's window (read only while a canary exists)."""
-    now = time.time()
-    state = controller.state
-    ready = controller.readiness
-    if state is None or not rollout.has_canary(state):
-        return rollout.Observation(now, action=action, actions_seen=True)
-    canary = (
-        spec
-        if state.phase not in (crd.RolloutPhase.promoting, crd.RolloutPhase.finalizing)
-        else None
-    )
-    tiers = sorted({"edge" if c == "edge" else "cloud" for c in crd.scaled_pools(canary or spec)})
-    window = source.read(state.step_started_at, now)
-    alpha = rollout.needs_analysis(state, spec, now)
-    verdict = rollout.analyse(window, state, spec, tiers, alpha) if alpha is not None else None
-    return rollout.Observation(
-        now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
-        routed=rollout.routed(window, state, tiers), verdict=verdict, action=action,
-        actions_seen=True, canary_problem=ready.canary_problem,
-    )  # fmt: skip
-
-
 @kopf.daemon(*LLMSERVICES, id="rollout", cancellation_timeout=30.0)
 async def rollout_loop(
     body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
@@ -522,7 +496,7 @@ async def rollout_loop(
                 source = source or _windows(memo, key)
                 try:
                     obs = await loop.run_in_executor(
-                        memo.scale_executor, _look, controller, spec, source, action
+                        memo.scale_executor, rollout.look, controller, spec, source, action
                     )
                     before = controller.state
                     controller.advance(spec, obs)

@@ -262,7 +262,12 @@ def _advance(
         ), []  # fmt: skip
     events: list[Event] = []
     if obs.action and obs.action != state.handled_action:
+        before = state.phase
         state, events = _act(state, spec, obs.action, obs.now)
+        if state.phase != before:
+            # The rest of the observation was taken before the command: the stable pools
+            # were ready on the old stable spec, not on the one a promotion just set.
+            return state, events
     elif obs.actions_seen and not obs.action and state.handled_action:
         state = state.model_copy(update={"handled_action": None})  # the same may come again
     phase = state.phase
@@ -455,6 +460,32 @@ def analyse(
         )
         verdicts[tier] = analysis.judge(canary, stable, spec.rollout.analysis, alpha / len(judged))
     return analysis.combine(verdicts)
+
+
+def look(
+    controller: Controller,
+    spec: crd.LLMServiceSpec,
+    source: analysis.WindowSource,
+    action: str | None,
+) -> Observation:
+    """What the rollout loop sees now (the operator's and local mode's alike): the pools
+    (``controller.readiness``, from the last reconcile), the gateways' routing and the
+    step's window (read only while a canary exists), and a hand command."""
+    now = time.time()
+    state = controller.state
+    ready = controller.readiness
+    if state is None or not has_canary(state):
+        return Observation(now, action=action, actions_seen=True)
+    canary = spec if state.phase not in (Phase.promoting, Phase.finalizing) else None
+    tiers = sorted({"edge" if c == "edge" else "cloud" for c in crd.scaled_pools(canary or spec)})
+    window = source.read(state.step_started_at, now)
+    alpha = needs_analysis(state, spec, now)
+    verdict = analyse(window, state, spec, tiers, alpha) if alpha is not None else None
+    return Observation(
+        now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
+        routed=routed(window, state, tiers), verdict=verdict, action=action,
+        actions_seen=True, canary_problem=ready.canary_problem,
+    )  # fmt: skip
 
 
 def tick_seconds(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> float:

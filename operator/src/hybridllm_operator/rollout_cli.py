@@ -5,12 +5,18 @@ LLMService (``promote@<time>``, so the same command twice is two commands); the 
 acts on it at its next look and removes it. ``kubectl annotate llms NAME
 hybridllm.io/rollout-action=promote`` does the same. ``status`` prints
 ``status.rollout``: the phase, the step and weight, and the last analysis.
+
+With ``--local`` they steer a service of local mode (``hybridllm up``): the command goes
+to the supervisor's ``rollout-action`` file (and a SIGUSR1 wakes it), and ``status``
+reads its state file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from typing import Any
@@ -67,7 +73,42 @@ def format_status(obj: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _run_local(args: argparse.Namespace, verb: str) -> int:
+    from hybridllm_operator.local import cli as local_cli
+    from hybridllm_operator.local import supervisor as sup
+
+    service_dir = local_cli.service_dir(args)
+    state = local_cli.running_state(service_dir)
+    if state is None:
+        print(f"error: {service_dir.name} is not running (see `hybridllm status`)", file=sys.stderr)
+        return 1
+    if verb == "status":
+        obj = {
+            "metadata": {"namespace": "local", "name": state["name"]},
+            "status": {"rollout": state.get("rollout")},
+        }
+        if args.output == "json":
+            print(json.dumps(state.get("rollout"), indent=2))
+        else:
+            print(format_status(obj))
+        return 0
+    sup.write_action(service_dir, f"{verb}@{time.time():.3f}")
+    os.kill(int(state["supervisor_pid"]), signal.SIGUSR1)
+    phase = (state.get("rollout") or {}).get("phase", "unknown")
+    print(
+        f"{verb} asked of {state['name']} (rollout {phase}); `hybridllm rollout status "
+        f"{state['name']} --local` shows when the supervisor has acted",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    verb = args.rollout_command
+    if verb == "promote" and args.full:
+        verb = "promote-full"
+    if args.local:
+        return _run_local(args, verb)
     api = _api()
     obj = _get(api, args)
     if args.rollout_command == "status":
@@ -76,9 +117,6 @@ def _run(args: argparse.Namespace) -> int:
         else:
             print(format_status(obj))
         return 0
-    verb = args.rollout_command
-    if verb == "promote" and args.full:
-        verb = "promote-full"
     from hybridllm_operator import rollout
 
     value = f"{verb}@{time.time():.3f}"
@@ -111,6 +149,14 @@ def register_rollout(subparsers: Any) -> None:
         p = sub.add_parser(verb, help=text, description=text)
         p.add_argument("name", help="the LLMService")
         p.add_argument("-n", "--namespace", default="default", help="its namespace")
+        p.add_argument(
+            "--local",
+            action="store_true",
+            help="a service of local mode (`hybridllm up`) instead of the cluster's",
+        )
+        p.add_argument(
+            "--state-root", default=None, help="with --local: where local services keep state"
+        )
         if verb == "promote":
             p.add_argument(
                 "--full", action="store_true", help="skip every remaining step and analysis"

@@ -1,4 +1,4 @@
-"""`hybridllm up`, `down`, `status` and `logs`: an LLMService manifest on this machine."""
+"""`hybridllm up`, `apply`, `down`, `status` and `logs`: an LLMService manifest on this machine."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridllm_operator import reconcile
 from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local import supervisor as sup
 from hybridllm_operator.observability import metrics as observed
@@ -39,12 +40,17 @@ def _read_state(service_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _running(service_dir: Path) -> dict[str, Any] | None:
+def running_state(service_dir: Path) -> dict[str, Any] | None:
     """The state of a live supervisor in ``service_dir``, else None."""
     state = _read_state(service_dir)
     if state and sup.is_alive(state.get("supervisor_pid"), state.get("supervisor_start_time")):
         return state
     return None
+
+
+def service_dir(args: argparse.Namespace) -> Path:
+    """The directory of the service ``args.name`` names (``--state-root`` too)."""
+    return _root(args) / str(args.name)
 
 
 def _pick(args: argparse.Namespace) -> Path:
@@ -77,7 +83,7 @@ def _up(args: argparse.Namespace) -> int:
             print(f"error: {manifest.path}: {problem}", file=sys.stderr)
         return EXIT_INVALID
     service_dir = _root(args) / manifest.name
-    running = _running(service_dir)
+    running = running_state(service_dir)
     if running:
         return _error(
             f"{manifest.name} is already running (supervisor pid {running['supervisor_pid']}, "
@@ -173,6 +179,55 @@ def _up_detached(args: argparse.Namespace, plan: plan_mod.Plan, service_dir: Pat
             time.sleep(0.5)
 
 
+# --------------------------------------------------------------------------- apply
+
+
+def _apply(args: argparse.Namespace) -> int:
+    """A changed manifest to a running service: a new model revision rolls out (the
+    operator's rollout, run by the supervisor); any other change needs a new `up`."""
+    try:
+        manifest = plan_mod.load_manifest(Path(args.file), args.name)
+    except plan_mod.ManifestError as exc:
+        return _error(str(exc), EXIT_INVALID)
+    service_dir = _root(args) / manifest.name
+    running = running_state(service_dir)
+    if running is None:
+        return _error(f"{manifest.name} is not running; `hybridllm up -f {args.file}` starts it")
+    try:
+        current = reconcile.parse_spec(
+            manifest.name, json.loads((service_dir / sup.SPEC_FILE).read_text())
+        )
+    except (OSError, ValueError, reconcile.InvalidSpec) as exc:
+        return _error(f"{manifest.name}: the running spec cannot be read ({exc})")
+    changes = plan_mod.spec_changes(current, manifest.spec)
+    refused = plan_mod.refused_changes(changes)
+    if refused:
+        return _error(
+            f"{manifest.path}: {', '.join(refused)}: a running local service takes changes "
+            f"to {' and '.join(f'spec.{f}' for f in plan_mod.APPLIED_FIELDS)} only (a new "
+            f"revision rolls out); for the rest, `hybridllm down {manifest.name}` and "
+            f"`hybridllm up -f {args.file}`",
+            EXIT_INVALID,
+        )
+    problems = plan_mod.gpu_problems(manifest.service(), plan_mod.gpu_count())
+    if problems:
+        for problem in problems:
+            print(f"error: {manifest.path}: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    if not changes:
+        print(f"{manifest.name} unchanged")
+        return 0
+    sup.write_spec(service_dir, manifest.spec)
+    os.kill(int(running["supervisor_pid"]), signal.SIGUSR1)
+    old, new = current.model.revision, manifest.spec.model.revision
+    what = f"revision {old} -> {new}" if old != new else ", ".join(changes)
+    print(
+        f"{manifest.name}: {what} applied; `hybridllm rollout status {manifest.name} --local` "
+        "follows the rollout"
+    )
+    return 0
+
+
 # --------------------------------------------------------------------------- down
 
 
@@ -225,11 +280,24 @@ def _status(args: argparse.Namespace) -> int:
     print(
         f"{state['name']}: {phase}   gateway {state['gateway_url']}/v1   from {state['manifest']}"
     )
-    print(f"{'PROCESS':<16}{'STATUS':<10}{'PID':>8}{'PORT':>7}{'RESTARTS':>10}  LAST EXIT")
+    if state.get("rollout"):
+        from hybridllm_common import crd
+        from hybridllm_operator import rollout
+
+        ro = crd.RolloutStatus.model_validate(state["rollout"])
+        serving = f"revision {ro.stable_revision}"
+        if state.get("revision") != ro.stable_revision:
+            serving += f" (the spec's: {state.get('revision')})"
+        print(f"{serving}   rollout {rollout.summary(ro)}   (`hybridllm rollout status "
+              f"{state['name']} --local`)")  # fmt: skip
+    print(
+        f"{'PROCESS':<20}{'STATUS':<10}{'REVISION':<10}{'PID':>8}{'PORT':>7}{'RESTARTS':>10}"
+        "  LAST EXIT"
+    )
     for p in state["processes"]:
         print(
-            f"{p['name']:<16}{p['status']:<10}{p['pid'] or '-':>8}{p['port']:>7}"
-            f"{p['restarts']:>10}  {p['last_exit'] or '-'}"
+            f"{p['name']:<20}{p['status']:<10}{p.get('revision') or '-':<10}{p['pid'] or '-':>8}"
+            f"{p['port']:>7}{p['restarts']:>10}  {p['last_exit'] or '-'}"
         )
     return 0 if alive else 1
 
@@ -339,6 +407,21 @@ def register_up(subparsers: Any) -> None:
     )
     _state_root_flag(up)
     up.set_defaults(func=_up)
+
+
+def register_apply(subparsers: Any) -> None:
+    apply = subparsers.add_parser(
+        "apply",
+        help="give a running local service a changed manifest (a new model revision rolls out)",
+        description="Validate the manifest as `up` does and hand it to the running service's "
+        "supervisor: a new spec.model.revision rolls out as spec.rollout says (canary steps "
+        "analysed on the gateway's metrics, or blueGreen, or rolling); other changes need "
+        "`hybridllm down` and `up`.",
+    )
+    apply.add_argument("-f", "--file", required=True, help="the manifest (YAML)")
+    apply.add_argument("--name", help="which LLMService, when the file has several")
+    _state_root_flag(apply)
+    apply.set_defaults(func=_apply)
 
 
 def register_down(subparsers: Any) -> None:

@@ -18,7 +18,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,17 @@ def local_problems(
     service: builders.Service, *, gpus: int, api_keys_file: Path | None
 ) -> list[str]:
     """Why this machine cannot run the spec locally, naming the field; empty when it can."""
+    problems = gpu_problems(service, gpus)
+    if service.spec.gateway.api_keys_secret and api_keys_file is None:
+        problems.append(
+            "spec.gateway.apiKeysSecret: local mode has no Secrets; pass the key file with "
+            "--api-keys-file (lines of NAME:SHA256, see `hybridllm gateway hash-key`)"
+        )
+    return problems
+
+
+def gpu_problems(service: builders.Service, gpus: int) -> list[str]:
+    """The pools that ask for more GPUs per replica than this machine has."""
     problems = []
     for pool in builders.pools(service):
         if pool.resources.gpu > gpus:
@@ -109,11 +120,6 @@ def local_problems(
                 f"replica asks for {pool.resources.gpu} GPU(s) and this machine has {gpus}; "
                 "set gpu: 0 and cloud.dtype: float32 to run the cloud tier on the CPU"
             )
-    if service.spec.gateway.api_keys_secret and api_keys_file is None:
-        problems.append(
-            "spec.gateway.apiKeysSecret: local mode has no Secrets; pass the key file with "
-            "--api-keys-file (lines of NAME:SHA256, see `hybridllm gateway hash-key`)"
-        )
     return problems
 
 
@@ -160,10 +166,10 @@ def local_notes(service: builders.Service) -> list[str]:
             f"minReplicas 0 ({', '.join(zero)}): local mode keeps one replica (its gateway "
             "routes to running processes only, so nothing would wake a stopped pool)"
         )
-    if "rollout" in spec.model_fields_set:
+    if spec.rollout.strategy == crd.RolloutStrategy.rolling:
         notes.append(
-            "spec.rollout: local mode serves one revision; staged rollouts run in the "
-            "operator (a new revision here starts its pools afresh)"
+            "spec.rollout.strategy is rolling: a new revision restarts each replica in "
+            "place, one at a time (there is no surge replica locally)"
         )
     if spec.edge.enabled and spec.edge.devices is not None:
         notes.append("spec.edge.devices: devices outside this machine are not enrolled locally")
@@ -172,6 +178,31 @@ def local_notes(service: builders.Service) -> list[str]:
         "are not enforced locally"
     )
     return notes
+
+
+APPLIED_FIELDS = ("model", "rollout")  # what `hybridllm apply` changes in a running service
+
+
+def spec_changes(old: crd.LLMServiceSpec, new: crd.LLMServiceSpec) -> list[str]:
+    """The fields that differ, as the manifest spells them (``spec.model.revision``)."""
+
+    def walk(a: Any, b: Any, path: str) -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [
+                c for k in sorted(set(a) | set(b)) for c in walk(a.get(k), b.get(k), f"{path}.{k}")
+            ]
+        return [] if a == b else [path]
+
+    return walk(old.to_wire(), new.to_wire(), "spec")
+
+
+def refused_changes(changes: list[str]) -> list[str]:
+    """The changes a running local service cannot take (everything but a new model
+    revision and its rollout): its processes were started with the rest."""
+    allowed = tuple(f"spec.{f}" for f in APPLIED_FIELDS)
+    return [
+        c for c in changes if not (c in allowed or c.startswith(tuple(a + "." for a in allowed)))
+    ]
 
 
 def _pool_field(service: builders.Service, component: str) -> str:
@@ -198,9 +229,13 @@ class Replica:
     kv_port: int | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     standby: bool = False  # a slot the autoscaler may start (not started at first)
+    revision: str = ""  # the model revision it serves ("" for the gateway)
+    track: str | None = None  # "canary": a rollout's new revision, beside the stable pools
 
     @property
     def name(self) -> str:
+        if self.track:
+            return f"{self.component}-{self.track}-{self.index}"
         return f"{self.component}-{self.index}"
 
     @property
@@ -227,10 +262,6 @@ class Plan:
 
     def pool(self, component: str) -> list[Replica]:
         return [r for r in self.replicas if r.component == component]
-
-    def routing(self, ready: dict[str, list[str]]) -> dict[str, Any]:
-        """The operator's routing table with these ready backend URLs per tier."""
-        return builders.routing_config(self.service(), ready)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -309,6 +340,32 @@ def program_path(program: str) -> str:
     return found
 
 
+def place(
+    pool: builders.Pool,
+    index: int,
+    port: int,
+    *,
+    kv_port: int | None = None,
+    prefill_kv: Sequence[int] = (),
+    standby: bool = False,
+) -> Replica:
+    """Replica ``index`` of a rendered runtime pool as a local process: the pool's program
+    and args, with this machine's addresses (``prefill_kv``: the KV ports of the prefill
+    replicas a decode replica pulls from)."""
+    values = {"--host": LOOPBACK, "--port": str(port)}
+    if pool.component == "prefill":
+        if kv_port is None:
+            raise ValueError("a prefill replica needs a KV port")
+        values["--kv-port"] = str(kv_port)
+    if pool.component == "decode":
+        values["--prefill-url"] = ",".join(f"tcp://{LOOPBACK}:{p}" for p in prefill_kv)
+    return Replica(
+        pool.component, index, [program_path(pool.program), *localize(pool.args, values)],
+        port=port, kv_port=kv_port, env=dict(pool.env), standby=standby,
+        revision=pool.revision or "", track=pool.track,
+    )  # fmt: skip
+
+
 def make_plan(
     manifest: Manifest,
     state_dir: Path,
@@ -334,42 +391,25 @@ def make_plan(
     port_iter = ports if ports is not None else iter(free_ports(needed))
     routing_path = state_dir / "routing.json"
     replicas: list[Replica] = []
-    prefill_kv: list[int] = []
-    for pool in runtime_pools:
-        if pool.component == "prefill":
-            prefill_kv = [next(port_iter) for _ in range(count[pool.component])]
+    prefill_kv = [next(port_iter) for p in runtime_pools if p.component == "prefill"
+                  for _ in range(count["prefill"])]  # fmt: skip
     for pool in pools:
-        program = program_path(pool.program)
         if pool.component == "gateway":
             values = {"--host": host, "--port": str(gateway_port), "--config": str(routing_path)}
             if api_keys_file is not None:
                 values["--api-keys-file"] = str(api_keys_file)
             args = localize(pool.args, values)
-            replicas.append(
-                Replica("gateway", 0, [program, *args], port=gateway_port, env=dict(pool.env))
-            )
+            command = [program_path(pool.program), *args]
+            replicas.append(Replica("gateway", 0, command, port=gateway_port, env=dict(pool.env)))
             continue
         for index in range(slots[pool.component]):
-            port = next(port_iter)
-            values = {"--host": LOOPBACK, "--port": str(port)}
-            kv_port = None
-            if pool.component == "prefill":
-                kv_port = prefill_kv[index]
-                values["--kv-port"] = str(kv_port)
-            if pool.component == "decode":
-                values["--prefill-url"] = ",".join(f"tcp://{LOOPBACK}:{p}" for p in prefill_kv)
-            args = localize(pool.args, values)
+            kv_port = prefill_kv[index] if pool.component == "prefill" else None
             replicas.append(
-                Replica(
-                    pool.component,
-                    index,
-                    [program, *args],
-                    port=port,
-                    kv_port=kv_port,
-                    env=dict(pool.env),
+                place(
+                    pool, index, next(port_iter), kv_port=kv_port, prefill_kv=prefill_kv,
                     standby=index >= count[pool.component],
                 )
-            )
+            )  # fmt: skip
     shown_host = LOOPBACK if host in ("0.0.0.0", "::") else host
     return Plan(
         name=manifest.name,

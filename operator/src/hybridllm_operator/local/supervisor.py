@@ -20,6 +20,14 @@ What a kubelet and a Service do for pods, on one machine:
   ``/metrics`` every interval and the supervisor starts standby slots or retires replicas:
   a retired replica leaves the routing table first, then gets SIGTERM and finishes what
   it is answering;
+- **rollouts**: the operator's rollout controller (`hybridllm_operator.rollout`) runs in
+  the supervisor. ``hybridllm apply`` writes a new spec (``spec.json``) and wakes it
+  (SIGUSR1); a new ``spec.model.revision`` starts the canary's replicas (``edge-canary-0``)
+  beside the stable ones, the routing table weights the two revisions as the operator's
+  does, each step is analysed from the gateway's ``/metrics``, and at promotion the stable
+  replicas are restarted one at a time on the new revision (out of the table, drained,
+  started again) before the canary is retired. ``hybridllm rollout ... --local`` writes a
+  hand command to ``rollout-action``;
 - **state on disk**: ``state.json`` (phase, pids, ports, restarts; rewritten atomically
   on every change) lets ``status``, ``logs`` and ``down`` work from another shell, and
   ``supervisor.lock`` (an flock held for the supervisor's life) keeps a second
@@ -43,8 +51,10 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from hybridllm_common import crd
 from hybridllm_forecaster.autoscaler import DECIDING
-from hybridllm_operator import autoscaling, demand
+from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
+from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local.plan import LOOPBACK, Plan, Replica, local_scaled_pools
 from hybridllm_operator.observability import metrics as observed
 from hybridllm_operator.observability import page
@@ -53,6 +63,8 @@ PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
 LOCK_FILE = "supervisor.lock"
 SCRAPE_FILE = "scrape-targets.json"  # Prometheus file_sd: what to scrape, labelled
+SPEC_FILE = "spec.json"  # the spec the service runs now; `hybridllm apply` replaces it
+ACTION_FILE = "rollout-action"  # a hand command for the rollout (`hybridllm rollout --local`)
 SUPERVISOR_LOG = "supervisor.log"
 LOG_DIR = "logs"
 
@@ -117,15 +129,19 @@ class Proc:
     replica: Replica
     log: Path
     # pending, starting, ready, unready, backoff, stopped; standby (a slot not running),
-    # draining (being retired by the autoscaler)
+    # draining (being retired), updating (being restarted on a new spec)
     status: str = "pending"
-    retiring: bool = False
+    retiring: bool = False  # once it exits: back on standby (a canary's: gone)
+    draining: bool = False  # out of the routing table, its probe ignored, until it exits
+    pending: Replica | None = None  # what it runs next: a restart on the new spec is due
+    updating: bool = False  # restarted on a new spec and not ready again yet
     pid: int | None = None
     start_time: int | None = None
     restarts: int = 0
     started_at: float | None = None
     ready_after_s: float | None = None
     last_exit: str | None = None
+    woken: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False)
     process: asyncio.subprocess.Process | None = dataclasses.field(default=None, repr=False)
 
     def to_state(self) -> dict[str, Any]:
@@ -139,6 +155,8 @@ class Proc:
             "port": r.port,
             "kv_port": r.kv_port,
             "url": r.url,
+            "revision": r.revision or None,
+            "track": r.track,
             "status": self.status,
             "restarts": self.restarts,
             "ready_after_s": self.ready_after_s,
@@ -174,13 +192,17 @@ class Supervisor:
         ]
         self.tasks: list[asyncio.Task[None]] = []
         self.scaling: autoscaling.ServiceAutoscaler | None = None
+        self.spec = plan.service().spec  # the plan's, until `hybridllm apply` gives another
+        self.rollouts = rollout.Controller()
+        self._spec_stamp: tuple[int, int] | None = None
+        self._wake = asyncio.Event()  # SIGUSR1 (a new spec, a hand command), a process change
         self.phase = "starting"
         self.t0 = time.monotonic()
         self.started_wall = time.time()
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._routing_ready = asyncio.Event()
-        self._routing: dict[str, list[str]] | None = None
+        self._routing: dict[str, Any] | None = None
         self._lock_fd: int | None = None
 
     # ----------------------------------------------------------------- output and state
@@ -206,6 +228,9 @@ class Supervisor:
                 "pools": {c: {"desired": d.desired, "reason": d.reason}
                           for c, d in self.scaling.decisions.items()},
             }  # fmt: skip
+        if self.rollouts.state is not None:
+            state["revision"] = self.spec.model.revision
+            state["rollout"] = self.rollouts.state.to_wire()
         _atomic_write(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
         _atomic_write(self.state_dir / SCRAPE_FILE, json.dumps(self.scrape_targets(), indent=2))
 
@@ -235,7 +260,9 @@ class Supervisor:
     def _update_phase(self) -> None:
         if self.phase == "stopping":
             return
-        all_ready = all(p.status == "ready" for p in self.procs if p.status != "standby")
+        all_ready = all(
+            p.status == "ready" for p in self.procs if p.status != "standby" and not p.replica.track
+        )
         if all_ready and self.phase == "starting":
             self.phase = "ready"
             self._banner()
@@ -266,29 +293,49 @@ class Supervisor:
 
     # ----------------------------------------------------------------- routing
 
-    def _ready_backends(self) -> dict[str, list[str]]:
-        return {
-            tier: [
-                p.replica.url
-                for p in self.procs
-                if p.replica.component == component and p.status == "ready"
-            ]
-            for tier, component in self.plan.tiers.items()
-        }
+    def service(self) -> builders.Service:
+        """The service as the operator's renderer sees it now: the applied spec, the
+        replicas the autoscaler runs and the rollout's state."""
+        scaled = {c: len(self._active(c)) for c in local_scaled_pools(self.spec)}
+        return builders.Service(
+            name=self.plan.name, namespace=plan_mod.NAMESPACE, uid="local", spec=self.spec,
+            scaled=scaled, rollout=self.rollouts.state,
+        )  # fmt: skip
+
+    def _ready_urls(self, component: str, track: str | None) -> list[str]:
+        return [
+            p.replica.url
+            for p in self.procs
+            if p.replica.component == component and p.replica.track == track
+            and p.status == "ready"
+        ]  # fmt: skip
 
     def _update_routing(self) -> None:
-        ready = self._ready_backends()
-        if ready == self._routing or not any(ready.values()):
+        """The operator's routing table (:func:`builders.routing_config`) with one backend
+        per ready replica, the canary's at the rollout's weight."""
+        service = self.service()
+        stable = {
+            tier: self._ready_urls(component, None)
+            for tier, component in builders.tier_components(service).items()
+        }
+        canary = {}
+        if service.canary is not None:
+            canary = {
+                tier: self._ready_urls(component, builders.CANARY)
+                for tier, component in builders.tier_components(service, service.canary).items()
+            }
+        table = builders.routing_config(service, stable, canary)
+        if table == self._routing or not (any(stable.values()) or any(canary.values())):
             # No tier has a ready replica: keep the last table (the gateway's retries and
             # ejection handle dead backends) rather than one the gateway would refuse.
             return
-        self._routing = ready
+        self._routing = table
         _atomic_write(
-            Path(self.plan.routing_path),
-            json.dumps(self.plan.routing(ready), indent=2, sort_keys=True) + "\n",
+            Path(self.plan.routing_path), json.dumps(table, indent=2, sort_keys=True) + "\n"
         )
         if self._routing_ready.is_set():
-            shown = {t: len(u) for t, u in ready.items()}
+            shown = {t: len(u) for t, u in stable.items()}
+            shown |= {f"{t} (canary)": len(u) for t, u in canary.items()}
             self.say(f"routing table updated: ready replicas per tier {shown}")
         self._routing_ready.set()
 
@@ -299,6 +346,7 @@ class Supervisor:
         if proc.replica.component != "gateway" and self.phase != "stopping":
             self._update_routing()
         self._update_phase()
+        self._wake.set()
 
     # ----------------------------------------------------------------- one replica
 
@@ -338,16 +386,18 @@ class Supervisor:
         failures = 0
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                if proc.retiring:  # leaving: out of the routing table for good
+                if proc.draining:  # leaving: out of the routing table until it exits
                     pass
                 elif await self._probe_once(session, proc):
                     failures = 0
                     if proc.status != "ready":
                         assert proc.started_at is not None
                         took = time.monotonic() - proc.started_at
+                        again = "" if proc.ready_after_s is None else " again"
                         if proc.ready_after_s is None:
                             proc.ready_after_s = round(took, 2)
-                        self.say(f"{proc.replica.name:<14} ready after {took:.1f}s")
+                        self.say(f"{proc.replica.name:<14} ready{again} after {took:.1f}s")
+                        proc.updating = False
                         self._set_status(proc, "ready")
                 else:
                     failures += 1
@@ -358,9 +408,10 @@ class Supervisor:
                 await asyncio.sleep(PROBE_READY_S if ready else PROBE_STARTING_S)
 
     async def _keep(self, proc: Proc) -> None:
-        """Run one replica until the supervisor stops, restarting it with back-off."""
+        """Run one replica until the supervisor stops or retires it, restarting it with
+        back-off when it exits, and at once on its new spec when it was replaced."""
         backoff = BACKOFF_FIRST_S
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not proc.retiring:
             if proc.replica.component == "gateway" and not await self._until(self._routing_ready):
                 return
             try:
@@ -380,11 +431,13 @@ class Supervisor:
                     await probe
                 proc.last_exit = describe_exit(code)
                 ran = time.monotonic() - proc.started_at
+                proc.pid, proc.draining = None, False
                 if self._stop.is_set() or proc.retiring:
-                    proc.pid = None
-                    self._set_status(proc, "standby" if proc.retiring else "stopped")
-                    proc.retiring = False
-                    return
+                    break
+                if proc.pending is not None:  # replaced: its new spec starts now
+                    proc.replica, proc.pending = proc.pending, None
+                    backoff = BACKOFF_FIRST_S
+                    continue
                 if ran >= BACKOFF_RESET_AFTER_S:
                     backoff = BACKOFF_FIRST_S
                 self.say(
@@ -394,9 +447,23 @@ class Supervisor:
             proc.pid = None
             proc.restarts += 1
             self._set_status(proc, "backoff")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), backoff)
+            waits = [
+                asyncio.ensure_future(self._stop.wait()),
+                asyncio.ensure_future(proc.woken.wait()),
+            ]
+            await asyncio.wait(waits, timeout=backoff, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            proc.woken.clear()
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+        if proc.retiring and not self._stop.is_set():
+            proc.retiring = False
+            if proc.replica.track:  # a canary replica is gone for good
+                self.procs.remove(proc)
+                self._update_phase()
+            else:
+                self._set_status(proc, "standby")
+            return
         self._set_status(proc, "stopped")
 
     async def _until(self, event: asyncio.Event) -> bool:
@@ -448,9 +515,11 @@ class Supervisor:
             self.write_state()
 
     def _active(self, component: str) -> list[Proc]:
+        """The stable replicas of a pool that run (or are starting) and stay."""
         return [
             p for p in self.procs
-            if p.replica.component == component and p.status != "standby" and not p.retiring
+            if p.replica.component == component and p.replica.track is None
+            and p.status != "standby" and not p.retiring
         ]  # fmt: skip
 
     def _resize(self, component: str, replicas: int) -> None:
@@ -458,24 +527,214 @@ class Supervisor:
         if replicas > len(active):
             standby = [
                 p for p in self.procs
-                if p.replica.component == component and p.status == "standby"
+                if p.replica.component == component and p.replica.track is None
+                and p.status == "standby"
             ]  # fmt: skip
             for proc in standby[: replicas - len(active)]:
                 proc.status = "pending"
                 self.tasks.append(asyncio.create_task(self._keep(proc)))
         for proc in sorted(active, key=lambda p: p.replica.index)[replicas:]:
-            self.tasks.append(asyncio.create_task(self._retire(proc)))
+            self._retire(proc)
 
-    async def _retire(self, proc: Proc) -> None:
+    def _retire(self, proc: Proc) -> None:
         """Out of the routing table first; once the gateway has reloaded it, SIGTERM: the
         server finishes what it is answering and exits; `_keep` then leaves the slot on
-        standby."""
-        proc.retiring = True
+        standby (a canary replica's goes)."""
+        proc.retiring = proc.draining = True
+        proc.woken.set()  # one waiting out a back-off is not started again
         self._set_status(proc, "draining")
+        self.tasks.append(asyncio.create_task(self._drain(proc)))
+
+    def _replace(self, proc: Proc) -> None:
+        """A stable replica onto its new spec (``proc.pending``): out of the routing table,
+        drained, then started again on the same port (``_keep``)."""
+        assert proc.pending is not None
+        proc.updating = proc.draining = True
+        self.say(f"{proc.replica.name:<14} restarting on revision {proc.pending.revision}")
+        self._set_status(proc, "updating")
+        self.tasks.append(asyncio.create_task(self._drain(proc)))
+
+    async def _drain(self, proc: Proc) -> None:
+        """Wait for the gateway to reload a table without ``proc``, then SIGTERM it (not
+        when a replacement was called off meanwhile: the spec went back)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), RETIRE_DELAY_S)
+        if proc.updating and proc.pending is None and not proc.retiring:
+            proc.updating = proc.draining = False  # its probe puts it back in the table
+            return
         if not self._stop.is_set():
             await self._terminate([proc])
+
+    # ----------------------------------------------------------------- rollouts
+
+    def _reload_spec(self) -> None:
+        """The spec ``hybridllm apply`` left in ``spec.json``, once per change."""
+        path = self.state_dir / SPEC_FILE
+        try:
+            st = path.stat()
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp == self._spec_stamp:
+                return
+            self._spec_stamp = stamp
+            spec = reconcile.parse_spec(self.plan.name, json.loads(path.read_text()))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, reconcile.InvalidSpec) as exc:
+            self.say(f"{SPEC_FILE}: not applied: {exc}")
+            return
+        changes = plan_mod.spec_changes(self.spec, spec)
+        refused = plan_mod.refused_changes(changes)
+        if refused:  # `apply` refuses these; a file edited by hand may still hold them
+            self.say(f"{SPEC_FILE}: not applied: {', '.join(refused)} cannot change while running")
+            return
+        if changes:
+            self.say(f"applied: {', '.join(changes)}")
+            self.spec = spec
+
+    def _read_action(self) -> str | None:
+        try:
+            return (self.state_dir / ACTION_FILE).read_text().strip() or None
+        except OSError:
+            return None
+
+    def _clear_action(self, action: str) -> None:
+        if self._read_action() == action:  # not one written since
+            (self.state_dir / ACTION_FILE).unlink(missing_ok=True)
+
+    def _pool_procs(self, component: str, track: str | None) -> list[Proc]:
+        return [
+            p for p in self.procs if p.replica.component == component and p.replica.track == track
+        ]
+
+    def _kv_ports(self, track: str | None) -> list[int]:
+        return [
+            p.replica.kv_port for p in self._pool_procs("prefill", track)
+            if p.replica.kv_port is not None and not p.retiring
+        ]  # fmt: skip
+
+    def _start(self, replica: Replica) -> None:
+        proc = Proc(replica, self.state_dir / LOG_DIR / f"{replica.name}.log")
+        self.procs.append(proc)
+        self.tasks.append(asyncio.create_task(self._keep(proc)))
+
+    def _converge(self) -> None:
+        """Make the processes what the renderer says now (the operator's reconcile, for
+        processes): stable replicas on the stable spec (restarted one at a time), the
+        canary's pools at their size, the routing table, and the readiness the rollout
+        controller reads."""
+        if self._stop.is_set():
+            return
+        service = self.service()
+        pools = [p for p in builders.pools(service) if p.component != "gateway"]
+        for pool in (p for p in pools if p.track is None):
+            kv = self._kv_ports(None)
+            for proc in self._pool_procs(pool.component, None):
+                r = proc.replica
+                want = plan_mod.place(
+                    pool, r.index, r.port, kv_port=r.kv_port, prefill_kv=kv, standby=r.standby
+                )
+                if want == r:
+                    proc.pending = None
+                elif proc.pid is None:  # not running: its next start runs the new spec
+                    proc.replica, proc.pending = want, None
+                else:
+                    proc.pending = want
+        if not any(p.updating for p in self.procs):
+            due = [p for p in self.procs if p.pending is not None and p.pid is not None]
+            if due:
+                self._replace(due[0])
+        self._converge_canary([p for p in pools if p.track == builders.CANARY])
+        self._update_routing()
+        self.rollouts.readiness = self._readiness(service, pools)
+
+    def _converge_canary(self, pools: list[builders.Pool]) -> None:
+        """The canary's replicas: started on fresh ports up to each pool's size, retired
+        past it, when their spec is not the canary's any more, or with the canary."""
+        wanted = {p.component for p in pools}
+        for component in ("edge", "monolithic", "prefill", "decode"):
+            if component not in wanted:
+                for proc in self._pool_procs(component, builders.CANARY):
+                    if not proc.retiring:
+                        self._retire(proc)
+        for pool in pools:  # prefill before decode: a decode replica needs their KV ports
+            kv = self._kv_ports(builders.CANARY)
+            procs = self._pool_procs(pool.component, builders.CANARY)
+            live = [p for p in procs if not p.retiring]
+            matching = []
+            for proc in live:
+                r = proc.replica
+                if plan_mod.place(pool, r.index, r.port, kv_port=r.kv_port, prefill_kv=kv) == r:
+                    matching.append(proc)
+                else:
+                    self._retire(proc)
+            size = pool.replicas or 1
+            if pool.component in ("prefill", "decode") and matching:
+                size = len(matching)  # sized when the canary starts (decode knows its prefill)
+            index = max((p.replica.index for p in procs), default=-1) + 1
+            for _ in range(size - len(matching)):
+                ports = plan_mod.free_ports(2 if pool.component == "prefill" else 1)
+                kv_port = ports[1] if pool.component == "prefill" else None
+                self._start(plan_mod.place(pool, index, ports[0], kv_port=kv_port, prefill_kv=kv))
+                index += 1
+            for proc in sorted(matching, key=lambda p: p.replica.index)[size:]:
+                self._retire(proc)
+
+    def _readiness(
+        self, service: builders.Service, pools: list[builders.Pool]
+    ) -> rollout.Readiness:
+        """The pools as the rollout controller reads them: the canary's all up at their
+        size, the stable ones all on the stable spec and ready, or why the canary's
+        replicas cannot run (one that exited before it was ever ready)."""
+        canary_ready = service.canary is not None and all(
+            sum(p.status == "ready" and not p.retiring
+                for p in self._pool_procs(pool.component, builders.CANARY)) >= (pool.replicas or 1)
+            for pool in pools if pool.track == builders.CANARY
+        )  # fmt: skip
+        stable_ready = all(
+            p.status == "ready" and p.pending is None and not p.updating
+            for p in self.procs
+            if p.replica.track is None and p.replica.component != "gateway"
+            and p.status != "standby" and not p.retiring
+        )  # fmt: skip
+        problem = None
+        for p in self.procs:
+            if p.replica.track and not p.retiring and p.restarts and p.ready_after_s is None:
+                problem = f"{p.replica.name} exited ({p.last_exit}): {_last_line(p.log)}"
+                break
+        return rollout.Readiness(canary_ready, stable_ready, problem)
+
+    async def _rollout(self) -> None:
+        """The operator's rollout loop for this service: read a new spec and a hand
+        command, converge the processes, look at the gateway's metrics, advance the
+        controller, and again when the state or a process changed."""
+        metrics = f"{self.plan.gateway_url}/metrics"
+        gateway = [p for p in self.procs if p.replica.component == "gateway"]
+        source = analysis.ScrapeWindows(
+            lambda: [metrics] if any(p.status == "ready" for p in gateway) else []
+        )
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._reload_spec()
+            action = self._read_action()
+            obs = await loop.run_in_executor(
+                None, rollout.look, self.rollouts, self.spec, source, action
+            )
+            before = self.rollouts.state
+            self.rollouts.advance(self.spec, obs)
+            for kind, reason, message in self.rollouts.take_events():
+                self.say(
+                    f"rollout: {reason}: {message}" + (" (warning)" if kind == "Warning" else "")
+                )
+            if action is not None:
+                self._clear_action(action)
+            self._converge()  # after the controller saw the new spec, as a reconcile does
+            if self.rollouts.state != before:
+                self.write_state()
+                continue
+            wait = rollout.tick_seconds(self.rollouts.state, self.spec)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
 
     # ----------------------------------------------------------------- stopping
 
@@ -483,6 +742,7 @@ class Supervisor:
         live = [p for p in procs if p.process is not None and p.process.returncode is None]
         if not live:
             return
+        groups = [p.pid for p in live]  # these: `_keep` may start a new one once one exits
         for p in live:
             self.say(f"{p.replica.name:<14} stopping (SIGTERM)")
             _killpg(p.pid, signal.SIGTERM)
@@ -494,13 +754,13 @@ class Supervisor:
             return_when=asyncio.FIRST_COMPLETED,
         )
         force.cancel()
-        for p in live:
-            if p.process is not None and p.process.returncode is None:
+        for p, group in zip(live, groups, strict=True):
+            if p.pid == group and p.process is not None and p.process.returncode is None:
                 self.say(f"{p.replica.name:<14} did not stop in time: SIGKILL")
-                _killpg(p.pid, signal.SIGKILL)
+                _killpg(group, signal.SIGKILL)
         await asyncio.gather(*waits, return_exceptions=True)
-        for p in live:  # the group too: a child that outlived its leader
-            _killpg(p.pid, signal.SIGKILL)
+        for group in groups:  # the group too: a child that outlived its leader
+            _killpg(group, signal.SIGKILL)
 
     def _on_signal(self, signum: int) -> None:
         if self._stop.is_set():
@@ -509,6 +769,7 @@ class Supervisor:
             return
         self.say(f"{signal.Signals(signum).name}: draining, then stopping")
         self._stop.set()
+        self._wake.set()
 
     # ----------------------------------------------------------------- main
 
@@ -527,7 +788,11 @@ class Supervisor:
     def views(self) -> list[observed.ServiceView]:
         """This service as the control-plane metrics show it (the operator's collector)."""
         service = self.plan.service()
-        return [observed.ServiceView(service.namespace, service.name, service.spec, self.scaling)]
+        return [
+            observed.ServiceView(
+                service.namespace, service.name, self.spec, self.scaling, self.rollouts.state
+            )
+        ]
 
     async def run(self) -> int:
         self._acquire_lock()
@@ -550,6 +815,10 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGUSR1, self._wake.set)  # `apply`, `rollout --local`
+        (self.state_dir / ACTION_FILE).unlink(missing_ok=True)  # a command for the last run
+        write_spec(self.state_dir, self.spec)
+        self._spec_stamp = None
         self.say(
             f"starting {self.plan.name} from {self.plan.manifest}: "
             + ", ".join(p.replica.name for p in self.procs)
@@ -561,6 +830,7 @@ class Supervisor:
         spec = self.plan.service().spec
         if local_scaled_pools(spec) and spec.autoscaling.mode.value in DECIDING:
             self.tasks.append(asyncio.create_task(self._autoscale()))
+        self.tasks.append(asyncio.create_task(self._rollout()))
         await self._stop.wait()
         self.phase = "stopping"
         self.write_state()
@@ -572,10 +842,32 @@ class Supervisor:
         await self._terminate(self.procs)  # any replica that was starting meanwhile
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for path in (self.state_dir / STATE_FILE, self.state_dir / SCRAPE_FILE,
-                     Path(self.plan.routing_path)):  # fmt: skip
+                     self.state_dir / SPEC_FILE, Path(self.plan.routing_path)):  # fmt: skip
             path.unlink(missing_ok=True)
         self.say(f"{self.plan.name} stopped")
         return 0
+
+
+def write_spec(state_dir: Path, spec: crd.LLMServiceSpec) -> None:
+    """The spec a service runs, for `hybridllm apply` to compare with and replace."""
+    _atomic_write(state_dir / SPEC_FILE, json.dumps(spec.to_wire(), indent=2) + "\n")
+
+
+def write_action(state_dir: Path, action: str) -> None:
+    """A hand command for the service's rollout (the operator's annotation, locally)."""
+    _atomic_write(state_dir / ACTION_FILE, action + "\n")
+
+
+def _last_line(path: Path) -> str:
+    """A process's last words: the last line of its log (what a pod's termination
+    message would say), cut to 300 characters."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][-300:] if lines else "no output"
 
 
 def _killpg(pid: int | None, signum: int) -> None:
