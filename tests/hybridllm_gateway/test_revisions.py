@@ -160,3 +160,51 @@ def test_the_operator_reads_a_window_per_revision_from_the_gateway(procs, table)
         assert (got.ok, got.errors) == (served[revision], 0)
         assert got.ttft[float("inf")] == served[revision]
         assert got.tpot[float("inf")] == served[revision]
+
+
+def _golden(url: str, revision: str) -> float | None:
+    found = [
+        s.value
+        for s in _samples(url)
+        if s.name == names.GATEWAY_REVISION_GOLDEN_PASSED and s.labels.get("revision") == revision
+    ]
+    return min(found) if found else None
+
+
+def _until(what: str, condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_golden_prompts_are_asked_of_every_canary_backend_and_never_of_clients_traffic(
+    procs, table, tmp_path
+) -> None:
+    """The routing table's golden prompts go to each backend of the canary revision, at
+    weight 0 and outside the balancer (no client request is involved, no attempt counted):
+    a revision answering right passes, one more backend answering wrong fails it for the
+    revision, and the stable revision is never asked."""
+    import json
+
+    stable, bad = procs.tokenservers(["stable", "bad"], "--rate", "1000")  # " tok tok ..."
+    good = procs.tokenserver("good", "--token", " Paris", "--rate", "1000")
+    golden = [{"prompt": "What is the capital of France?", "expect": "paris", "maxTokens": 4}]
+    routing = _table(table, [stable.url], [good.url], weight=0)
+    routing["goldenPrompts"] = golden
+    gw = procs.gateway(routing)
+    _until("the canary asked", lambda: _golden(gw.url, "v2") is not None)
+    assert _golden(gw.url, "v2") == 1
+    assert _golden(gw.url, "v1") is None  # the stable revision is not asked
+    samples = _samples(gw.url)
+    assert _value(samples, names.GATEWAY_REVISION_ATTEMPTS_TOTAL) == 0
+    assert _value(samples, names.GATEWAY_REQUESTS_TOTAL) == 0
+
+    # a second backend of v2 answers " tok ...": the revision fails the prompt
+    routing = _table(table, [stable.url], [good.url, bad.url], weight=0, generation=2)
+    routing["goldenPrompts"] = golden
+    (tmp_path / "routing.json").write_text(json.dumps(routing))
+    _until("the wrong answer seen", lambda: _golden(gw.url, "v2") == 0)
+    log = (tmp_path / f"gateway-{gw.url.rsplit(':', 1)[1]}.log").read_text()
+    assert f"golden prompt 1 failed on {bad.url} (edge tier, revision v2): expected /paris/" in log
+    assert f"golden prompt 1 failed on {good.url}" not in log

@@ -55,7 +55,12 @@ MANIFEST = {
                 {"weight": 50, "pauseSeconds": 8},
                 {"weight": 100, "pauseSeconds": 0},
             ],
-            "analysis": {"intervalSeconds": 5, "minRequests": 20},
+            "analysis": {
+                "intervalSeconds": 5,
+                "minRequests": 20,
+                # the token servers answer " tok tok ...": every revision here answers right
+                "goldenPrompts": [{"prompt": "Say tok.", "expect": r"\btok\b", "maxTokens": 3}],
+            },
         },
     },
 }
@@ -257,6 +262,10 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
                     shown.append(w["v2"])
             assert [w for w in shown if w in (20, 50, 100)][:3] == [20, 50, 100], shown
             assert events("RolloutCompleted"), "no RolloutCompleted Event"
+            golden = events("GoldenPromptsPassed")  # read from Prometheus, asked by the gateway
+            assert any("1 golden prompt(s) answered right by v2 on edge" in m for m in golden), (
+                golden
+            )
             assert llms()["status"]["currentRevision"] == "v2"
 
             # ---- a bad revision: slower to its first token, rolled back at the first step

@@ -575,8 +575,10 @@ def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot
     by hand at the last step (`hybridllm rollout promote --local`), the stable replica is
     restarted on the new revision and the canary retired. A revision whose model fails its
     sha256 check crashes on start: the rollout aborts and the stable revision keeps every
-    request. A change to anything but the model is refused with the field named. One
-    client asks back to back throughout, and no request fails."""
+    request. A revision whose context window (300 tokens) is too short for a golden prompt
+    is aborted before any traffic reaches it. A change to anything but the model is
+    refused with the field named. One client asks back to back throughout, and no request
+    fails."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = "canary"
     doc["spec"]["cloud"] = {"enabled": False}
@@ -584,10 +586,18 @@ def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot
     # one client, back to back
     doc["spec"]["gateway"] = {"requestsPerMinute": 100_000, "tokensPerMinute": 10_000_000}
     doc["spec"]["edge"]["pool"].update(replicas=1, minReplicas=1, maxReplicas=1)
+    doc["spec"]["routing"]["edgeLimits"] = {"maxPromptTokens": 128, "maxOutputTokens": 64}
     doc["spec"]["rollout"] = {
         "strategy": "canary",
         "steps": [{"weight": 50, "pauseSeconds": 10}, {"weight": 100, "pauseSeconds": 3600}],
-        "analysis": {"intervalSeconds": 5, "minRequests": 3},
+        "analysis": {
+            "intervalSeconds": 5,
+            "minRequests": 3,
+            "goldenPrompts": [
+                {"prompt": "What is the capital of France? Answer in one word.", "expect": "paris"},
+                {"prompt": LONG[0]["content"], "expect": "fox", "maxTokens": 16},  # 637 tokens
+            ],
+        },
     }
     manifest = tmp_path / "canary.yaml"
 
@@ -660,6 +670,9 @@ def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot
             ("v2", 100)
         ]
         assert rollout()["stableRevision"] == "v2"
+        assert "GoldenPromptsPassed: 2 golden prompt(s) answered right by v2 on edge" in (
+            log.read_text()
+        )
 
         # ---- a revision that cannot load: aborted, the stable revision serves
         write("v3", sha256="0" * 64)
@@ -678,6 +691,22 @@ def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot
         wait_for(
             "the stable revision answers", lambda: _revision_answers(local)["v2"] > answered["v2"]
         )
+
+        # ---- a revision that answers a golden prompt wrong: no traffic, aborted
+        doc["spec"]["model"].pop("sha256")
+        write("v4", contextLength=300)
+        hybridllm("apply", "-f", str(manifest), *state_root)
+        wait_for("the rollout of v4 aborted",
+                 lambda: rollout().get("phase") == "Aborted" and rollout()["canaryRevision"] == "v4",
+                 timeout_s=180)  # fmt: skip
+        message = rollout()["message"]
+        assert "golden prompt 2 ('Summarise this text." in message, message
+        assert "answered wrong by v4 on the edge tier: expected /fox/" in message, message
+        assert "v4" not in _revision_answers(local)  # not one client request reached it
+        gateway_log = (root / "canary" / "logs" / "gateway-0.log").read_text()
+        assert "golden prompt 2 failed" in gateway_log
+        assert "HTTP 400" in gateway_log
+        wait_for("the canary of v4 gone", lambda: names_() == {"edge-0", "gateway-0"})
 
         # ---- anything but the model and the rollout is refused, naming the field
         doc["spec"]["edge"]["parallel"] = 2

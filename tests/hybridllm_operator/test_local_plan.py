@@ -265,6 +265,10 @@ INVALID = {
     ),
     "bf16 on a CPU pool": ({"cloud.dtype": "bfloat16"}, "spec.cloud.monolithic.resources.gpu"),
     "no tier": ({"edge.enabled": False, "cloud.enabled": False}, "spec"),
+    "golden prompt that is not a regex": (
+        {"rollout.analysis.goldenPrompts": [{"prompt": "2 + 2 =", "expect": "(4"}]},
+        "spec.rollout.analysis.goldenPrompts[0]: Value error, expect: not a regular expression",
+    ),
 }
 
 

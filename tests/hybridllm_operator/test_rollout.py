@@ -202,6 +202,64 @@ def test_a_promotion_by_hand_waits_for_the_stable_pools_on_the_new_spec(action: 
     assert state.phase == Phase.finalizing
 
 
+GOLDEN = [
+    {"prompt": "What is the capital of France?", "expect": "paris"},
+    {"prompt": "2 + 2 =", "expect": r"\b4\b"},
+]
+
+
+def _golden_window(**verdicts: float) -> analysis.Window:
+    """Gateway verdicts as `edge_v2_0=1`: tier, revision, prompt index."""
+    golden = {}
+    for key, value in verdicts.items():
+        tier, revision, index = key.split("_")
+        golden[(tier, revision, int(index))] = value
+    return analysis.Window(gateways=1, golden=golden)
+
+
+def test_golden_prompts_gate_the_first_traffic_and_a_wrong_answer_aborts() -> None:
+    spec = _spec("v2", analysis={"goldenPrompts": GOLDEN})
+    state = _started()
+    verdict = rollout.golden_verdict(_golden_window(edge_v2_0=1), state, spec, ["edge"])
+    assert verdict is None  # prompt 2 not asked yet: no verdict
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    assert state.weights == {}  # no traffic before the golden prompts
+    assert "ask v2 its 2 golden prompt(s)" in state.message
+    passed = rollout.golden_verdict(_golden_window(edge_v2_0=1, edge_v2_1=1), state, spec, ["edge"])
+    assert passed is not None
+    assert passed.outcome == analysis.PASS
+    state, events = rollout.advance(state, spec, _obs(1, canary_ready=True, golden=passed))
+    assert events == [("Normal", "GoldenPromptsPassed", passed.message)]
+    assert state.weights == {"edge": 10}
+    assert state.golden == "2 golden prompt(s) answered right by v2 on edge"
+    # asked once per canary: later looks carry no verdict and the steps go on
+    assert not rollout.needs_golden(state, spec)
+
+    state = _started()
+    failed = rollout.golden_verdict(_golden_window(edge_v2_0=1, edge_v2_1=0), state, spec, ["edge"])
+    assert failed is not None
+    assert failed.outcome == analysis.FAIL
+    assert "golden prompt 2 ('2 + 2 =') answered wrong by v2 on the edge tier" in failed.message
+    state, events = rollout.advance(state, spec, _obs(0, canary_ready=True, golden=failed))
+    assert state.phase == Phase.aborting
+    assert state.weights == {"edge": 0, "cloud": 0}
+    assert events[0][1] == "RolloutAborted"
+    assert "golden prompt 2" in events[0][2]
+
+
+def test_without_auto_rollback_a_wrong_golden_answer_holds_until_resumed() -> None:
+    spec = _spec("v2", analysis={"goldenPrompts": GOLDEN}, autoRollback=False)
+    state = _started()
+    failed = rollout.golden_verdict(_golden_window(edge_v2_0=0, edge_v2_1=1), state, spec, ["edge"])
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True, golden=failed))
+    assert state.phase == Phase.failed
+    assert state.weights == {}
+    state, _ = rollout.advance(state, spec, _obs(1, canary_ready=True, action="resume@1"))
+    state, _ = rollout.advance(state, spec, _obs(2, canary_ready=True))
+    assert state.phase == Phase.progressing
+    assert state.weights == {"edge": 10}  # resumed by hand: on regardless
+
+
 def test_a_new_revision_mid_rollout_restarts_and_the_old_revision_aborts() -> None:
     state = _started()
     state, _ = rollout.advance(state, _spec("v2"), _obs(0, canary_ready=True))

@@ -560,6 +560,29 @@ class RolloutStep(_Model):
     )
 
 
+class GoldenPrompt(_Model):
+    """A question every new revision must still answer right before it gets traffic."""
+
+    prompt: str = Field(
+        min_length=1, max_length=4096,
+        description="The user message, sent to each of the new revision's replicas at "
+        "temperature 0.",
+    )  # fmt: skip
+    expect: str = Field(
+        min_length=1, max_length=512,
+        description="A regular expression (Python syntax, any case) the answer must contain.",
+    )  # fmt: skip
+    max_tokens: int = Field(default=32, ge=1, le=1024, description="Tokens the answer may have.")
+
+    @model_validator(mode="after")
+    def _expect_compiles(self) -> GoldenPrompt:
+        try:
+            re.compile(self.expect)
+        except re.error as exc:
+            raise ValueError(f"expect: not a regular expression: {exc}") from None
+        return self
+
+
 class RolloutAnalysis(_Model):
     """How each stage is judged: the canary against the stable revision over the same
     window, from the gateway's per-revision metrics."""
@@ -607,6 +630,13 @@ class RolloutAnalysis(_Model):
         description="A difference fails a stage only when a one-sided test (Mann-Whitney U "
         "on the latency histograms, Fisher's exact test on errors) gives a p-value "
         "below this.",
+    )
+    golden_prompts: list[GoldenPrompt] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Questions the new revision must answer right (asked by every gateway "
+        "of each of its replicas) before any traffic moves to it; one wrong answer fails "
+        "the rollout's first stage.",
     )
 
 
@@ -872,6 +902,10 @@ class RolloutStatus(_Model):
     handled_action: str | None = Field(
         default=None, description="The last hybridllm.io/rollout-action annotation acted on."
     )
+    golden: str | None = Field(
+        default=None, max_length=2048,
+        description="The golden prompts' verdict on the canary (unset until they are asked).",
+    )  # fmt: skip
 
 
 class LLMServiceStatus(_Model):

@@ -86,6 +86,7 @@ GATEWAY_REVISION_TTFT_SECONDS = "hybridllm_gateway_revision_time_to_first_token_
 GATEWAY_REVISION_TPOT_SECONDS = "hybridllm_gateway_revision_time_per_output_token_seconds"
 GATEWAY_REVISION_WEIGHT = "hybridllm_gateway_revision_weight"
 GATEWAY_REVISION_HEALTHY_BACKENDS = "hybridllm_gateway_revision_healthy_backends"
+GATEWAY_REVISION_GOLDEN_PASSED = "hybridllm_gateway_revision_golden_prompt_passed"
 # The routing table's generation the gateway serves (the operator bumps it with every
 # change of the weights): a rollout step starts once every gateway serves it.
 GATEWAY_ROUTING_GENERATION = "hybridllm_gateway_routing_generation"

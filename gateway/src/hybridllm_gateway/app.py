@@ -35,8 +35,8 @@ from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import cascade as cascade_mod
 from hybridllm_gateway import classifier as classifier_mod
 from hybridllm_gateway import config as config_mod
+from hybridllm_gateway import golden, openapi, proxy, relay, router, safety
 from hybridllm_gateway import metrics as metrics_mod
-from hybridllm_gateway import openapi, proxy, relay, router, safety
 from hybridllm_gateway.errors import APIError, error_response
 
 log = logging.getLogger(__name__)
@@ -326,6 +326,8 @@ async def _startup(app: web.Application) -> None:
     )
     state.watchers = _watchers(state)
     state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]
+    checker = golden.GoldenChecker(session, state.metrics, lambda: state.routing)
+    state.tasks.append(asyncio.create_task(checker.run()))
     # Everything alive now (modules, the classifier, the app, the event loop's and the
     # server's own objects) lives as long as the process: collected once, then out of the
     # collector's sight, so a full collection walks only request objects. (In steady

@@ -80,6 +80,15 @@ class RateLimits(_Wire):
     tokens_per_minute: int = Field(default=200_000, ge=1)
 
 
+class GoldenPrompt(_Wire):
+    """A question a new revision's backends must answer right (``expect``: a regular
+    expression, any case) before the rollout moves traffic to it."""
+
+    prompt: str = Field(min_length=1)
+    expect: str = Field(min_length=1)
+    max_tokens: int = Field(default=32, ge=1)
+
+
 class RoutingConfig(_Wire):
     service: str = ""
     namespace: str = ""
@@ -91,6 +100,7 @@ class RoutingConfig(_Wire):
     session_affinity: SessionAffinity = Field(default_factory=SessionAffinity)
     cascade: Cascade = Field(default_factory=Cascade)
     rate_limits: RateLimits = Field(default_factory=RateLimits)
+    golden_prompts: list[GoldenPrompt] = Field(default_factory=list)
     tiers: dict[str, Tier] = Field(default_factory=dict)
 
     @model_validator(mode="after")

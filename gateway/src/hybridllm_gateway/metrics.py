@@ -118,6 +118,13 @@ class GatewayMetrics:
             ["tier", "revision"], registry=r,
         )  # fmt: skip
 
+        self.revision_golden = Gauge(
+            names.GATEWAY_REVISION_GOLDEN_PASSED,
+            "1 when every backend of a new model revision asked so far answered the routing "
+            "table's golden prompt (by index) right, 0 when one did not; absent until asked.",
+            ["tier", "revision", "prompt"], registry=r,
+        )  # fmt: skip
+
         self.routing_generation = Gauge(
             names.GATEWAY_ROUTING_GENERATION,
             "Generation of the routing table in use (the operator's rollout counter).",

@@ -85,6 +85,9 @@ class Window:
     gateways: int = 0
     generation: float = 0.0  # the oldest routing generation any gateway serves
     problem: str | None = None  # why the window could not be read
+    # (tier, revision, golden prompt index) -> 1 passed, 0 failed, on every gateway (a
+    # prompt some gateway has not asked yet is absent)
+    golden: dict[tuple[str, str, int], float] = field(default_factory=dict)
 
     def revision(self, tier: str, revision: str) -> RevisionWindow:
         return self.revisions.get((tier, revision), RevisionWindow())
@@ -290,6 +293,7 @@ class _Scrape:
     ttft: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
     tpot: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
     healthy: dict[tuple[str, str], float] = field(default_factory=dict)
+    golden: dict[tuple[str, str, int], float] = field(default_factory=dict)
     generation: float = 0.0
 
 
@@ -313,11 +317,20 @@ def parse_revision_metrics(text: str) -> _Scrape:
                 hist[s.name].setdefault(key, {})[float(s.labels["le"])] = s.value
             elif s.name == names.GATEWAY_REVISION_HEALTHY_BACKENDS:
                 out.healthy[key] = s.value
+            elif s.name == names.GATEWAY_REVISION_GOLDEN_PASSED:
+                out.golden[(tier, revision, int(s.labels.get("prompt", "0")))] = s.value
     return out
 
 
 def _delta(new: float, old: float | None) -> float:
     return new if old is None or new < old else new - old
+
+
+def _golden_everywhere(scrapes: Iterable[_Scrape]) -> dict[tuple[str, str, int], float]:
+    """Each golden verdict every gateway has, at its worst."""
+    scrapes = list(scrapes)
+    keys = set.intersection(*(set(s.golden) for s in scrapes)) if scrapes else set()
+    return {k: min(s.golden[k] for s in scrapes) for k in keys}
 
 
 def _fewest_healthy(scrapes: Iterable[_Scrape]) -> dict[tuple[str, str], float]:
@@ -360,6 +373,7 @@ class ScrapeWindows(WindowSource):
                 return Window(problem="gateway metrics could not be read: " + "; ".join(failed))
             window = Window(
                 healthy=_fewest_healthy(fresh.values()),
+                golden=_golden_everywhere(fresh.values()),
                 gateways=len(fresh),
                 generation=min(s.generation for s in fresh.values()),
             )
@@ -423,6 +437,9 @@ class PrometheusWindows(WindowSource):
                 f"min by (tier, revision) ({names.GATEWAY_REVISION_HEALTHY_BACKENDS}{{{sel}}})", now
             )
             gateways = self._query(f"count({names.GATEWAY_ROUTING_GENERATION}{{{sel}}})", now)
+            golden_metric = f"{names.GATEWAY_REVISION_GOLDEN_PASSED}{{{sel}}}"
+            golden = self._query(f"min by (tier, revision, prompt) ({golden_metric})", now)
+            golden_asked = self._query(f"count by (tier, revision, prompt) ({golden_metric})", now)
             generation = self._query(f"min({names.GATEWAY_ROUTING_GENERATION}{{{sel}}})", now)
         except PrometheusError as exc:
             return Window(problem=str(exc))
@@ -452,4 +469,14 @@ class PrometheusWindows(WindowSource):
                 le = float(s["metric"]["le"])  # type: ignore[index]
                 getattr(w, attr)[le] = value(s)
         window.healthy = {key(s): value(s) for s in healthy}
+
+        def prompt(series: dict[str, object]) -> tuple[str, str, int]:
+            m = series["metric"]
+            assert isinstance(m, dict)
+            return (*key(series), int(m.get("prompt", 0)))
+
+        asked = {prompt(s): value(s) for s in golden_asked}
+        window.golden = {
+            prompt(s): value(s) for s in golden if asked.get(prompt(s), 0) >= window.gateways
+        }
         return window

@@ -650,6 +650,8 @@ def routing_config(
             "requestsPerMinute": spec.gateway.requests_per_minute,
             "tokensPerMinute": spec.gateway.tokens_per_minute,
         },
+        # asked of the canary's backends by the gateways (the rollout waits for them)
+        "goldenPrompts": [p.to_wire() for p in spec.rollout.analysis.golden_prompts],
         "tiers": tiers,
     }
 

@@ -73,8 +73,9 @@ def parse_spec(name: str, raw_spec: dict[str, Any]) -> crd.LLMServiceSpec:
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            path = ".".join(str(p) for p in error["loc"])
-            problems.append(f"spec.{path}: {error['msg']}" if path else f"spec: {error['msg']}")
+            # as the API server names fields: spec.rollout.steps[0].weight
+            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+            problems.append(f"spec{path}: {error['msg']}")
         raise InvalidSpec("; ".join(problems)) from exc
     errors = crd.semantic_errors(name, spec)
     if errors:

@@ -60,6 +60,7 @@ class Observation:
     action: str | None = None  # a hand command (the annotation's value)
     actions_seen: bool = False  # `action` was read from the object (None: no command)
     canary_problem: str | None = None  # why the canary's pods cannot run (crash, no image)
+    golden: analysis.Verdict | None = None  # the golden prompts on the canary, once all asked
 
 
 def spec_wire(spec: crd.LLMServiceSpec) -> str:
@@ -125,6 +126,40 @@ def needs_analysis(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, now: floa
     return alpha if final else alpha / EARLY_LOOK_FACTOR
 
 
+def needs_golden(state: crd.RolloutStatus, spec: crd.LLMServiceSpec) -> bool:
+    """Whether the canary still owes its golden prompts (asked once per canary, before
+    any traffic moves to it)."""
+    return bool(spec.rollout.analysis.golden_prompts) and state.golden is None
+
+
+def golden_verdict(
+    window: analysis.Window, state: crd.RolloutStatus, spec: crd.LLMServiceSpec, tiers: list[str]
+) -> analysis.Verdict | None:
+    """The golden prompts on the canary, from the gateways' verdicts: failed when one
+    was answered wrong on any tier, passed when every one was answered right on every
+    tier, else None (not all asked yet)."""
+    prompts = spec.rollout.analysis.golden_prompts
+    canary = str(state.canary_revision)
+    if window.problem is not None:
+        return None
+    for tier in tiers:
+        for index, golden in enumerate(prompts):
+            if window.golden.get((tier, canary, index)) == 0:
+                shown = golden.prompt if len(golden.prompt) <= 60 else golden.prompt[:57] + "..."
+                return analysis.Verdict(
+                    analysis.FAIL, [],
+                    f"golden prompt {index + 1} ({shown!r}) answered wrong by {canary} on the "
+                    f"{tier} tier: expected /{golden.expect}/ (the gateway's log has the answer)",
+                )  # fmt: skip
+    asked = all((t, canary, i) in window.golden for t in tiers for i in range(len(prompts)))
+    if not asked:
+        return None
+    on = " and ".join(tiers)
+    return analysis.Verdict(
+        analysis.PASS, [], f"{len(prompts)} golden prompt(s) answered right by {canary} on {on}"
+    )
+
+
 def _summary(state: crd.RolloutStatus) -> str:
     if state.phase in STEPPING:
         return f"{state.phase.value} {state.step + 1}/{state.steps} {state.weight}%"
@@ -144,6 +179,7 @@ def _start(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, now: float) -> cr
             "steps": len(plan), "weights": {}, "step_started_at": None,
             "started_at": now,
             "analysis": [], "routing_generation": state.routing_generation + 1,
+            "golden": None,
             "message": f"waiting for the pools of {spec.model.revision} to be ready",
         }
     )  # fmt: skip
@@ -345,12 +381,30 @@ def _step(
         return _to(
             state, state.phase, f"{where}: waiting for the pools of {canary} to be ready"
         ), []
+    passed: list[Event] = []
+    if needs_golden(state, spec):
+        verdict = obs.golden
+        if verdict is None:
+            n = len(spec.rollout.analysis.golden_prompts)
+            return _to(state, state.phase,
+                       f"{where}: the gateways ask {canary} its {n} golden prompt(s)"), []  # fmt: skip
+        if verdict.outcome == analysis.FAIL:
+            why = f"{where} failed: {verdict.message}"
+            state = state.model_copy(update={"golden": verdict.message})
+            if spec.rollout.auto_rollback:
+                return _abort(state, why), [("Warning", "RolloutAborted", why)]
+            held = _to(state, Phase.failed,
+                       f"{why}; held (autoRollback is off): `hybridllm rollout abort`, or "
+                       "`resume` to go on regardless")  # fmt: skip
+            return held, [("Warning", "RolloutStepFailed", why)]
+        state = state.model_copy(update={"golden": verdict.message})
+        passed = [("Normal", "GoldenPromptsPassed", verdict.message)]
     tiers = step_tiers(step, spec)
     if any(state.weights.get(t, 0) != step.weight for t in tiers):
         on = "" if tiers == enabled_tiers(spec) else f" on {' and '.join(tiers)}"
         return _to(state, Phase.progressing,
                    f"{where}: sending {step.weight}% of traffic{on} to {canary}",
-                   **_weight(state, step.weight, tiers)), []  # fmt: skip
+                   **_weight(state, step.weight, tiers)), passed  # fmt: skip
     if state.step_started_at is None:
         if not obs.routed:
             return _to(state, state.phase,
@@ -481,10 +535,11 @@ def look(
     window = source.read(state.step_started_at, now)
     alpha = needs_analysis(state, spec, now)
     verdict = analyse(window, state, spec, tiers, alpha) if alpha is not None else None
+    golden = golden_verdict(window, state, spec, tiers) if needs_golden(state, spec) else None
     return Observation(
         now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
         routed=routed(window, state, tiers), verdict=verdict, action=action,
-        actions_seen=True, canary_problem=ready.canary_problem,
+        actions_seen=True, canary_problem=ready.canary_problem, golden=golden,
     )  # fmt: skip
 
 
