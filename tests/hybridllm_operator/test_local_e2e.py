@@ -566,18 +566,18 @@ def _revision_answers(local: Local) -> dict[str, float]:
     return out
 
 
-def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot_load(
+def test_a_local_rollout_promotes_a_requantized_revision_and_rolls_back_bad_ones(
     tmp_path: Path,
 ) -> None:
     """`hybridllm apply` of a new revision to a running edge service: the operator's
     rollout runs in the supervisor. A canary replica starts beside the stable one, takes
     half the traffic, passes the step's analysis (on the gateway's metrics), is promoted
     by hand at the last step (`hybridllm rollout promote --local`), the stable replica is
-    restarted on the new revision and the canary retired. A revision whose model fails its
+    restarted on the new revision (the model re-quantized to Q8_0) and the canary retired. A revision whose model fails its
     sha256 check crashes on start: the rollout aborts and the stable revision keeps every
     request. A revision whose context window (300 tokens) is too short for a golden prompt
-    is aborted before any traffic reaches it. A change to anything but the model is
-    refused with the field named. One client asks back to back throughout, and no request
+    is aborted before any traffic reaches it. A change to what shapes the processes (a
+    pool's maximum) is refused with the field named. One client asks back to back throughout, and no request
     fails."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = "canary"
@@ -638,7 +638,9 @@ def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot
         stable = local.process("edge-0")
         assert stable["revision"] == "v1"
 
-        # ---- a good revision: a canary at 50%, analysed, then promoted by hand at 100%
+        # ---- a good revision, the model re-quantized to Q8_0: a canary at 50%, analysed,
+        # then promoted by hand at 100%
+        doc["spec"]["edge"]["quantization"] = "q8_0"
         write("v2")
         out = hybridllm("apply", "-f", str(manifest), *state_root)
         assert "revision v1 -> v2 applied" in out.stdout
@@ -665,6 +667,13 @@ def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot
         assert (promoted["revision"], promoted["status"]) == ("v2", "ready")
         assert promoted["pid"] != stable["pid"]
         assert promoted["restarts"] == 0  # a restart on the new revision is not a crash
+        starts = [
+            line
+            for line in (root / "canary" / "logs" / "edge-0.log").read_text().splitlines()
+            if line.startswith("==== ")
+        ]
+        assert "--quantization q4_1" in starts[0]
+        assert "--quantization q8_0" in starts[-1]
         routing = json.loads((root / "canary" / "routing.json").read_text())
         assert [(b["revision"], b["weight"]) for b in routing["tiers"]["edge"]["backends"]] == [
             ("v2", 100)
@@ -709,11 +718,11 @@ def test_a_local_rollout_promotes_a_good_revision_and_rolls_back_one_that_cannot
         wait_for("the canary of v4 gone", lambda: names_() == {"edge-0", "gateway-0"})
 
         # ---- anything but the model and the rollout is refused, naming the field
-        doc["spec"]["edge"]["parallel"] = 2
+        doc["spec"]["edge"]["pool"]["maxReplicas"] = 2
         manifest.write_text(yaml.safe_dump(doc))
         refused = hybridllm("apply", "-f", str(manifest), *state_root, check=False)
         assert refused.returncode == 2
-        assert "spec.edge.parallel: a running local service takes changes to spec.model" in (
+        assert "spec.edge.pool.maxReplicas: a running local service cannot take this change" in (
             refused.stderr
         )
     finally:

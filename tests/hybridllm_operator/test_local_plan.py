@@ -177,20 +177,36 @@ def test_a_local_canary_runs_the_commands_and_flags_of_the_operators_canary_pool
             assert url == ",".join(f"tcp://127.0.0.1:{p}" for p in kv)
 
 
-def test_apply_takes_model_and_rollout_changes_and_names_every_other_field() -> None:
+def test_apply_takes_what_restarts_or_reloads_and_names_every_field_that_shapes_processes() -> None:
     spec = plan_mod.load_manifest(REPO / "examples" / "hybrid-cpu.yaml").spec
     wire = spec.to_wire()
     wire["model"]["revision"] = "v2"
     wire["rollout"] = {"strategy": "blueGreen"}
+    wire["edge"]["quantization"] = "q8_0"
     wire["edge"]["parallel"] = 2
     wire["routing"]["edgeLimits"]["maxPromptTokens"] = 128
+    wire["gateway"]["tokensPerMinute"] = 5000
+    wire["cloud"]["monolithic"]["resources"]["cpu"] = "2"
+    wire["cloud"]["monolithic"]["maxReplicas"] = 3
+    # these shape the processes
+    wire["edge"]["pool"]["maxReplicas"] = 3
+    wire["cloud"]["mode"] = "disaggregated"
+    wire["cloud"]["prefill"] = wire["cloud"]["decode"] = dict(wire["cloud"]["monolithic"])
+    wire["autoscaling"]["mode"] = "predictive"
+    wire["gateway"]["replicas"] = 3
     changes = plan_mod.spec_changes(spec, crd.LLMServiceSpec.model_validate(wire))
-    assert "spec.model.revision" in changes
-    assert "spec.rollout.strategy" in changes
-    assert plan_mod.refused_changes(changes) == [
-        "spec.edge.parallel",
-        "spec.routing.edgeLimits.maxPromptTokens",
-    ]
+    for applied in ("spec.model.revision", "spec.rollout.strategy", "spec.edge.quantization",
+                    "spec.routing.edgeLimits.maxPromptTokens", "spec.gateway.tokensPerMinute"):  # fmt: skip
+        assert applied in changes
+    refused = plan_mod.refused_changes(changes)
+    assert "spec.edge.pool.maxReplicas" in refused
+    assert "spec.cloud.monolithic.maxReplicas" in refused
+    assert "spec.cloud.monolithic.resources.cpu" not in refused
+    assert "spec.cloud.mode" in refused
+    assert "spec.cloud.prefill" in refused  # new pools
+    assert "spec.autoscaling.mode" in refused
+    assert "spec.gateway.replicas" in refused
+    assert not [c for c in refused if c.startswith(("spec.model", "spec.edge.quant", "spec.rout"))]
     assert plan_mod.spec_changes(spec, spec) == []
 
 

@@ -184,7 +184,9 @@ def _up_detached(args: argparse.Namespace, plan: plan_mod.Plan, service_dir: Pat
 
 def _apply(args: argparse.Namespace) -> int:
     """A changed manifest to a running service: a new model revision rolls out (the
-    operator's rollout, run by the supervisor); any other change needs a new `up`."""
+    operator's rollout, run by the supervisor), changed runtime settings restart the
+    replicas one at a time, a changed routing reloads the gateway; what shapes the
+    processes themselves needs a new `up`."""
     try:
         manifest = plan_mod.load_manifest(Path(args.file), args.name)
     except plan_mod.ManifestError as exc:
@@ -203,10 +205,11 @@ def _apply(args: argparse.Namespace) -> int:
     refused = plan_mod.refused_changes(changes)
     if refused:
         return _error(
-            f"{manifest.path}: {', '.join(refused)}: a running local service takes changes "
-            f"to {' and '.join(f'spec.{f}' for f in plan_mod.APPLIED_FIELDS)} only (a new "
-            f"revision rolls out); for the rest, `hybridllm down {manifest.name}` and "
-            f"`hybridllm up -f {args.file}`",
+            f"{manifest.path}: {', '.join(refused)}: a running local service cannot take "
+            "this change (it shapes the processes: pools, replica slots, the gateway, the "
+            "autoscaler); it takes changes to the model, the rollout, the routing and the "
+            f"runtimes' settings. `hybridllm down {manifest.name}` and `hybridllm up -f "
+            f"{args.file}` for the rest",
             EXIT_INVALID,
         )
     problems = plan_mod.gpu_problems(manifest.service(), plan_mod.gpu_count())
@@ -415,8 +418,10 @@ def register_apply(subparsers: Any) -> None:
         help="give a running local service a changed manifest (a new model revision rolls out)",
         description="Validate the manifest as `up` does and hand it to the running service's "
         "supervisor: a new spec.model.revision rolls out as spec.rollout says (canary steps "
-        "analysed on the gateway's metrics, or blueGreen, or rolling); other changes need "
-        "`hybridllm down` and `up`.",
+        "analysed on the gateway's metrics, or blueGreen, or rolling); changed runtime "
+        "settings (quantization, parallel, dtype, ...) restart the replicas one at a time; "
+        "a changed routing reloads the gateway. Changes to pools, replica counts, the "
+        "gateway or autoscaling are refused with the fields named: they need `down` and `up`.",
     )
     apply.add_argument("-f", "--file", required=True, help="the manifest (YAML)")
     apply.add_argument("--name", help="which LLMService, when the file has several")

@@ -180,7 +180,20 @@ def local_notes(service: builders.Service) -> list[str]:
     return notes
 
 
-APPLIED_FIELDS = ("model", "rollout")  # what `hybridllm apply` changes in a running service
+# What `hybridllm apply` may change in a running service: what the runtimes are started
+# with (each replica restarts on it, or a new revision's canary runs it) and what the
+# routing table says (the gateway reloads it). The rest shapes the processes themselves
+# (pools, replica slots, the gateway's command, the autoscaler) and needs a new `up`.
+APPLIED_FIELDS = (
+    "spec.model", "spec.rollout", "spec.routing",
+    "spec.gateway.requestsPerMinute", "spec.gateway.tokensPerMinute",
+    "spec.edge.runtime", "spec.edge.quantization", "spec.edge.parallel",
+    "spec.edge.responseCache", "spec.edge.pool.resources", "spec.edge.pool.image",
+    "spec.cloud.dtype", "spec.cloud.quantization", "spec.cloud.maxNumSeqs", "spec.cloud.kvCache",
+    "spec.cloud.localPrefillThreshold",
+    *(f"spec.cloud.{pool}.{field}" for pool in ("monolithic", "prefill", "decode")
+      for field in ("resources", "image")),
+)  # fmt: skip
 
 
 def spec_changes(old: crd.LLMServiceSpec, new: crd.LLMServiceSpec) -> list[str]:
@@ -197,12 +210,8 @@ def spec_changes(old: crd.LLMServiceSpec, new: crd.LLMServiceSpec) -> list[str]:
 
 
 def refused_changes(changes: list[str]) -> list[str]:
-    """The changes a running local service cannot take (everything but a new model
-    revision and its rollout): its processes were started with the rest."""
-    allowed = tuple(f"spec.{f}" for f in APPLIED_FIELDS)
-    return [
-        c for c in changes if not (c in allowed or c.startswith(tuple(a + "." for a in allowed)))
-    ]
+    """The changes a running local service cannot take (see :data:`APPLIED_FIELDS`)."""
+    return [c for c in changes if not any(c == f or c.startswith(f + ".") for f in APPLIED_FIELDS)]
 
 
 def _pool_field(service: builders.Service, component: str) -> str:
