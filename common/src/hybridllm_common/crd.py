@@ -555,6 +555,14 @@ class RolloutStep(_Model):
         "the cloud tier where it was: the edge as a stage of its own. The last step moves "
         "every tier.",
     )
+    devices: bool = Field(
+        default=False,
+        description="This step also moves the service's edge devices (spec.edge.devices): "
+        "the EdgeFleet rolls them to the new revision in its waves once the rollout reaches "
+        "this step, and the step's analysis starts only when the fleet has passed them "
+        "all (a failed fleet rollout fails the step). The step must move the edge tier. "
+        "When no step sets it, devices follow the new revision from the first step.",
+    )
     pause_seconds: int = Field(
         default=300, ge=0, le=86_400, description="How long to hold and analyse this stage."
     )
@@ -1365,6 +1373,24 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                 FieldError(
                     field=f"spec.rollout.steps[{i}].tiers",
                     message=f"names {', '.join(off)}, which is not enabled",
+                )
+            )
+    for i, step in enumerate(spec.rollout.steps):
+        if not step.devices:
+            continue
+        if spec.edge.devices is None or not spec.edge.enabled:
+            errors.append(
+                FieldError(
+                    field=f"spec.rollout.steps[{i}].devices",
+                    message="the service has no edge devices (spec.edge.devices)",
+                )
+            )
+        elif step.tiers is not None and RolloutTier.edge not in step.tiers:
+            errors.append(
+                FieldError(
+                    field=f"spec.rollout.steps[{i}].devices",
+                    message="a step that moves the devices must move the edge tier (the "
+                    "devices serve at its weight)",
                 )
             )
     last = spec.rollout.steps[-1] if spec.rollout.steps else None

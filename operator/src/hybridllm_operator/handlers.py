@@ -124,6 +124,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     memo.gateways = {}  # (namespace, name) -> {pod name: metrics URL} of Ready gateway pods
     memo.rollouts = {}  # (namespace, name) -> rollout.Controller
     memo.devices = {}  # (namespace, EdgeDevice name) -> its fleet, labels, URL, revision
+    memo.fleets = {}  # (namespace, EdgeFleet name) -> its status (the fleet server's)
     # Reconciles are short, blocking API calls: a bounded pool of threads runs them.
     memo.executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
@@ -495,8 +496,9 @@ async def rollout_loop(
                 action = (meta.get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
                 source = source or _windows(memo, key)
                 try:
+                    fleet = _fleet(memo, key[0], spec)
                     obs = await loop.run_in_executor(
-                        memo.scale_executor, rollout.look, controller, spec, source, action
+                        memo.scale_executor, rollout.look, controller, spec, source, action, fleet
                     )
                     before = controller.state
                     controller.advance(spec, obs)
@@ -547,6 +549,27 @@ async def device_changed(
         for (ns, _), waker in list(memo.wakers.items()):
             if ns == namespace:
                 waker.event.set()
+
+
+@kopf.on.event(crd.GROUP, crd.VERSION, "edgefleets")
+async def fleet_changed(
+    type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+) -> None:
+    """Keep each EdgeFleet's status: a rollout step that moves the devices waits for the
+    fleet's rollout of the new revision (its rollout loop looks every few seconds)."""
+    key = (str(meta.get("namespace")), str(meta.get("name")))
+    if type == "DELETED":
+        memo.fleets.pop(key, None)
+    else:
+        memo.fleets[key] = dict(body.get("status") or {})
+
+
+def _fleet(memo: kopf.Memo, namespace: str, spec: crd.LLMServiceSpec) -> rollout.FleetView | None:
+    """The rollout of the EdgeFleet whose devices serve this spec, if it names one."""
+    if spec.edge.devices is None:
+        return None
+    name = spec.edge.devices.fleet
+    return rollout.FleetView.of(name, memo.fleets.get((namespace, name)))
 
 
 def serving_devices(

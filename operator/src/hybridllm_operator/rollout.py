@@ -61,6 +61,28 @@ class Observation:
     actions_seen: bool = False  # `action` was read from the object (None: no command)
     canary_problem: str | None = None  # why the canary's pods cannot run (crash, no image)
     golden: analysis.Verdict | None = None  # the golden prompts on the canary, once all asked
+    fleet: FleetView | None = None  # the service's EdgeFleet's rollout (spec.edge.devices)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The rollout of the service's EdgeFleet as its status says (the fleet server's)."""
+
+    name: str
+    phase: crd.FleetRolloutPhase | None = None
+    revision: str | None = None  # the revision its rollout takes the devices to
+    message: str = ""
+
+    @classmethod
+    def of(cls, name: str, status: dict[str, Any] | None) -> FleetView:
+        raw = (status or {}).get("rollout")
+        if not raw:
+            return cls(name)
+        try:
+            r = crd.FleetRolloutStatus.model_validate(raw)
+        except ValueError:
+            return cls(name)
+        return cls(name, r.phase, r.to_revision, r.message)
 
 
 def spec_wire(spec: crd.LLMServiceSpec) -> str:
@@ -108,6 +130,24 @@ def sizing_weight(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, tier: str)
     if tier in step_tiers(step, spec):
         return step.weight
     return state.weights.get(tier, 0)
+
+
+def devices_step(spec: crd.LLMServiceSpec) -> int | None:
+    """The first step that moves the service's edge devices (None: no step names them,
+    and they follow the new revision from the rollout's start)."""
+    return next((i for i, s in enumerate(steps(spec)) if s.devices), None)
+
+
+def devices_on_canary(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> bool:
+    """Whether the service's edge devices should run the canary's revision now: while
+    the rollout has a canary, from the step that moves them on (from the start when no
+    step names them). The fleet server reads this to pick what its waves hand out."""
+    if state is None or not has_canary(state):
+        return False
+    first = devices_step(spec)
+    if first is None or state.phase in (Phase.promoting, Phase.finalizing):
+        return True
+    return state.step >= first
 
 
 def has_canary(state: crd.RolloutStatus | None) -> bool:
@@ -405,6 +445,24 @@ def _step(
         return _to(state, Phase.progressing,
                    f"{where}: sending {step.weight}% of traffic{on} to {canary}",
                    **_weight(state, step.weight, tiers)), passed  # fmt: skip
+    if state.step_started_at is None and step.devices:
+        fleet = obs.fleet
+        name = spec.edge.devices.fleet if spec.edge.devices is not None else "?"
+        if fleet is None or fleet.revision != canary or fleet.phase in (
+            None, crd.FleetRolloutPhase.Progressing,
+        ):  # fmt: skip
+            doing = (
+                f": {fleet.message}" if fleet and fleet.revision == canary and fleet.message else ""
+            )
+            return _to(state, state.phase,
+                       f"{where}: waiting for the edge fleet {name} to take {canary} in its "
+                       f"waves{doing}"), []  # fmt: skip
+        if fleet.phase != crd.FleetRolloutPhase.Completed:
+            why = (f"{where} failed: the edge fleet {name} did not take {canary} "
+                   f"({fleet.phase.value}): {fleet.message}")  # fmt: skip
+            if spec.rollout.auto_rollback:
+                return _abort(state, why), [("Warning", "RolloutAborted", why)]
+            return _to(state, Phase.failed, why), [("Warning", "RolloutStepFailed", why)]
     if state.step_started_at is None:
         if not obs.routed:
             return _to(state, state.phase,
@@ -521,6 +579,7 @@ def look(
     spec: crd.LLMServiceSpec,
     source: analysis.WindowSource,
     action: str | None,
+    fleet: FleetView | None = None,
 ) -> Observation:
     """What the rollout loop sees now (the operator's and local mode's alike): the pools
     (``controller.readiness``, from the last reconcile), the gateways' routing and the
@@ -539,7 +598,7 @@ def look(
     return Observation(
         now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
         routed=routed(window, state, tiers), verdict=verdict, action=action,
-        actions_seen=True, canary_problem=ready.canary_problem, golden=golden,
+        actions_seen=True, canary_problem=ready.canary_problem, golden=golden, fleet=fleet,
     )  # fmt: skip
 
 

@@ -292,9 +292,7 @@ class FleetServer:
         raw_rollout = (obj.get("status") or {}).get("rollout")
         state = crd.RolloutStatus.model_validate(raw_rollout) if raw_rollout else None
         service = builders.Service(fleet.spec.service, self.namespace, "", spec, rollout=state)
-        # Devices follow the newest revision the service serves: its canary while a
-        # rollout has one, the stable one otherwise (an aborted revision is not sent).
-        target = service.canary or service.stable
+        target = waves.devices_target(service)
         if target.model.sha256 is None:
             return None, (
                 f"LLMService {fleet.spec.service} has no spec.model.sha256: devices check "

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridllm_common import crd, signing
+from hybridllm_operator import builders, rollout
 
 Phase = crd.FleetRolloutPhase
 Event = tuple[str, str, str]  # type (Normal, Warning), reason, message
@@ -56,6 +57,15 @@ def config_content(
         "heartbeatSeconds": max(3, fleet.heartbeat_timeout_seconds // 3),
         "pollSeconds": fleet.config_poll_seconds,
     }
+
+
+def devices_target(service: builders.Service) -> crd.LLMServiceSpec:
+    """The spec a service's edge devices should run: the newest revision it serves, its
+    canary while a rollout has one (from the step that moves the devices, when a step
+    names them), the stable one otherwise (an aborted revision is not sent)."""
+    if service.canary is not None and rollout.devices_on_canary(service.rollout, service.spec):
+        return service.canary
+    return service.stable
 
 
 def content_text(content: dict[str, Any]) -> str:
