@@ -314,6 +314,17 @@ def test_a_gpu_pool_is_refused_on_a_machine_without_one(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists()
 
 
+def test_a_rollout_step_that_waits_for_edge_devices_is_refused_locally(tmp_path: Path) -> None:
+    edit = {
+        "edge.devices": {"fleet": "shops"},
+        "rollout.steps": [{"weight": 50}, {"weight": 100, "devices": True}],
+    }
+    result = _up(tmp_path, _manifest(tmp_path, edit))
+    assert result.returncode == 2
+    assert "spec.rollout.steps[1].devices: local mode enrolls no edge devices" in result.stderr
+    assert not (tmp_path / "state").exists()
+
+
 def test_api_keys_secret_needs_a_key_file_locally(tmp_path: Path) -> None:
     result = _up(tmp_path, _manifest(tmp_path, {"gateway.apiKeysSecret": "keys"}))
     assert result.returncode == 2

@@ -213,6 +213,7 @@ def _apply(args: argparse.Namespace) -> int:
             EXIT_INVALID,
         )
     problems = plan_mod.gpu_problems(manifest.service(), plan_mod.gpu_count())
+    problems += plan_mod.device_step_problems(manifest.spec)
     if problems:
         for problem in problems:
             print(f"error: {manifest.path}: {problem}", file=sys.stderr)

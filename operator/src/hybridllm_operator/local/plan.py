@@ -101,13 +101,23 @@ def local_problems(
     service: builders.Service, *, gpus: int, api_keys_file: Path | None
 ) -> list[str]:
     """Why this machine cannot run the spec locally, naming the field; empty when it can."""
-    problems = gpu_problems(service, gpus)
+    problems = gpu_problems(service, gpus) + device_step_problems(service.spec)
     if service.spec.gateway.api_keys_secret and api_keys_file is None:
         problems.append(
             "spec.gateway.apiKeysSecret: local mode has no Secrets; pass the key file with "
             "--api-keys-file (lines of NAME:SHA256, see `hybridllm gateway hash-key`)"
         )
     return problems
+
+
+def device_step_problems(spec: crd.LLMServiceSpec) -> list[str]:
+    """Rollout steps that would wait for an EdgeFleet: no device is enrolled locally."""
+    return [
+        f"spec.rollout.steps[{i}].devices: local mode enrolls no edge devices, so this step "
+        "would wait for a fleet forever; leave devices out to run the manifest here"
+        for i, step in enumerate(spec.rollout.steps)
+        if step.devices
+    ]
 
 
 def gpu_problems(service: builders.Service, gpus: int) -> list[str]:
