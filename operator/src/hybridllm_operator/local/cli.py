@@ -224,11 +224,23 @@ def _apply(args: argparse.Namespace) -> int:
     sup.write_spec(service_dir, manifest.spec)
     os.kill(int(running["supervisor_pid"]), signal.SIGUSR1)
     old, new = current.model.revision, manifest.spec.model.revision
-    what = f"revision {old} -> {new}" if old != new else ", ".join(changes)
-    print(
-        f"{manifest.name}: {what} applied; `hybridllm rollout status {manifest.name} --local` "
-        "follows the rollout"
-    )
+    if old != new:
+        print(
+            f"{manifest.name}: revision {old} -> {new} applied; `hybridllm rollout status "
+            f"{manifest.name} --local` follows the rollout"
+        )
+        return 0
+    print(f"{manifest.name}: {', '.join(changes)} applied")
+    restarts = [
+        c for c in changes if not c.startswith(("spec.rollout", "spec.routing", "spec.gateway."))
+    ]
+    if restarts:
+        print(
+            "note: the same revision with new runtime settings: each replica restarts in place, "
+            "one at a time (`hybridllm status`); a pool of one replica leaves its tier without "
+            "a replica for those seconds, and requests to it fail meanwhile. A new "
+            "spec.model.revision rolls the change out beside the running replicas instead."
+        )
     return 0
 
 
