@@ -378,6 +378,11 @@ def _state_root_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _manifest_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", required=True, help="the manifest (YAML)")
+    parser.add_argument("--name", help="which LLMService, when the file has several")
+
+
 def register_up(subparsers: Any) -> None:
     up = subparsers.add_parser(
         "up",
@@ -386,8 +391,7 @@ def register_up(subparsers: Any) -> None:
         "render the pools the operator renders, and run each replica as a supervised "
         "process on this machine behind the gateway.",
     )
-    up.add_argument("-f", "--file", required=True, help="the manifest (YAML)")
-    up.add_argument("--name", help="which LLMService, when the file has several")
+    _manifest_flags(up)
     up.add_argument("-d", "--detach", action="store_true", help="run in the background")
     up.add_argument("--host", default=plan_mod.LOOPBACK, help="gateway listen address")
     up.add_argument("--port", type=int, default=plan_mod.DEFAULT_GATEWAY_PORT, help="gateway port")
@@ -436,8 +440,7 @@ def register_apply(subparsers: Any) -> None:
         "a changed routing reloads the gateway. Changes to pools, replica counts, the "
         "gateway or autoscaling are refused with the fields named: they need `down` and `up`.",
     )
-    apply.add_argument("-f", "--file", required=True, help="the manifest (YAML)")
-    apply.add_argument("--name", help="which LLMService, when the file has several")
+    _manifest_flags(apply)
     _state_root_flag(apply)
     apply.set_defaults(func=_apply)
 
