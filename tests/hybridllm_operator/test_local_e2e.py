@@ -659,6 +659,7 @@ def test_a_local_rollout_promotes_a_requantized_revision_and_rolls_back_bad_ones
         shown = hybridllm("rollout", "status", "canary", "--local", *state_root).stdout
         assert "canary revision: v2" in shown, shown
         assert "step:            2/2" in shown, shown
+        assert "golden prompts:  2 golden prompt(s) answered right by v2 on edge" in shown, shown
         hybridllm("rollout", "promote", "canary", "--local", *state_root)
         wait_for("the rollout completed", lambda: rollout().get("phase") == "Completed",
                  timeout_s=180)  # fmt: skip

@@ -64,6 +64,8 @@ def format_status(obj: dict[str, Any]) -> str:
         lines.append(
             f"  step:            {r.step + 1}/{r.steps}, {r.weight}% of traffic on the canary"
         )
+        if r.golden:
+            lines.append(f"  golden prompts:  {r.golden}")
     if r.message:
         lines.append(f"  {r.message}")
     if r.analysis:
