@@ -358,6 +358,18 @@ ROLLOUTS = Dashboard(
             unit="s",
         ),
         Panel(
+            "Golden prompts on the canary",
+            "1 when every backend of a new revision answered golden prompt N (0-based) "
+            "right, 0 when one did not; asked by each gateway once per canary backend, "
+            "before any traffic moves (spec.rollout.analysis.goldenPrompts).",
+            (
+                _q(
+                    f"min by (revision, prompt) ({n.GATEWAY_REVISION_GOLDEN_PASSED}{{sel}})",
+                    "{{revision}} prompt {{prompt}}",
+                ),
+            ),
+        ),
+        Panel(
             "The step's analysis",
             "The last analysis of the step: each metric on the canary and the stable "
             "revision, and its verdict.",
