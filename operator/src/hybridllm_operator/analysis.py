@@ -401,6 +401,86 @@ class ScrapeWindows(WindowSource):
             return window
 
 
+@dataclass(frozen=True)
+class DeviceKpis:
+    """What one revision's online devices of a fleet report in their heartbeats, as the
+    fleet server aggregates them (its /metrics)."""
+
+    devices: float
+    error_rate: float | None = None  # weighted by requests
+    ttft_p95: float | None = None  # the median over the devices of their TTFT p95
+
+
+class DeviceKpiSource:
+    """Reads a fleet's per-revision device KPIs."""
+
+    def read(self, fleet: str, now: float) -> dict[str, DeviceKpis]:
+        raise NotImplementedError
+
+
+class PrometheusDeviceKpis(DeviceKpiSource):
+    """From Prometheus, which scrapes the fleet server (the chart's monitors do)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def read(self, fleet: str, now: float) -> dict[str, DeviceKpis]:
+        sel = f'fleet="{fleet}"'
+        values: dict[str, dict[str, float]] = {}
+        for attr, metric in (
+            ("devices", names.FLEET_REVISION_DEVICES),
+            ("error_rate", names.FLEET_REVISION_ERROR_RATE),
+            ("ttft_p95", names.FLEET_REVISION_TTFT_P95_SECONDS),
+        ):
+            rows = prometheus_get(
+                self.url, "/api/v1/query",
+                {"query": f"max by (revision) ({metric}{{{sel}}})", "time": f"{now:.3f}"},
+            )  # fmt: skip
+            for row in rows:
+                revision = str(row["metric"].get("revision", ""))  # type: ignore[attr-defined]
+                values.setdefault(revision, {})[attr] = float(row["value"][1])  # type: ignore[index]
+        return {
+            rev: DeviceKpis(v.get("devices", 0.0), v.get("error_rate"), v.get("ttft_p95"))
+            for rev, v in values.items()
+            if v.get("devices", 0.0) > 0
+        }
+
+
+def judge_devices(
+    canary: DeviceKpis | None, stable: DeviceKpis | None, spec: crd.RolloutAnalysis
+) -> Verdict | None:
+    """The canary revision's devices against the stable revision's (or, with none left on
+    it, against the bounds alone), on what they report: aggregates, so bounds and a
+    relative margin decide, without a test. None when no device reports the canary."""
+    if canary is None or canary.devices <= 0:
+        return None
+    out, failed = [], []
+    if canary.error_rate is not None:
+        worse = stable is None or stable.error_rate is None or canary.error_rate > stable.error_rate
+        fail = canary.error_rate > spec.max_error_rate and worse
+        out.append(crd.MetricVerdict(
+            metric="errorRate", tier="devices", canary=canary.error_rate,
+            stable=stable.error_rate if stable else None, result=FAIL if fail else PASS,
+        ))  # fmt: skip
+        failed += ["errorRate"] if fail else []
+    if canary.ttft_p95 is not None:
+        base = stable.ttft_p95 if stable is not None else None
+        over = canary.ttft_p95 > spec.max_ttft_p95_seconds and (
+            base is None or base <= spec.max_ttft_p95_seconds
+        )
+        slower = base is not None and canary.ttft_p95 > base * (1 + spec.max_latency_increase)
+        fail = over or slower
+        out.append(crd.MetricVerdict(
+            metric="ttftP95", tier="devices", canary=canary.ttft_p95, stable=base,
+            result=FAIL if fail else PASS,
+        ))  # fmt: skip
+        failed += ["ttftP95"] if fail else []
+    text = "; ".join(describe(v) for v in out) or "the devices report no KPIs yet"
+    if failed:
+        return Verdict(FAIL, out, text)
+    return Verdict(PASS, out, text)
+
+
 class PrometheusWindows(WindowSource):
     """From Prometheus: ``increase`` over the window, summed over the gateways of one
     LLMService (series labelled ``namespace`` and ``llmservice``)."""

@@ -488,6 +488,9 @@ async def rollout_loop(
     controller = _rollouts(memo, key, body)
     loop = asyncio.get_running_loop()
     source: analysis.WindowSource | None = None
+    # what a fleet's devices report, for a step that moves them (through Prometheus, which
+    # scrapes the fleet server; without it such a step is judged on the gateways alone)
+    kpis = analysis.PrometheusDeviceKpis(memo.prometheus_url) if memo.prometheus_url else None
     try:
         while True:
             wait = 5.0
@@ -498,8 +501,9 @@ async def rollout_loop(
                 try:
                     fleet = _fleet(memo, key[0], spec)
                     obs = await loop.run_in_executor(
-                        memo.scale_executor, rollout.look, controller, spec, source, action, fleet
-                    )
+                        memo.scale_executor, rollout.look, controller, spec, source, action,
+                        fleet, kpis,
+                    )  # fmt: skip
                     before = controller.state
                     controller.advance(spec, obs)
                     if controller.state != before:

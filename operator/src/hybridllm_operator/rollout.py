@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridllm_common import crd
-from hybridllm_operator import analysis
+from hybridllm_operator import analysis, demand
 
 Phase = crd.RolloutPhase
 ACTION_ANNOTATION = f"{crd.GROUP}/rollout-action"
@@ -580,6 +580,7 @@ def look(
     source: analysis.WindowSource,
     action: str | None,
     fleet: FleetView | None = None,
+    device_kpis: analysis.DeviceKpiSource | None = None,
 ) -> Observation:
     """What the rollout loop sees now (the operator's and local mode's alike): the pools
     (``controller.readiness``, from the last reconcile), the gateways' routing and the
@@ -594,12 +595,49 @@ def look(
     window = source.read(state.step_started_at, now)
     alpha = needs_analysis(state, spec, now)
     verdict = analyse(window, state, spec, tiers, alpha) if alpha is not None else None
+    if verdict is not None and fleet is not None and device_kpis is not None:
+        verdict = with_devices(verdict, state, spec, device_kpis, fleet.name, now)
     golden = golden_verdict(window, state, spec, tiers) if needs_golden(state, spec) else None
     return Observation(
         now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
         routed=routed(window, state, tiers), verdict=verdict, action=action,
         actions_seen=True, canary_problem=ready.canary_problem, golden=golden, fleet=fleet,
     )  # fmt: skip
+
+
+def with_devices(
+    verdict: analysis.Verdict,
+    state: crd.RolloutStatus,
+    spec: crd.LLMServiceSpec,
+    source: analysis.DeviceKpiSource,
+    fleet: str,
+    now: float,
+) -> analysis.Verdict:
+    """The step's verdict with what the fleet's devices report, while a step that moved
+    them runs: the canary revision's devices against the stable one's; their failure
+    fails the step even when the gateways' window is still too small to judge."""
+    plan = steps(spec)
+    if state.phase not in STEPPING or not plan[min(state.step, len(plan) - 1)].devices:
+        return verdict
+    try:
+        kpis = source.read(fleet, now)
+    except demand.PrometheusError as exc:
+        return analysis.Verdict(
+            analysis.INCONCLUSIVE, verdict.metrics,
+            f"{verdict.message}; devices: no KPIs from Prometheus ({exc})",
+        )  # fmt: skip
+    devices = analysis.judge_devices(
+        kpis.get(str(state.canary_revision)), kpis.get(state.stable_revision),
+        spec.rollout.analysis,
+    )  # fmt: skip
+    if devices is None:
+        return verdict
+    metrics = verdict.metrics + devices.metrics
+    if devices.outcome == analysis.FAIL:
+        return analysis.Verdict(analysis.FAIL, metrics, f"devices: {devices.message}")
+    return analysis.Verdict(
+        verdict.outcome, metrics, f"{verdict.message}; devices: {devices.message}"
+    )
 
 
 def tick_seconds(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> float:
