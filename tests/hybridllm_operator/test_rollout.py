@@ -309,6 +309,9 @@ def test_a_step_that_moves_the_devices_waits_for_the_fleets_waves_then_is_analys
         assert state.step_started_at is None, fleet
         assert "waiting for the edge fleet shops to take v2 in its waves" in state.message
     assert state.message.endswith(": wave 1/2")
+    first = rollout.FleetView.of("shops", {"currentRevision": "v2"})  # its first config: v2
+    assert first.took("v2")
+    assert not rollout.FleetView.of("shops", {"currentRevision": "v1"}).took("v2")
     done = _fleet("Completed")
     state, _ = rollout.advance(state, spec, _obs(62, canary_ready=True, routed=True, fleet=done))
     assert state.step_started_at == 62  # the analysis window begins once the fleet passed

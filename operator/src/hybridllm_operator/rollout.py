@@ -72,17 +72,26 @@ class FleetView:
     phase: crd.FleetRolloutPhase | None = None
     revision: str | None = None  # the revision its rollout takes the devices to
     message: str = ""
+    current: str | None = None  # the revision the fleet hands out now
 
     @classmethod
     def of(cls, name: str, status: dict[str, Any] | None) -> FleetView:
+        current = (status or {}).get("currentRevision")
         raw = (status or {}).get("rollout")
         if not raw:
-            return cls(name)
+            return cls(name, current=current)
         try:
             r = crd.FleetRolloutStatus.model_validate(raw)
         except ValueError:
-            return cls(name)
-        return cls(name, r.phase, r.to_revision, r.message)
+            return cls(name, current=current)
+        return cls(name, r.phase, r.to_revision, r.message, current)
+
+    def took(self, revision: str) -> bool:
+        """Whether the fleet's devices were taken to ``revision``: its rollout of it
+        completed (or the fleet's first config was it: no rollout was needed)."""
+        if self.phase is None:
+            return self.current == revision
+        return self.phase == crd.FleetRolloutPhase.Completed and self.revision == revision
 
 
 def spec_wire(spec: crd.LLMServiceSpec) -> str:
@@ -448,21 +457,22 @@ def _step(
     if state.step_started_at is None and step.devices:
         fleet = obs.fleet
         name = spec.edge.devices.fleet if spec.edge.devices is not None else "?"
-        if fleet is None or fleet.revision != canary or fleet.phase in (
-            None, crd.FleetRolloutPhase.Progressing,
+        if (
+            fleet is not None and fleet.revision == canary and fleet.phase is not None
+            and fleet.phase in (crd.FleetRolloutPhase.RolledBack, crd.FleetRolloutPhase.Stopped)
         ):  # fmt: skip
+            why = (f"{where} failed: the edge fleet {name} did not take {canary} "
+                   f"({fleet.phase.value}): {fleet.message}")  # fmt: skip
+            if spec.rollout.auto_rollback:
+                return _abort(state, why), [("Warning", "RolloutAborted", why)]
+            return _to(state, Phase.failed, why), [("Warning", "RolloutStepFailed", why)]
+        if fleet is None or not fleet.took(str(canary)):
             doing = (
                 f": {fleet.message}" if fleet and fleet.revision == canary and fleet.message else ""
             )
             return _to(state, state.phase,
                        f"{where}: waiting for the edge fleet {name} to take {canary} in its "
                        f"waves{doing}"), []  # fmt: skip
-        if fleet.phase != crd.FleetRolloutPhase.Completed:
-            why = (f"{where} failed: the edge fleet {name} did not take {canary} "
-                   f"({fleet.phase.value}): {fleet.message}")  # fmt: skip
-            if spec.rollout.auto_rollback:
-                return _abort(state, why), [("Warning", "RolloutAborted", why)]
-            return _to(state, Phase.failed, why), [("Warning", "RolloutStepFailed", why)]
     if state.step_started_at is None:
         if not obs.routed:
             return _to(state, state.phase,
