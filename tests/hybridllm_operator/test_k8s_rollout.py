@@ -234,6 +234,13 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
                 timeout=90, what="step 1 at 20%",
             )  # fmt: skip
             assert kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) is not None
+            # the golden prompts' panel, while the canary it is about exists
+            values = {"namespace": NAMESPACE, "llmservice": NAME}
+            golden_panel = {"Golden prompts on the canary"}
+            missing = promql.wait_for_data(
+                stack["prometheus"], [(panels.ROLLOUTS, golden_panel)], values, timeout=60
+            )
+            assert missing == [], missing
             cli("pause")
             kube.eventually(lambda: rollout_status().get("phase") == "Paused", what="paused")
             assert "Paused" in cli("status")
@@ -279,11 +286,12 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
             assert "ttftP95" in message, message
             assert any("ttftP95" in m for m in events("RolloutAborted")), events("RolloutAborted")
             # the rollouts dashboard: every query answers, the analysis that failed v3 too
-            values = {"namespace": NAMESPACE, "llmservice": NAME}
+            # (the golden prompts' verdicts are about a canary, gone now: checked above)
             prometheus = stack["prometheus"]
             missing = promql.wait_for_data(
-                prometheus, [(panels.ROLLOUTS, None)], values, timeout=60, range_="10m"
-            )
+                prometheus, [(panels.ROLLOUTS, None)], values, timeout=60, range_="10m",
+                skip=names.GATEWAY_REVISION_GOLDEN_PASSED,
+            )  # fmt: skip
             assert missing == [], missing
             verdicts = promql.query(
                 prometheus, f'{names.ROLLOUT_ANALYSIS_RESULT}{{metric="ttftP95", result="fail"}}'

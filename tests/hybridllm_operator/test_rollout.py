@@ -349,6 +349,22 @@ def test_devices_steps_are_checked() -> None:
     assert rollout.devices_on_canary(_started(), without)
 
 
+def test_the_reconciles_spec_only_look_starts_rollouts_but_never_judges_a_step() -> None:
+    """The reconcile advances the controller on each spec it sees, with nothing observed:
+    it must start (or end) a rollout on a new revision, and leave a running step (and its
+    message: what the rollout loop last saw) as it is."""
+    spec = _spec("v2")
+    state = _started()
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(0, canary_ready=True))
+    assert "waiting for every gateway" in state.message
+    again, events = rollout.advance(state, spec, _obs(1, spec_only=True))
+    assert (again, events) == (state.model_copy(update={"steps": 3}), [])
+    third, events = rollout.advance(state, _spec("v3"), _obs(2, spec_only=True))
+    assert third.canary_revision == "v3"
+    assert [e[1] for e in events] == ["RolloutStarted"]
+
+
 def test_a_new_revision_mid_rollout_restarts_and_the_old_revision_aborts() -> None:
     state = _started()
     state, _ = rollout.advance(state, _spec("v2"), _obs(0, canary_ready=True))

@@ -319,7 +319,8 @@ def reconcile(
         scaling.configure(spec)
     rollout_state = None
     if rollouts is not None:  # a spec change may start (or end) a rollout
-        for _, reason, message in rollouts.advance(spec, rollout.Observation(time.time())):
+        spec_only = rollout.Observation(time.time(), spec_only=True)
+        for _, reason, message in rollouts.advance(spec, spec_only):
             log.info("%s/%s rollout: %s: %s", namespace, name, reason, message)
         rollout_state = rollouts.state
     service = _service_from(

@@ -62,6 +62,9 @@ class Observation:
     canary_problem: str | None = None  # why the canary's pods cannot run (crash, no image)
     golden: analysis.Verdict | None = None  # the golden prompts on the canary, once all asked
     fleet: FleetView | None = None  # the service's EdgeFleet's rollout (spec.edge.devices)
+    # only the spec is new (the reconcile's look): start, restart or abort a rollout on a
+    # new revision; what the pools, gateways and fleet say is the rollout loop's to judge
+    spec_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -389,7 +392,7 @@ def _advance(
     if phase in STEPPING and state.step >= len(plan):  # steps removed mid-rollout
         state = state.model_copy(update={"step": len(plan) - 1})
     state = state.model_copy(update={"steps": len(plan)})
-    if phase in (Phase.paused, Phase.failed):
+    if obs.spec_only or phase in (Phase.paused, Phase.failed):
         return state, events
     if phase in (Phase.progressing, Phase.inconclusive):
         stepped, more = _step(state, spec, obs, plan)
