@@ -667,9 +667,7 @@ class Supervisor:
                     matching.append(proc)
                 else:
                     self._retire(proc)
-            size = pool.replicas or 1
-            if pool.component in ("prefill", "decode") and matching:
-                size = len(matching)  # sized when the canary starts (decode knows its prefill)
+            size = self._canary_size(pool)
             index = max((p.replica.index for p in procs), default=-1) + 1
             for _ in range(size - len(matching)):
                 ports = plan_mod.free_ports(2 if pool.component == "prefill" else 1)
@@ -679,6 +677,15 @@ class Supervisor:
             for proc in sorted(matching, key=lambda p: p.replica.index)[size:]:
                 self._retire(proc)
 
+    def _canary_size(self, pool: builders.Pool) -> int:
+        """How many replicas a canary pool runs: the renderer's, but prefill and decode
+        keep the size they started with (a decode replica knows its prefill replicas)."""
+        if pool.component in ("prefill", "decode"):
+            live = [p for p in self._pool_procs(pool.component, builders.CANARY) if not p.retiring]
+            if live:
+                return len(live)
+        return pool.replicas or 1
+
     def _readiness(
         self, service: builders.Service, pools: list[builders.Pool]
     ) -> rollout.Readiness:
@@ -687,7 +694,7 @@ class Supervisor:
         replicas cannot run (one that exited before it was ever ready)."""
         canary_ready = service.canary is not None and all(
             sum(p.status == "ready" and not p.retiring
-                for p in self._pool_procs(pool.component, builders.CANARY)) >= (pool.replicas or 1)
+                for p in self._pool_procs(pool.component, builders.CANARY)) >= self._canary_size(pool)
             for pool in pools if pool.track == builders.CANARY
         )  # fmt: skip
         stable_ready = all(
