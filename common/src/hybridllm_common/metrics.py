@@ -133,4 +133,6 @@ FLEET_PENDING_WRITES = "hybridllm_fleet_pending_writes"
 FLEET_REJECTED_TOTAL = "hybridllm_fleet_rejected_total"
 FLEET_HEARTBEAT_AGE_SECONDS = "hybridllm_fleet_heartbeat_age_seconds"  # label: quantile
 FLEET_API_WRITES_TOTAL = "hybridllm_fleet_api_writes_total"
+FLEET_LEADER = "hybridllm_fleet_leader"
+FLEET_DIGEST_DEVICES = "hybridllm_fleet_digest_devices"
 OPERATOR_LEADER = "hybridllm_operator_leader"

@@ -40,9 +40,21 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from hybridllm_operator import leader
+
+    try:
+        timing = leader.Timing(
+            args.lease_duration_seconds, args.renew_deadline_seconds, args.retry_period_seconds
+        )
+    except ValueError as exc:
+        print(f"hybridllm fleet serve: {exc}", file=sys.stderr)
+        return 2
     kube.load_config()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(server.serve(args.namespace, args.host, args.port, tls, args.tick_seconds))
+        asyncio.run(server.serve(
+            args.namespace, args.host, args.port, tls, args.tick_seconds, lease=args.lease_name,
+            timing=timing, digest_s=args.digest_seconds,
+        ))  # fmt: skip
     return 0
 
 
@@ -163,6 +175,20 @@ def register_fleet(subparsers: Any) -> None:
                        help="serve plain HTTP (a loopback test only)")  # fmt: skip
     serve.add_argument("--tick-seconds", type=float, default=1.0,
                        help="how often fleets are planned and statuses written")  # fmt: skip
+    serve.add_argument("--lease-name", default="hybridllm-fleet",
+                       help="the Lease (in the fleets' namespace) whose holder plans the "
+                            "waves and writes the records; the replica's identity is "
+                            "POD_NAME, else host and a random suffix")  # fmt: skip
+    serve.add_argument("--lease-duration-seconds", type=float, default=15.0,
+                       help="how long a silent leader keeps the Lease")  # fmt: skip
+    serve.add_argument("--renew-deadline-seconds", type=float, default=10.0,
+                       help="a leader that could not renew this long stops writing")  # fmt: skip
+    serve.add_argument("--retry-period-seconds", type=float, default=2.0,
+                       help="how often the leader renews and the others try")  # fmt: skip
+    serve.add_argument("--digest-seconds", type=float, default=5.0,
+                       help="how often a replica that does not lead hands the heartbeats "
+                            "it received to the leader (a ConfigMap write, only when a "
+                            "device beat to it)")  # fmt: skip
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     serve.set_defaults(func=_serve)
     for verb, func, text in (

@@ -1,13 +1,15 @@
-"""The fleet server's Kubernetes side: informers for its three kinds, and its few writes.
+"""The fleet server's Kubernetes side: informers for its kinds, and its few writes.
 
 Everything here blocks (the ``kubernetes`` client); the server calls it from threads.
-The server is the only writer of EdgeDevice and EdgeFleet status, so its writes are
-merge patches of the status subresource, and each is counted (the fleet benchmark reports
+The leading replica is the only writer of EdgeDevice and EdgeFleet status, so its writes
+are merge patches of the status subresource; the other replicas write their heartbeat
+digests (ConfigMaps, ``digest.py``). Each write is counted (the fleet benchmark reports
 API-server writes per second).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -43,23 +45,51 @@ def token_secret(fleet: str, spec: crd.EdgeFleetSpec) -> str:
 
 class Informer:
     """A list-then-watch cache of one kind in one namespace, kept in ``objects`` (name ->
-    object); ``on_change`` is called from the watch thread after each change."""
+    object, as the API server's JSON); ``on_change`` is called from the watch thread after
+    each change. ``call`` is the API's list function and ``args`` its leading arguments
+    (``custom`` and ``config_maps`` make the two kinds of the server)."""
 
     def __init__(
         self,
-        api: Any,
-        namespace: str,
-        kind: str,
+        what: str,
+        call: Callable[..., Any],
+        args: tuple[Any, ...],
         on_change: Callable[[str, str, dict[str, Any] | None], None],
+        **options: Any,
     ) -> None:
-        self.api, self.namespace, self.kind = api, namespace, kind
-        self.plural = PLURALS[kind]
+        self.plural, self.call, self.args, self.options = what, call, args, options
         self.objects: dict[str, dict[str, Any]] = {}
         self.on_change = on_change
         self.synced = threading.Event()
         self._stop = threading.Event()
         self._watch: Any = None
-        self.thread = threading.Thread(target=self._run, name=f"watch-{self.plural}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"watch-{what}", daemon=True)
+
+    @classmethod
+    def custom(
+        cls,
+        api: Any,
+        namespace: str,
+        kind: str,
+        on_change: Callable[[str, str, dict[str, Any] | None], None],
+    ) -> Informer:
+        """EdgeFleets, EdgeDevices or LLMServices of ``namespace``."""
+        args = (crd.GROUP, crd.VERSION, namespace, PLURALS[kind])
+        return cls(PLURALS[kind], api.list_namespaced_custom_object, args, on_change)
+
+    @classmethod
+    def config_maps(
+        cls,
+        core: Any,
+        namespace: str,
+        selector: str,
+        on_change: Callable[[str, str, dict[str, Any] | None], None],
+    ) -> Informer:
+        """The ConfigMaps of ``namespace`` with the label ``selector``."""
+        return cls(
+            "configmaps", core.list_namespaced_config_map, (namespace,), on_change,
+            label_selector=selector,
+        )  # fmt: skip
 
     def start(self) -> None:
         self.thread.start()
@@ -70,9 +100,8 @@ class Informer:
             self._watch.stop()
 
     def _list(self) -> str:
-        listing = self.api.list_namespaced_custom_object(
-            crd.GROUP, crd.VERSION, self.namespace, self.plural
-        )
+        response = self.call(*self.args, **self.options, _preload_content=False)
+        listing = json.loads(response.data)
         seen = {o["metadata"]["name"]: o for o in listing.get("items", [])}
         for name in set(self.objects) - set(seen):
             self.objects.pop(name, None)
@@ -92,9 +121,8 @@ class Informer:
                     version = self._list()
                 self._watch = kubernetes.watch.Watch()  # type: ignore[no-untyped-call]
                 for event in self._watch.stream(
-                    self.api.list_namespaced_custom_object,
-                    crd.GROUP, crd.VERSION, self.namespace, self.plural,
-                    resource_version=version, timeout_seconds=300, allow_watch_bookmarks=True,
+                    _untyped(self.call), *self.args, **self.options, resource_version=version,
+                    timeout_seconds=300, allow_watch_bookmarks=True,
                 ):  # fmt: skip
                     obj = event["object"]
                     version = obj["metadata"].get("resourceVersion", version)
@@ -123,6 +151,17 @@ class Informer:
                 delay = min(delay * 2, 30.0)
 
 
+def _untyped(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` without its docstring, from which ``Watch`` would learn a model class to
+    build: the events' objects then stay the API server's JSON (a dict) for every kind,
+    and an ERROR event (410 Gone) is still raised as an ``ApiException``."""
+
+    def untyped(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    return untyped
+
+
 class Kube:
     """The server's reads and writes beyond the informers."""
 
@@ -133,6 +172,7 @@ class Kube:
         api = kubernetes.client.ApiClient(config)
         self.custom = kubernetes.client.CustomObjectsApi(api)
         self.core = kubernetes.client.CoreV1Api(api)
+        self.leases = kubernetes.client.CoordinationV1Api(api)
         self.writes: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -152,6 +192,29 @@ class Kube:
         self.custom.patch_namespaced_custom_object_status(
             crd.GROUP, crd.VERSION, self.namespace, PLURALS[kind], name, {"status": status}
         )
+
+    def write_config_map(self, name: str, labels: dict[str, str], binary: dict[str, str]) -> None:
+        """Create or replace the ConfigMap ``name`` (a digest: one writer, so no conflict
+        but a recreation after a delete)."""
+        body = {
+            "metadata": {"name": name, "namespace": self.namespace, "labels": labels},
+            "binaryData": binary,
+        }
+        self._count("configmap")
+        try:
+            self.core.replace_namespaced_config_map(name, self.namespace, body)  # type: ignore[arg-type]
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self.core.create_namespaced_config_map(self.namespace, body)  # type: ignore[arg-type]
+
+    def delete_config_map(self, name: str) -> None:
+        self._count("configmap")
+        try:
+            self.core.delete_namespaced_config_map(name, self.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def event(self, fleet: dict[str, Any], type_: str, reason: str, message: str) -> None:
         meta = fleet["metadata"]

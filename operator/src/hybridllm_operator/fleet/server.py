@@ -20,6 +20,12 @@ was not offline as seen at its start, so a restart alone marks no device offline
 Each tick (``--tick-seconds``) the server follows each fleet's LLMService: the content
 devices should run comes from the service's edge tier (``waves.config_content``), and
 :func:`waves.plan` moves a new revision through the fleet wave by wave.
+
+Replicas: every replica answers every call, but one, the holder of the Lease
+(``leader.py``, client-go's rules), plans and writes the records. The others serve
+configs from the records the leader writes (they watch them) and hand the heartbeats
+they receive to the leader through their digests (``digest.py``). A new leader counts
+each device not offline as seen at its takeover, as a restarted server does.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ import hmac
 import json
 import logging
 import re
+import signal
 import ssl
 import statistics
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -52,7 +60,8 @@ from prometheus_client.registry import Collector
 
 from hybridllm_common import crd, signing
 from hybridllm_common import metrics as names
-from hybridllm_operator import builders, reconcile
+from hybridllm_operator import builders, leader, reconcile
+from hybridllm_operator.fleet import digest as digests
 from hybridllm_operator.fleet import kube as kube_mod
 from hybridllm_operator.fleet import waves
 
@@ -92,6 +101,8 @@ class Device:
     status: dict[str, Any] = field(default_factory=dict)  # as last written (camelCase)
     last_seen: float | None = None
     report: dict[str, Any] = field(default_factory=dict)  # last heartbeat body
+    heard_at: float | None = None  # when the device sent `report` (this replica's clock)
+    heard_here = False  # `report` came to this replica, not from another's digest
 
     def online(self, now: float, timeout: float) -> bool:
         return self.last_seen is not None and now - self.last_seen <= timeout
@@ -159,6 +170,14 @@ class Metrics:
             "Seconds since the online devices of a fleet last heartbeat: the median "
             "(quantile 0.5) and the oldest (quantile 1).", ["fleet", "quantile"], registry=r,
         )  # fmt: skip
+        self.leader = Gauge(
+            names.FLEET_LEADER, "1 on the replica that holds the Lease (plans waves, writes "
+            "records, exports the fleet's gauges), 0 on the others.", registry=r,
+        )  # fmt: skip
+        self.digest_devices = Gauge(
+            names.FLEET_DIGEST_DEVICES, "Devices in this replica's last heartbeat digest "
+            "(heard by it, handed to the leader).", registry=r,
+        )  # fmt: skip
 
 
 class _Writes(Collector):
@@ -183,9 +202,25 @@ class _Writes(Collector):
 
 
 class FleetServer:
-    def __init__(self, kube: kube_mod.Kube, tick_s: float = 1.0) -> None:
-        self.kube, self.tick_s = kube, tick_s
+    def __init__(
+        self,
+        kube: kube_mod.Kube,
+        tick_s: float = 1.0,
+        identity: str = "",
+        digest_s: float = 5.0,
+    ) -> None:
+        self.kube, self.tick_s, self.digest_s = kube, tick_s, digest_s
+        self.identity = identity or leader.default_identity()
+        self.leading = False
         self.namespace = kube.namespace
+        # other replicas' digests by object name: (when this replica saw it, the digest)
+        self.digests: dict[str, tuple[float, digests.Digest]] = {}
+        self._digest_parts: list[str] = []  # names of this replica's digest as written
+        self._digest_names: set[str] = set()  # devices in it
+        self._digest_at = 0.0
+        self._heard = False  # a device beat to this replica since its last digest
+        self._wakes: set[str] = set()  # fleets to wake at the next wake-up
+        self._tasks: set[asyncio.Task[None]] = set()
         self.fleets: dict[str, Fleet] = {}
         self.devices: dict[str, Device] = {}
         self.services: dict[str, dict[str, Any]] = {}
@@ -207,11 +242,16 @@ class FleetServer:
             ("EdgeDevice", self._on_device),
             ("LLMService", self._on_service),
         ):
-            informer = kube_mod.Informer(
+            informer = kube_mod.Informer.custom(
                 self.kube.custom, self.namespace, kind, self._threadsafe(handler)
             )
             self._informers.append(informer)
             informer.start()
+        digest_informer = kube_mod.Informer.config_maps(
+            self.kube.core, self.namespace, digests.LABEL, self._threadsafe(self._on_digest)
+        )
+        self._informers.append(digest_informer)
+        digest_informer.start()
 
     def stop_informers(self) -> None:
         for informer in self._informers:
@@ -233,17 +273,25 @@ class FleetServer:
             problem = None
         except pydantic.ValidationError as exc:
             spec, problem = None, f"invalid spec: {exc.errors()[0]['msg']}"
+        try:
+            status = crd.EdgeFleetStatus.model_validate(obj.get("status") or {})
+        except pydantic.ValidationError:
+            status = crd.EdgeFleetStatus()
         fleet = self.fleets.get(name)
         if fleet is None:
-            try:
-                status = crd.EdgeFleetStatus.model_validate(obj.get("status") or {})
-            except pydantic.ValidationError:
-                status = crd.EdgeFleetStatus()
             fleet = Fleet(name, obj, spec, status, problem)
             self.fleets[name] = fleet
         spec_changed = fleet.spec != spec
         fleet.obj, fleet.spec, fleet.problem = obj, spec, problem
-        if spec_changed:  # not the echo of a status write: ten thousand polls would wake
+        # A leader's own status is the truth (what arrives is the echo of its writes); the
+        # others take the leader's, and wake their long polls when what it hands out moved.
+        handed_out = not self.leading and (
+            (fleet.status.config, fleet.status.previous_config, fleet.status.rollout)
+            != (status.config, status.previous_config, status.rollout)
+        )
+        if not self.leading:
+            fleet.status = status
+        if spec_changed or handed_out:  # not any status echo: ten thousand polls would wake
             self._wake(fleet)
 
     def _on_device(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
@@ -258,18 +306,76 @@ class FleetServer:
         except signing.SignatureError:
             log.warning("EdgeDevice %s has no valid public key; refusing it", name)
             public = None
+        status = dict(obj.get("status") or {})
         device = self.devices.get(name)
         if device is None:
-            status = dict(obj.get("status") or {})
             device = Device(name, spec.get("fleet", ""), public, labels, False, False, status)
             # A restart marks no device offline by itself: each is seen as of now, except
             # those already offline.
             if status.get("phase") != crd.DevicePhase.Offline.value:
                 device.last_seen = self.started
             self.devices[name] = device
+        elif not self.leading:  # the leader's record; wake the device's poll if it moved
+            if status.get("assignedVersion") != device.status.get("assignedVersion"):
+                self._wake_soon(spec.get("fleet", ""))
+            device.status = status
         device.public_key, device.labels = public, labels
         device.fleet = spec.get("fleet", "")
         device.approved, device.revoked = bool(spec.get("approved")), bool(spec.get("revoked"))
+
+    def _on_digest(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            self.digests.pop(name, None)
+            return
+        try:
+            found = digests.decode(obj)
+        except ValueError as exc:
+            log.warning("ConfigMap %s: %s; ignored", name, exc)
+            return
+        if found.replica == self.identity:  # one of an earlier process of this pod
+            if name not in self._digest_parts:
+                self._digest_parts.append(name)  # deleted or replaced by the next write
+            return
+        self.digests[name] = (time.time(), found)
+        if self.leading:
+            self._merge(*self.digests[name])
+
+    def _merge(self, observed_at: float, found: digests.Digest) -> None:
+        """Take each device's heartbeat from a digest when it is newer than the one held."""
+        for name, (seen_at, report) in found.dated(observed_at).items():
+            device = self.devices.get(name)
+            if device is None or (device.heard_at is not None and device.heard_at >= seen_at):
+                continue
+            device.report, device.heard_at, device.heard_here = report, seen_at, False
+            if device.last_seen is None or device.last_seen < seen_at:
+                device.last_seen = seen_at
+
+    def lead(self, leading: bool) -> None:
+        """Take over (True) or hand over (False) the planning and the writes."""
+        if leading == self.leading:
+            return
+        now = time.time()
+        self.leading = leading
+        self.metrics.leader.set(int(leading))
+        if leading:
+            log.info("leading the fleets of %s as %s", self.namespace, self.identity)
+            for observed_at, found in self.digests.values():
+                self._merge(observed_at, found)
+            for d in self.devices.values():  # as a restart: none offline for the takeover
+                if d.status.get("phase") != crd.DevicePhase.Offline.value:
+                    d.last_seen = max(d.last_seen or now, now)
+            self._digest_names, self._heard = set(), False
+            self._write_digest_soon([])  # the leader's own heartbeats need none
+        else:
+            log.warning("no longer leading the fleets of %s: serving, not planning", self.namespace)
+            self.dirty.clear()
+            for fleet in self.fleets.values():
+                fleet.written, fleet.written_at = {}, 0.0
+            m = self.metrics
+            for gauge in (m.devices, m.revision_devices, m.revision_tokens, m.revision_errors,
+                          m.revision_ttft, m.heartbeat_age):  # fmt: skip
+                gauge.clear()  # the new leader exports them
+            self._kpi_revisions.clear()
 
     def _on_service(self, type_: str, name: str, obj: dict[str, Any] | None) -> None:
         if obj is None:
@@ -358,15 +464,73 @@ class FleetServer:
         """Write changed device records in the background: a tick never waits for them,
         and a record that changes again before its turn is written once."""
         while True:
-            if self.dirty:
+            if self.dirty and self.leading:
                 await self.flush()
             else:
                 await asyncio.sleep(self.tick_s / 2)
 
     async def tick(self) -> None:
         now = time.time()
+        if not self.leading:
+            await self._follow(now)
+            return
         for fleet in list(self.fleets.values()):
             await self._tick_fleet(fleet, now)
+        await self._collect_digests(now)
+
+    async def _follow(self, now: float) -> None:
+        """A replica that does not lead: ready to sign configs, and its digest written."""
+        for fleet in list(self.fleets.values()):
+            if fleet.spec is not None and fleet.key is None:
+                fleet.key = await asyncio.to_thread(self.kube.signing_key, fleet.obj)
+        if now - self._digest_at < self.digest_s:
+            return
+        seen: dict[str, tuple[float, dict[str, Any]]] = {}
+        for d in self.devices.values():
+            its = self.fleets.get(d.fleet)
+            keep = its.spec.heartbeat_timeout_seconds if its and its.spec else 120
+            if d.heard_here and d.heard_at is not None and now - d.heard_at <= keep:
+                seen[d.name] = (d.heard_at, d.report)
+        if not self._heard and set(seen) == self._digest_names:
+            return  # nothing new: the leader's reading of the last digest still holds
+        self._heard, self._digest_names, self._digest_at = False, set(seen), now
+        self.metrics.digest_devices.set(len(seen))
+        await self._write_digest(digests.encode(self.identity, now, seen))
+
+    def _write_digest_soon(self, parts: list[str]) -> None:
+        if self.loop is not None:
+            task = self.loop.create_task(self._write_digest(parts))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _write_digest(self, parts: list[str]) -> None:
+        """This replica's digest as ``parts`` (none: deleted), older extra parts deleted."""
+        names = [digests.object_name(self.identity, i) for i in range(len(parts))]
+        labels = {digests.LABEL: "true", digests.REPLICA_LABEL: digests.label_value(self.identity)}
+        try:
+            for name, text in zip(names, parts, strict=True):
+                await asyncio.to_thread(
+                    self.kube.write_config_map, name, labels, {digests.KEY: text}
+                )
+            for name in set(self._digest_parts) - set(names):
+                await asyncio.to_thread(self.kube.delete_config_map, name)
+            self._digest_parts = names
+        except Exception as exc:  # noqa: BLE001 - the API server: the next period tries again
+            log.warning("heartbeat digest of %s not written: %s", self.identity, exc)
+            self._heard = True
+
+    async def _collect_digests(self, now: float) -> None:
+        """The leader deletes the digests of replicas gone: unchanged for twice the longest
+        heartbeat timeout (nothing in them can make a device online any more)."""
+        timeouts = [f.spec.heartbeat_timeout_seconds for f in self.fleets.values() if f.spec]
+        stale = 2 * max(timeouts, default=120)
+        for name, (observed_at, found) in list(self.digests.items()):
+            if now - observed_at > stale:
+                log.info("deleting the heartbeat digest %s of replica %s, silent %.0f s",
+                         name, found.replica, now - observed_at)  # fmt: skip
+                self.digests.pop(name, None)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.kube.delete_config_map, name)
 
     async def _tick_fleet(self, fleet: Fleet, now: float) -> None:
         if fleet.spec is None:
@@ -406,6 +570,20 @@ class FleetServer:
     def _wake(self, fleet: Fleet) -> None:
         fleet.changed.set()
         fleet.changed = asyncio.Event()
+
+    def _wake_soon(self, name: str) -> None:
+        """Wake a fleet's long polls shortly: the leader writes a wave's assignments one
+        record at a time, and each wake-up rechecks every poll of the fleet."""
+        if not self._wakes and self.loop is not None:
+            self.loop.call_later(0.1, self._wake_pending)
+        self._wakes.add(name)
+
+    def _wake_pending(self) -> None:
+        for name in self._wakes:
+            fleet = self.fleets.get(name)
+            if fleet is not None:
+                self._wake(fleet)
+        self._wakes.clear()
 
     def _count(self, fleet: Fleet, st: crd.EdgeFleetStatus, now: float) -> None:
         assert fleet.spec is not None
@@ -520,9 +698,13 @@ class FleetServer:
         steady = {k: v for k, v in wire.items() if k != "oldestHeartbeatSeconds"}
         last = {k: v for k, v in fleet.written.items() if k != "oldestHeartbeatSeconds"}
         # Counts and the rollout at once; the heartbeat age alone every 30 s.
-        if steady == last and now - fleet.written_at < 30:
+        if (steady == last and now - fleet.written_at < 30) or not self.leading:
             return
-        await asyncio.to_thread(self.kube.patch_status, "EdgeFleet", fleet.name, wire)
+        # A merge patch merges maps: a key gone (a revision no device runs any more) must be
+        # sent as null, against what the API server holds (as last seen, and written since).
+        stored = {**(fleet.obj.get("status") or {}), **fleet.written}
+        patch = _with_nulls(stored, wire)
+        await asyncio.to_thread(self.kube.patch_status, "EdgeFleet", fleet.name, patch)
         fleet.written, fleet.written_at = wire, now
 
     def _refresh(self, fleet: Fleet, d: Device, now: float) -> None:
@@ -813,15 +995,30 @@ class FleetServer:
             report = _check_report(report)
         except ValueError as exc:
             return _error(400, f"heartbeat: {exc}", "invalid_heartbeat")
-        device.report, device.last_seen = report, time.time()
+        now = time.time()
+        device.report, device.last_seen, device.heard_at = report, now, now
+        device.heard_here, self._heard = True, True
         fleet = self.fleets.get(device.fleet)
         out: dict[str, Any] = {"approved": device.approved}
         if fleet is not None and fleet.spec is not None:
-            self._refresh(fleet, device, device.last_seen)
+            if self.leading:
+                self._refresh(fleet, device, now)
             want = self.desired(fleet, device) if device.approved else None
             out["configVersion"] = want.version if want else None
             out["heartbeatSeconds"] = max(3, fleet.spec.heartbeat_timeout_seconds // 3)
         return web.json_response(out)
+
+
+def _with_nulls(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` as a JSON merge patch over ``old``: each map key of ``old`` that ``new``
+    lacks is set to null (removed), at every depth."""
+    out = dict(new)
+    for key, value in old.items():
+        if key not in new:
+            out[key] = None
+        elif isinstance(value, dict) and isinstance(new[key], dict):
+            out[key] = _with_nulls(value, new[key])
+    return out
 
 
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
@@ -866,6 +1063,24 @@ def _label_problem(labels: Any) -> str | None:
     return None
 
 
+def elect(server: FleetServer, elector: leader.LeaderElector, stop: threading.Event) -> None:
+    """Lead while holding the Lease, follow otherwise, until ``stop`` (then release it).
+    Runs in a thread of its own (the elector blocks)."""
+    loop = server.loop
+    assert loop is not None
+
+    def lost() -> None:
+        loop.call_soon_threadsafe(server.lead, False)
+
+    while not stop.is_set():
+        if not elector.acquire(stop):
+            break
+        loop.call_soon_threadsafe(server.lead, True)
+        elector.run_renewals(stop, lost)
+    if elector.holder == elector.identity:
+        elector.release()
+
+
 async def serve(
     namespace: str,
     host: str,
@@ -873,12 +1088,18 @@ async def serve(
     tls: ssl.SSLContext | None,
     tick_s: float = 1.0,
     ready: Callable[[], None] | None = None,
+    *,
+    lease: str = "hybridllm-fleet",
+    timing: leader.Timing | None = None,
+    identity: str = "",
+    digest_s: float = 5.0,
 ) -> None:
     if tls is not None:
         from asyncio import sslproto
 
         sslproto.SSLProtocol.max_size = TLS_READ_BUFFER  # this process serves devices only
-    server = FleetServer(kube_mod.Kube(namespace), tick_s)
+    kube = kube_mod.Kube(namespace)
+    server = FleetServer(kube, tick_s, identity, digest_s)
     server.loop = asyncio.get_running_loop()
     server.start_informers()
     runner = web.AppRunner(server.app(), access_log=None)
@@ -889,10 +1110,27 @@ async def serve(
              "https" if tls else "http", host, port)  # fmt: skip
     for informer in server._informers:
         await asyncio.to_thread(informer.synced.wait)
+    # Election starts once the caches are full: a new leader plans from the records.
+    timing = timing or leader.Timing()
+    elector = leader.LeaderElector(kube.leases, namespace, lease, server.identity, timing)
+    stop = threading.Event()
+    electing = threading.Thread(target=elect, args=(server, elector, stop), name="lease",
+                                daemon=True)  # fmt: skip
+    electing.start()
     if ready is not None:
         ready()
+    ticking = asyncio.ensure_future(server.run_ticks())
+    with contextlib.suppress(NotImplementedError):  # SIGTERM (a rolling update): hand over
+        server.loop.add_signal_handler(signal.SIGTERM, ticking.cancel)
     try:
-        await server.run_ticks()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticking
     finally:
+        stop.set()
+        await asyncio.to_thread(electing.join, timing.retry_period + 10)
+        if not server.leading and server._digest_parts:
+            with contextlib.suppress(Exception):  # gone: the leader need not wait it out
+                for name in server._digest_parts:
+                    await asyncio.to_thread(kube.delete_config_map, name)
         server.stop_informers()
         await runner.cleanup()

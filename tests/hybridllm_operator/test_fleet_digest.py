@@ -1,0 +1,150 @@
+"""Heartbeat digests (fleet/digest.py) and how a fleet server replica uses them: parts
+under the size of an object, times read against the reader's clock, the newest heartbeat
+of a device kept, and a takeover that merges what the other replicas heard."""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+from typing import Any
+
+import pytest
+
+from hybridllm_common import signing
+from hybridllm_operator.fleet import digest
+from hybridllm_operator.fleet import kube as kube_mod
+from hybridllm_operator.fleet import server as server_mod
+
+
+def _report(i: int, revision: str = "v1") -> dict[str, Any]:
+    return {"revision": revision, "configVersion": 2, "healthy": True,
+            "endpoint": f"http://10.0.{i // 250}.{i % 250}:8000",
+            "kpis": {"tokensPerSecond": 20.0 + i % 17, "ttftP95Seconds": 0.1 + i % 7 / 100,
+                     "requests": float(i % 50)}}  # fmt: skip
+
+
+def _config_map(replica: str, written_at: float, seen: dict[str, Any], part: int = 0) -> dict:
+    text = digest.encode(replica, written_at, seen)[part]
+    return {"metadata": {"name": digest.object_name(replica, part)},
+            "binaryData": {digest.KEY: text}}  # fmt: skip
+
+
+def test_a_large_digest_is_cut_into_parts_each_under_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen = {f"device-{i:05d}": (1000.0 + i / 10, _report(i)) for i in range(3000)}
+    whole = digest.encode("fleet-a", 2000.0, seen)
+    assert len(whole) == 1  # 3,000 devices: far under a ConfigMap's 1 MiB
+    monkeypatch.setattr(digest, "PART_BYTES", len(whole[0]) // 3)
+    parts = digest.encode("fleet-a", 2000.0, seen)
+    assert len(parts) > 3
+    assert all(len(p) <= digest.PART_BYTES for p in parts)
+    back: dict[str, Any] = {}
+    for text in parts:
+        found = digest.decode({"binaryData": {digest.KEY: text}})
+        assert (found.replica, found.written_at) == ("fleet-a", 2000.0)
+        assert not set(back) & set(found.seen)
+        back.update(found.seen)
+    assert back == {k: (round(t, 3), r) for k, (t, r) in seen.items()}
+
+
+def test_times_are_read_against_the_readers_clock() -> None:
+    found = digest.Digest("fleet-b", 5000.0, {"d": (4990.0, {})})  # seen 10 s before writing
+    assert found.dated(5000.0) == {"d": (4990.0, {})}
+    # the writer's clock runs 100 s ahead: never later than the reader saw the digest
+    assert found.dated(4900.0) == {"d": (4890.0, {})}
+    # it runs behind: the writer's own date, so the device looks older, never newer
+    assert found.dated(5003.0) == {"d": (4990.0, {})}
+
+
+@pytest.mark.parametrize(
+    ("obj", "problem"),
+    [
+        ({"binaryData": {}}, f"no binaryData.{digest.KEY}"),
+        ({"binaryData": {digest.KEY: "bm90IGd6aXA="}}, "unreadable digest"),
+        ({"binaryData": {digest.KEY: base64.b64encode(b"\x1f\x8b").decode()}},
+         "unreadable digest"),
+    ],
+)  # fmt: skip
+def test_a_digest_this_version_cannot_read_is_refused_by_name(obj: dict, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        digest.decode(obj)
+
+
+def test_object_names_are_dns_names_for_any_identity() -> None:
+    name = digest.object_name("Host.Example_1a2b3c4d", 2)
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
+    assert name.endswith("-2")
+    assert digest.object_name("fleet-a") != digest.object_name("fleet-b")
+
+
+def _server(identity: str) -> server_mod.FleetServer:
+    srv = server_mod.FleetServer(kube_mod.Kube("shops"), identity=identity)
+    for i in range(3):
+        srv._on_device("ADDED", f"dev-{i}", {
+            "metadata": {"name": f"dev-{i}", "labels": {}},
+            "spec": {"fleet": "shops", "approved": True,
+                     "publicKey": signing.public_key_text(signing.generate_key())},
+            "status": {"phase": "Ready", "revision": "v1", "configVersion": 2},
+        })  # fmt: skip
+    return srv
+
+
+def test_a_follower_keeps_digests_and_a_new_leader_takes_the_newest_heartbeat() -> None:
+    srv = _server("fleet-a")
+    now = time.time()
+    # fleet-b heard dev-0 and dev-1; fleet-c heard dev-1 later, on v2
+    srv._on_digest("ADDED", "b", _config_map("fleet-b", now, {
+        "dev-0": (now - 2, _report(0)), "dev-1": (now - 3, _report(1)),
+    }))  # fmt: skip
+    srv._on_digest(
+        "ADDED", "c", _config_map("fleet-c", now, {"dev-1": (now - 1, _report(1, "v2"))})
+    )
+    # its own digest (of an earlier process of the same pod) is not read
+    srv._on_digest("ADDED", "a", _config_map("fleet-a", now, {"dev-2": (now, _report(2, "v9"))}))
+    assert set(srv.digests) == {"b", "c"}
+    assert digest.object_name("fleet-a") not in srv.digests
+    assert all(not d.report for d in srv.devices.values())  # a follower merges nothing
+    srv.lead(True)
+    assert srv.devices["dev-0"].report["revision"] == "v1"
+    assert srv.devices["dev-1"].report["revision"] == "v2"  # the newer of the two
+    assert not srv.devices["dev-2"].report
+    # a takeover, like a restart, counts every device not offline as seen at it
+    assert all(d.last_seen is not None and d.last_seen >= now - 1 for d in srv.devices.values())
+    assert srv.metrics.leader._value.get() == 1
+    # while leading, a digest is merged as it arrives: an older heartbeat changes nothing
+    srv._on_digest("MODIFIED", "b", _config_map("fleet-b", now + 1, {
+        "dev-1": (now - 10, _report(1, "v0")),
+    }))  # fmt: skip
+    assert srv.devices["dev-1"].report["revision"] == "v2"
+    srv._on_digest("MODIFIED", "b", _config_map("fleet-b", now + 2, {
+        "dev-1": (now + 2, _report(1, "v3")),
+    }))  # fmt: skip
+    assert srv.devices["dev-1"].report["revision"] == "v3"
+    srv.lead(False)
+    assert srv.metrics.leader._value.get() == 0
+
+
+def test_a_follower_takes_the_leaders_records_and_a_leader_keeps_its_own() -> None:
+    srv = _server("fleet-a")
+    moved = {
+        "metadata": {"name": "dev-0", "labels": {}},
+        "spec": {"fleet": "shops", "approved": True,
+                 "publicKey": signing.public_key_text(signing.generate_key())},
+        "status": {"phase": "Updating", "assignedVersion": 3, "assignedWave": 0},
+    }  # fmt: skip
+    srv._on_device("MODIFIED", "dev-0", moved)
+    assert srv.devices["dev-0"].status["assignedVersion"] == 3
+    srv.lead(True)
+    echo = {**moved, "status": {"phase": "Ready", "assignedVersion": 2}}
+    srv._on_device("MODIFIED", "dev-0", echo)
+    assert srv.devices["dev-0"].status["assignedVersion"] == 3  # its own write is the truth
+
+
+def test_a_fleet_status_patch_removes_the_revisions_no_device_runs_any_more() -> None:
+    stored = {"revisions": {"v1": 2, "v2": 2}, "devices": 4, "rollout": {"wave": 0}}
+    new = {"revisions": {"v2": 4}, "devices": 4, "rollout": None}
+    assert server_mod._with_nulls(stored, new) == {
+        "revisions": {"v1": None, "v2": 4}, "devices": 4, "rollout": None,
+    }  # fmt: skip
