@@ -1,9 +1,12 @@
 """The fleet server at 1,000 and 10,000 devices, on a real control plane, on this machine.
 
-For each N, on a fresh control plane of its own (hack/testenv, the cached binaries):
+For each N and number of replicas R, on a fresh control plane of its own (hack/testenv,
+the cached binaries):
 
-1. One `hybridllm fleet serve` process (HTTPS, the throwaway CA of `hybridllm fleet certs`),
-   an EdgeFleet that approves by rule, and its LLMService (read only: no operator runs).
+1. R `hybridllm fleet serve` processes (HTTPS, the throwaway CA of `hybridllm fleet certs`;
+   one takes the Lease and writes the records, the others hand it their heartbeats in
+   digests), an EdgeFleet that approves by rule, and its LLMService (read only: no
+   operator runs). Device i talks to replica i mod R, as a Service would spread them.
 2. N simulated devices in this process: asyncio clients speaking the real protocol (own
    Ed25519 key, enrollment with the bootstrap token, every call signed, the config long
    polled with If-None-Match and its signature, device, expiry and version checked, a
@@ -20,7 +23,7 @@ There is no peer: no open fleet server takes these calls; the numbers are ours t
 The simulated devices share the two cores with the server, the API server and etcd, so
 the round trips include this process's own event-loop delay.
 
-Usage: uv run python bench/fleet/run.py --devices 1000,10000 [--steady-seconds 120]
+Usage: uv run python bench/fleet/run.py --devices 1000,10000 [--replicas 1,2] [--steady-seconds 120]
 Writes bench/results/fleet.{md,json}.
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -102,24 +106,32 @@ def api_writes(cluster: Any) -> float:
     return total
 
 
-async def pending_writes(session: aiohttp.ClientSession, url: str) -> float:
-    async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    return next(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hybridllm_fleet_pending_writes ")
-    )
+async def pending_writes(session: aiohttp.ClientSession, urls: list[str]) -> float:
+    """Records changed and not yet written, over the replicas (the leader's)."""
+    total = 0.0
+    for url in urls:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+        total += next(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("hybridllm_fleet_pending_writes ")
+        )
+    return total
 
 
-async def server_writes(session: aiohttp.ClientSession, url: str, kind: str = "") -> float:
-    async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hybridllm_fleet_api_writes_total{") and kind in line
-    )
+async def server_writes(session: aiohttp.ClientSession, urls: list[str], kind: str = "") -> float:
+    """The replicas' own count of their API writes (of ``kind``), summed."""
+    total = 0.0
+    for url in urls:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+        total += sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("hybridllm_fleet_api_writes_total{") and kind in line
+        )
+    return total
 
 
 class Device:
@@ -218,13 +230,14 @@ def quantile(values: list[float], q: float) -> float:
 
 
 async def run_devices(
-    n: int, url: str, ca: Path, cluster: Any, server_pid: int, steady_s: float
+    n: int, urls: list[str], ca: Path, cluster: Any, pids: list[int], steady_s: float
 ) -> dict[str, Any]:
     tls = ssl.create_default_context(cafile=str(ca))
     connector = aiohttp.TCPConnector(ssl=tls, limit=0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        devices = [Device(f"dev-{i:05d}", url, session) for i in range(n)]
+        devices = [Device(f"dev-{i:05d}", urls[i % len(urls)], session) for i in range(n)]
+        url = urls
         writes0, api0 = await server_writes(session, url), api_writes(cluster)
         start = time.monotonic()
         sem = asyncio.Semaphore(64)
@@ -254,23 +267,25 @@ async def run_devices(
         for d in devices:
             d.record = True
         cpu0, writes2, api2 = (
-            proc_cpu_s(server_pid),
+            sum(proc_cpu_s(pid) for pid in pids),
             await server_writes(session, url),
             api_writes(cluster),
         )
         device_writes2 = await server_writes(session, url, "edgedevices")
+        digest_writes2 = await server_writes(session, url, "configmap")
         t0 = time.monotonic()
         rss: list[float] = []
         while time.monotonic() - t0 < steady_s:
             await asyncio.sleep(5.0)
-            rss.append(proc_mem_mb(server_pid, "VmRSS"))
+            rss.append(sum(proc_mem_mb(pid, "VmRSS") for pid in pids))
         span = time.monotonic() - t0
         cpu1, writes3, api3 = (
-            proc_cpu_s(server_pid),
+            sum(proc_cpu_s(pid) for pid in pids),
             await server_writes(session, url),
             api_writes(cluster),
         )
         device_writes3 = await server_writes(session, url, "edgedevices")
+        digest_writes3 = await server_writes(session, url, "configmap")
         latencies = [x for d in devices for x in d.latencies]
         for d in devices:
             d.record = False
@@ -301,6 +316,7 @@ async def run_devices(
                for q in (0.5, 0.9, 0.99) if len(arrivals) >= int(q * n)}  # fmt: skip
     return {
         "devices": n,
+        "replicas": len(urls),
         "enroll_s": round(enroll_s, 1),
         "enroll_writes_per_device": round((writes1 - writes0) / n, 2),
         "enroll_api_writes_per_device": round((api1 - api0) / n, 2),
@@ -315,6 +331,7 @@ async def run_devices(
         "steady_server_writes_per_s": round((writes3 - writes2) / span, 3),
         "steady_api_writes_per_s": round((api3 - api2) / span, 2),
         "steady_device_record_writes": int(device_writes3 - device_writes2),
+        "steady_digest_writes_per_s": round((digest_writes3 - digest_writes2) / span, 3),
         "config_reached": {
             **reached,
             "p100": round(arrivals[-1], 2) if len(arrivals) == n else None,
@@ -324,11 +341,11 @@ async def run_devices(
     }
 
 
-def run(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
+def run(n: int, replicas: int, steady_s: float, workdir: Path) -> dict[str, Any]:
     plane = testenv()
-    state = workdir / f"cp-{n}"
+    state = workdir / f"cp-{n}-{replicas}"
     cluster = plane.up(state)
-    server = None
+    servers: list[subprocess.Popen[bytes]] = []
     try:
         kubectl(cluster, "apply", "--server-side", "-f", str(ROOT / "crds"))
         kubectl(cluster, "wait", "--for=condition=Established", "crd/edgedevices.hybridllm.io")
@@ -336,30 +353,35 @@ def run(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
         kubectl(cluster, "create", "secret", "generic", "shops-bootstrap", "-n", NAMESPACE,
                 f"--from-literal=token={TOKEN}")  # fmt: skip
         kubectl(cluster, "apply", "-f", "-", stdin=manifests(n, "v1"))
-        certs = workdir / f"certs-{n}"
+        certs = workdir / f"certs-{n}-{replicas}"
         fleet_cli.write_certs(certs, ["127.0.0.1"])
-        port = 18443
-        log = (workdir / f"fleet-{n}.log").open("ab")
-        server = subprocess.Popen(
-            [*CLI, "fleet", "serve", "-n", NAMESPACE, "--host", "127.0.0.1", "--port", str(port),
-             "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"),
-             "--log-level", "debug" if os.environ.get("FLEET_BENCH_DEBUG") else "warning"],
-            env={**cluster.env, "KUBECONFIG": str(cluster.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"https://127.0.0.1:{port}"
+        urls = []
+        for k in range(replicas):
+            port = 18443 + k
+            log = (workdir / f"fleet-{n}-{k}.log").open("ab")
+            servers.append(subprocess.Popen(
+                [*CLI, "fleet", "serve", "-n", NAMESPACE, "--host", "127.0.0.1", "--port", str(port),
+                 "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"),
+                 "--log-level", "debug" if os.environ.get("FLEET_BENCH_DEBUG") else "warning"],
+                env={**cluster.env, "KUBECONFIG": str(cluster.kubeconfig), "POD_NAME": f"fleet-{k}"},
+                stdout=log, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+            urls.append(f"https://127.0.0.1:{port}")
         ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
         import urllib.request
 
-        for _ in range(120):
-            try:
-                with urllib.request.urlopen(f"{url}/healthz", context=ctx, timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        return asyncio.run(run_devices(n, url, certs / "ca.pem", cluster, server.pid, steady_s))
+        for url in urls:
+            for _ in range(120):
+                try:
+                    with urllib.request.urlopen(f"{url}/healthz", context=ctx, timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(0.5)
+        pids = [s.pid for s in servers]
+        return asyncio.run(run_devices(n, urls, certs / "ca.pem", cluster, pids, steady_s))
     finally:
-        if server is not None:
+        for server in servers:
             server.terminate()
             server.wait(timeout=60)
         plane.down(state)
@@ -371,7 +393,9 @@ def render(result: dict[str, Any], out: Path) -> None:
         "",
         f"Machine: {result['machine']}; {result['date']}. Command: `{result['command']}`.",
         "",
-        "One `hybridllm fleet serve` process (HTTPS), a fresh local control plane (etcd, "
+        "One or two `hybridllm fleet serve` processes (HTTPS; with two, one holds the Lease "
+        "and writes the records, the other hands it its devices' heartbeats in a digest "
+        "ConfigMap, and device i talks to replica i mod 2), a fresh local control plane (etcd, "
         "kube-apiserver, controller-manager, scheduler on the same cores), and N simulated "
         "devices in one asyncio process speaking the real protocol (Ed25519-signed calls, "
         "long-polled signed configs, heartbeats every "
@@ -379,18 +403,20 @@ def render(result: dict[str, Any], out: Path) -> None:
         "takes these calls. Round trips are as the devices see them, this process's own "
         "event-loop delay included.",
         "",
-        "| devices | enroll | heartbeat p50 | heartbeat p99 | server CPU (cores) | per 1,000 | "
-        "server RSS | per 1,000 | steady writes/s (server) | steady writes/s (API server, all) | "
-        "config to 50/90/99/100% | rollout Completed | rollout writes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| devices | replicas | enroll | heartbeat p50 | heartbeat p99 | server CPU (cores) | "
+        "per 1,000 | server RSS | per 1,000 | steady writes/s (server) | of which digests | "
+        "steady writes/s (API server, all) | config to 50/90/99/100% | rollout Completed | "
+        "rollout writes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         c = r["config_reached"]
         lines.append(
-            f"| {r['devices']:,} | {r['enroll_s']} s | {r['heartbeat_p50_ms']} ms | "
-            f"{r['heartbeat_p99_ms']} ms | {r['server_cpu_cores']} | {r['server_cpu_cores_per_1000']} | "
-            f"{r['server_rss_mb']} MB | {r['server_rss_mb_per_1000']} MB | "
-            f"{r['steady_server_writes_per_s']} | {r['steady_api_writes_per_s']} | "
+            f"| {r['devices']:,} | {r.get('replicas', 1)} | {r['enroll_s']} s | "
+            f"{r['heartbeat_p50_ms']} ms | {r['heartbeat_p99_ms']} ms | {r['server_cpu_cores']} | "
+            f"{r['server_cpu_cores_per_1000']} | {r['server_rss_mb']} MB | "
+            f"{r['server_rss_mb_per_1000']} MB | {r['steady_server_writes_per_s']} | "
+            f"{r.get('steady_digest_writes_per_s', 0)} | {r['steady_api_writes_per_s']} | "
             f"{c.get('p50')}/{c.get('p90')}/{c.get('p99')}/{c.get('p100')} s | "
             f"{r['rollout_completed_s']} s | {r['rollout_server_writes']:,} |"
         )
@@ -398,9 +424,12 @@ def render(result: dict[str, Any], out: Path) -> None:
         "",
         "- *enroll*: N devices enrolling 64 at a time (one EdgeDevice created each, and its "
         "status written when it first reports).",
-        "- *steady writes/s (server)*: what the fleet server wrote while nothing changed; "
-        "*(API server, all)*: every write the API server counted in that window, the "
-        "controller-manager's and kwok's leases included.",
+        "- *server CPU, RSS*: summed over the replicas. *steady writes/s (server)*: what "
+        "the fleet server(s) wrote while nothing changed, by their own count (records, "
+        "statuses, digests; not their Lease renewals, one every 2 s); *of which digests*: "
+        "the follower's heartbeat digests; *(API server, all)*: every write the API server "
+        "counted in that window, the fleet servers' Lease and the controller-manager's and "
+        "kwok's leases included.",
         "- *config to x%*: from the `kubectl apply` of a new revision to the moment x% of the "
         "devices held its signed config (one wave, `maxUnavailable` = N); *rollout Completed*: "
         "until the fleet's status said so; *rollout writes*: the server's writes up to then "
@@ -418,6 +447,7 @@ def render(result: dict[str, Any], out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="1000,10000", help="comma-separated N")
+    parser.add_argument("--replicas", default="1", help="comma-separated fleet server replicas")
     parser.add_argument("--steady-seconds", type=float, default=120.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fleet"))
     parser.add_argument(
@@ -433,9 +463,11 @@ def main() -> int:
     keep = bool(os.environ.get("FLEET_BENCH_DEBUG"))  # keep the server's log to read
     tmp = tempfile.mkdtemp(prefix="hybridllm-fleet-")
     try:
-        for n in (int(x) for x in args.devices.split(",")):
-            print(f"[fleet] {n} devices", flush=True)
-            row = run(n, args.steady_seconds, Path(tmp))
+        for n, replicas in itertools.product(
+            (int(x) for x in args.devices.split(",")), [int(x) for x in args.replicas.split(",")]
+        ):
+            print(f"[fleet] {n} devices, {replicas} replica(s)", flush=True)
+            row = run(n, replicas, args.steady_seconds, Path(tmp))
             print(f"[fleet]   {row}", flush=True)
             rows.append(row)
     finally:

@@ -49,6 +49,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hybridllm fleet serve: {exc}", file=sys.stderr)
         return 2
+    if not args.digest_seconds > 0 or not args.tick_seconds > 0:
+        print("hybridllm fleet serve: --digest-seconds and --tick-seconds must be positive",
+              file=sys.stderr)  # fmt: skip
+        return 2
     kube.load_config()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.serve(
