@@ -14,7 +14,7 @@ For each N, on a fresh control plane of its own (hack/testenv, the cached binari
   in one call, timed until every Deployment has its replicas available.
 
 Each service: an edge pool (1 replica), a monolithic CPU pool (1 replica) and a gateway
-(1 replica): 3 pods, 7 objects. kwok runs the pods (nothing executes); kwok nodes are added
+(1 replica): 3 pods, 9 objects. kwok runs the pods (nothing executes); kwok nodes are added
 so that every pod fits.
 
 Usage: uv run python bench/operator/scale.py --services 100,1000 [--steady-seconds 300]
@@ -282,6 +282,8 @@ def main() -> int:
 
 def render(result: dict[str, Any], out: Path) -> None:
     rows, command = result["rows"], result["command"]
+    first = rows[0]["baseline"]
+    per_service = round(first["objects"] / first["services"])
     lines = [
         "# The operator at scale",
         "",
@@ -292,8 +294,8 @@ def render(result: dict[str, Any], out: Path) -> None:
         "Peer: the same children (Deployments, Services, PDBs, ConfigMaps from the operator's "
         "renderer, without owner references) applied by `kubectl apply --server-side` in one "
         "call, timed until every Deployment has its replicas available: the control plane's own "
-        "cost with no operator. Each service has 3 pods (edge, monolithic, gateway) and 7 objects; "
-        "kwok runs the pods.",
+        "cost with no operator. Each service has 3 pods (edge, monolithic, gateway) and "
+        f"{per_service} objects; kwok runs the pods.",
         "",
         "| services | kubectl: to available (s) | operator: to Ready (s) | ratio | operator CPU (s) | "
         "operator idle / peak RSS (MB) | API requests per service, operator run | kubectl run | "
@@ -324,6 +326,23 @@ def render(result: dict[str, Any], out: Path) -> None:
         "baseline, operator under 300 MB, steady state with zero writes and under 5% of a core.",
         "",
     ]
+    for row in rows:
+        b, o = row["baseline"], row["operator"]
+        writes = sum(o["steady_api_requests_per_s"].get(v, 0) for v in OPERATOR_WRITES)
+        goals = [
+            ("Ready within 2x", o["all_ready_s"] <= 2 * b["all_available_s"]),
+            ("under 300 MB", o["operator_peak_rss_mb"] < 300),
+            ("zero steady writes", writes == 0),
+            ("under 5% of a core at rest", o["steady_operator_cpu_share"] < 0.05),
+        ]
+        met = [g for g, ok in goals if ok]
+        missed = [g for g, ok in goals if not ok]
+        lines.append(
+            f"- {o['services']:,} services: met {', '.join(met) or 'none'}"
+            + (f"; **not met: {', '.join(missed)}**" if missed else "")
+            + "."
+        )
+    lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines))
     print(out.with_suffix(".md").read_text())
 

@@ -189,3 +189,32 @@ def test_fluid_agrees_with_the_per_request_simulator(utilisation, cv2):
     approx = fluid.simulate_fluid(demand, pool, Fixed(n), initial_replicas=n)
     assert per_request.slo_attainment < 0.999  # queueing matters here, or the test says nothing
     assert approx.slo_attainment == pytest.approx(per_request.slo_attainment, abs=0.04)
+
+
+def test_requests_no_replica_serves_in_time_are_counted_and_left_out(traces):
+    """A prompt whose prefill alone exceeds the TTFT objective misses it on an idle
+    replica whatever the policy: the attainment leaves it out and the result counts it."""
+    stream = traces.ramp_stream(duration_s=900.0, low=0.5, high=2.0)
+    slo_cut = POOL.slo.ttft_s * POOL.capacity.prefill_tok_s  # tokens prefilled in the TTFT
+    big = stream.input_tokens.copy()
+    big[::10] = int(slo_cut * 1.5)  # every tenth prompt is too long for any replica
+    long = type(stream)(stream.arrival_s, big, stream.output_tokens, source="long")
+    ok = POOL.attainable(long.input_tokens, long.output_tokens)
+    assert int(np.sum(~ok)) == len(big[::10])
+    assert POOL.attainable(np.array([slo_cut]), np.array([50])).all()  # exactly in time
+    sim = des.PoolSimulator(long, POOL, policies.Hpa(POOL, 0.5))
+    res = sim.run(initial_replicas=4)
+    plain = des.simulate_des(stream, POOL, policies.Hpa(POOL, 0.5), initial_replicas=4)
+    assert res.num_unattainable == len(big[::10])
+    assert plain.num_unattainable == 0
+    assert res.num_completed == long.num_requests  # served all the same, late
+    # the attainment is over the requests a replica could serve in time, and every one
+    # left out did miss its TTFT
+    met = sim.ttft <= POOL.slo.ttft_s + 1e-9
+    assert not met[~ok].any()
+    assert res.ttft_attainment == pytest.approx(float(np.mean(met[ok])))
+    assert res.ttft_attainment > float(np.mean(met))
+    # a TBT objective under one decode step: nothing is attainable but single tokens
+    tight = POOL.with_(slo=type(POOL.slo)(POOL.slo.ttft_s, POOL.capacity.step_s(1) / 2))
+    assert not tight.attainable(np.array([10]), np.array([5])).any()
+    assert tight.attainable(np.array([10]), np.array([1])).all()

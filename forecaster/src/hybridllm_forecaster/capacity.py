@@ -147,6 +147,21 @@ class PoolConfig:
     def work_series(self, demand: DemandSeries) -> np.ndarray:
         return self.work_per_s(demand.input_tok_per_s, demand.output_tok_per_s)
 
+    def attainable(self, input_tokens: np.ndarray, output_tokens: np.ndarray) -> np.ndarray:
+        """Which requests can meet the SLO at all: alone on an idle replica, the prompt's
+        prefill within the TTFT objective and a one-sequence decode step within the TBT
+        objective. No policy can serve the others in time, so attainment leaves them out
+        and the report counts them."""
+        cap = self.capacity
+        inp = np.asarray(input_tokens, dtype=float)
+        ok = np.ones(inp.shape, dtype=bool)
+        if self.role != "decode":
+            ok &= inp / cap.prefill_tok_s <= self.slo.ttft_s + 1e-9
+        if self.role != "prefill":
+            single = np.asarray(output_tokens) <= 1
+            ok &= single | (cap.step_s(1) <= self.slo.tbt_s + 1e-9)
+        return ok
+
     def replicas_for(self, work_per_s: float, utilisation: float | None = None) -> int:
         """Replicas that carry `work_per_s` at the target utilisation, within the bounds."""
         target = utilisation if utilisation is not None else self.target_utilisation

@@ -25,12 +25,20 @@ from hybridllm_forecaster.errors import TraceFormatError
 
 log = logging.getLogger(__name__)
 
+AUTO_MEAN_REPLICAS = 8.0  # --demand-scale auto: the mean load needs this many replicas
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("forecast", help="demand forecasting and scaling simulation")
     sub = parser.add_subparsers(dest="forecast_command", metavar="ACTION", required=True)
 
-    ev = sub.add_parser("eval", help="compare forecasts and scaling policies on a trace")
+    ev = sub.add_parser(
+        "eval", help="compare forecasts and scaling policies on a trace",
+        description="Compare forecasts and scaling policies on a trace. Exit status: 0, a "
+        "comparison whose validity checks pass; 2, bad input; 3, the report is written but "
+        "the comparison is not meaningful (saturated or idle pool, an SLO out of reach, no "
+        "requests): it says why and gives no verdict.",
+    )  # fmt: skip
     _trace_args(ev)
     ev.add_argument("--slo", default="2,0.1", metavar="TTFT_S[,TBT_S]",
                     help="SLO: time to first token and mean time between tokens, seconds "
@@ -38,10 +46,21 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--pool", choices=sorted(DEFAULT_POOLS), default="monolithic")
     ev.add_argument("--cold-start", type=float, default=None, metavar="S",
                     help="seconds from scale-up to ready (default 180)")  # fmt: skip
-    ev.add_argument("--capacity-scale", default="1", metavar="X|auto",
-                    help="multiply a replica's throughput (prefill and decode; per-token "
-                         "latency unchanged); 'auto': the mean load needs 8 replicas "
+    ev.add_argument("--demand-scale", default="1", metavar="X|auto",
+                    help="size the trace's population: each request kept with probability "
+                         "X (below 1) or jittered copies of the trace (above 1), request "
+                         "sizes and the rate's shape unchanged; 'auto': the mean load needs "
+                         f"{AUTO_MEAN_REPLICAS} replicas, where scaling decisions matter "
                          "(default 1)")  # fmt: skip
+    ev.add_argument("--capacity-scale", default="1", metavar="X",
+                    help="a replica X times as fast (prefill rate and the per-sequence "
+                         "cost of a decode step; a faster or slower accelerator); default "
+                         "1. To fit a trace's size use --demand-scale, which keeps every "
+                         "request's latency the replica's own")  # fmt: skip
+    ev.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                    help="the pool's floor (default 1)")  # fmt: skip
+    ev.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                    help="the pool's ceiling (default 1000)")  # fmt: skip
     ev.add_argument("--train-frac", type=float, default=0.5, help="share of time used to train")
     ev.add_argument(
         "--model", default="auto", choices=["auto", "last", "seasonal", "holt-winters", "gbm"]
@@ -118,15 +137,52 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(flag: str, text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: {what}") from None
+    if not value > 0:
+        raise ValueError(f"{flag} {text}: must be positive")
+    return value
+
+
+def _scale_demand(args: argparse.Namespace, demand: Any, stream: Any) -> tuple[Any, Any, float]:
+    """The trace sized by ``--demand-scale``: 'auto' puts the mean load at
+    ``AUTO_MEAN_REPLICAS`` replicas of the pool's replica."""
+    if args.demand_scale == "auto":
+        mean_work = float(np.mean(DEFAULT_POOLS[args.pool].work_series(demand)))
+        if mean_work <= 0:
+            raise ValueError(f"{args.trace}: no demand to size (every bin is empty)")
+        factor = AUTO_MEAN_REPLICAS / mean_work
+    else:
+        factor = _positive("--demand-scale", args.demand_scale, "a number or 'auto'")
+    if factor == 1.0:
+        return demand, stream, factor
+    if stream is None:
+        return demand.scaled(factor), None, factor
+    scaled = stream.scaled(factor, seed=args.seed)
+    if scaled.num_requests == 0:
+        raise ValueError(f"--demand-scale {factor:.3g} leaves no request of {args.trace}")
+    return scaled.to_demand(demand.bin_s), scaled, factor
+
+
 def _pool(args: argparse.Namespace, demand: Any) -> tuple[PoolConfig, float]:
     pool = DEFAULT_POOLS[args.pool].with_(slo=parse_slo(args.slo))
     if args.cold_start is not None:
         pool = pool.with_(cold_start_s=args.cold_start)
+    low = pool.min_replicas if args.min_replicas is None else args.min_replicas
+    high = pool.max_replicas if args.max_replicas is None else args.max_replicas
+    if not 1 <= low <= high:
+        raise ValueError(f"--min-replicas {low} and --max-replicas {high}: need 1 <= min <= max")
+    pool = pool.with_(min_replicas=low, max_replicas=high)
     if args.capacity_scale == "auto":
-        mean_work = float(np.mean(pool.work_series(demand)))
-        scale = mean_work / 8.0 if mean_work > 0 else 1.0
-    else:
-        scale = float(args.capacity_scale)
+        raise ValueError(
+            "--capacity-scale auto is gone: it made a replica slower or faster per request to "
+            "fit the trace (light traces then missed every TTFT). Use --demand-scale auto, "
+            "which sizes the trace and keeps each request's latency the replica's own"
+        )
+    scale = _positive("--capacity-scale", args.capacity_scale, "a number")
     if scale != 1.0:
         pool = pool.with_(capacity=pool.capacity.scaled(scale))
     return pool, scale
@@ -138,6 +194,7 @@ def run_eval(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         fmt, (demand, stream) = _load(args)
+        demand, stream, demand_scale = _scale_demand(args, demand, stream)
         pool, scale = _pool(args, demand)
     except (TraceFormatError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -163,7 +220,7 @@ def run_eval(args: argparse.Namespace) -> int:
         f"({demand.duration_s / 3600:.1f} h); pool {pool.name}, "
         f"cold start {pool.cold_start_s:g} s, lead time {pool.lead_time_s:g} s, "
         f"SLO TTFT {pool.slo.ttft_s:g} s / TBT {pool.slo.tbt_s:g} s; "
-        f"replica capacity x{scale:.3g} (prefill {pool.capacity.prefill_tok_s:,.0f} tok/s, decode "
+        f"demand x{demand_scale:.3g}; replica capacity x{scale:.3g} (prefill {pool.capacity.prefill_tok_s:,.0f} tok/s, decode "
         f"{pool.decode_tok_s:,.0f} tok/s, max batch {pool.max_batch}); simulator {res.simulator}; "
         f"train on the first {100 * args.train_frac:g}% of time, test on the rest; "
         f"machine {platform.node()} ({platform.processor() or platform.machine()}); "
@@ -175,4 +232,6 @@ def run_eval(args: argparse.Namespace) -> int:
     report.print_tables(res, header)
     md = report.write(res, out, header, paths)
     print(f"wrote {md}, {out / 'results.json'} and {len(paths)} plots")
+    if report.comparison_problems(res):
+        return report.EXIT_NOT_MEANINGFUL
     return 0

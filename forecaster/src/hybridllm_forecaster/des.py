@@ -251,6 +251,8 @@ class PoolSimulator:
         single = s.output_tokens <= 1
         tbt_ok = single | (self.tbt <= pool.slo.tbt_s + 1e-9) | (not self.do_decode)
         ok = ttft_ok & tbt_ok
+        # requests that miss the SLO even alone on an idle replica say nothing of a policy
+        counted = pool.attainable(s.input_tokens, s.output_tokens)
         num_ticks = len(tick_idx) - 1
         times = np.arange(1, num_ticks + 1) * dt
         paid = _sample_changes(self.changes, times)
@@ -258,17 +260,17 @@ class PoolSimulator:
         work = np.zeros(num_ticks)
         for k in range(num_ticks):
             a, b = tick_idx[k], tick_idx[k + 1]
-            if b > a:
-                att[k] = float(np.mean(ok[a:b]))
+            if np.any(counted[a:b]):
+                att[k] = float(np.mean(ok[a:b][counted[a:b]]))
             work[k] = (self.cum_work[b] - self.cum_work[a]) / dt
-        n = s.num_requests
+        n, m = s.num_requests, int(np.sum(counted))
         return SimResult(
             policy=self.policy.name,
             simulator="des",
             num_requests=float(n),
-            slo_attainment=float(np.mean(ok)) if n else 1.0,
-            ttft_attainment=float(np.mean(ttft_ok)) if n else 1.0,
-            tbt_attainment=float(np.mean(tbt_ok)) if n else 1.0,
+            slo_attainment=float(np.mean(ok[counted])) if m else 1.0,
+            ttft_attainment=float(np.mean(ttft_ok[counted])) if m else 1.0,
+            tbt_attainment=float(np.mean(tbt_ok[counted])) if m else 1.0,
             replica_hours=integrate_changes(self.changes, end),
             duration_s=end,
             times_s=times,
@@ -279,6 +281,7 @@ class PoolSimulator:
             replica_changes=list(self.changes),
             num_completed=int(np.sum(np.isfinite(self.done))),
             ttft_p99_s=float(np.nanquantile(self.ttft, 0.99)) if n else float("nan"),
+            num_unattainable=n - m,
         )
 
 

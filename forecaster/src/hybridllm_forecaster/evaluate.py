@@ -95,6 +95,11 @@ class EvalResult:
     knob_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # train, per knob
     policy_h: int = 1  # the horizon the policies' forecasts mostly cover (`policy_horizon`)
     max_replicas: int = 0  # the pool's ceiling (0: unknown)
+    min_replicas: int = 0  # the pool's floor
+    # requests of the test period, and those no policy can serve within the SLO (alone on
+    # an idle replica it would still miss it); None: a rate-only trace has no requests
+    test_requests: int | None = None
+    unattainable: int | None = None
 
     def test_result(self, family: str) -> SimResult:
         return dict(self.test_runs[family])[self.chosen[family]]
@@ -147,8 +152,14 @@ def evaluate(
     chosen_model = cfg.model if cfg.model != "auto" else _pick_model(work, fcs, split, policy_h)
     result = EvalResult(
         demand, work, split, horizon, scale_up_h, fcs, scores, chosen_model, simulator,
-        policy_h=policy_h, max_replicas=pool.max_replicas,
+        policy_h=policy_h, max_replicas=pool.max_replicas, min_replicas=pool.min_replicas,
     )  # fmt: skip
+    if stream is not None:
+        in_test = stream.arrival_s >= split * demand.bin_s
+        result.test_requests = int(np.sum(in_test))
+        result.unattainable = int(np.sum(~pool.attainable(
+            stream.input_tokens[in_test], stream.output_tokens[in_test]
+        )))  # fmt: skip
     fc = fcs[chosen_model]
     uppers = {cfg.upper_q: fc.upper, 0.5: fc.p50}
     for q in cfg.upper_qs:

@@ -86,7 +86,18 @@ def cost_at_attainment(res: EvalResult, family: str, attainment: float) -> float
 # A comparison of scaling policies means something only where they are free to scale and
 # the SLO is within reach: past these, the report says the comparison is void.
 SATURATED_SHARE = 0.05  # a policy at the pool's maximum for more of the test period
+FLOOR_SHARE = 0.8  # every policy, the oracle too, at the pool's minimum for more of it
 UNREACHABLE_ATTAINMENT = 0.9  # the oracle (perfect foresight) below this SLO attainment
+UNATTAINABLE_SHARE = 0.5  # requests no replica serves in time, alone (excluded) beyond this
+MIN_TEST_REQUESTS = 100  # a request trace's test period with fewer says nothing
+# Differences a verdict does not call a difference: what the training-half choice of knobs
+# and run-to-run variation move on the development traces (docs/forecaster.md, Results:
+# 1-2 SLO points; 0.98x-1.02x in cost).
+NOISE_POINTS = 2.0
+NOISE_COST = 0.03
+
+# `forecast eval`'s exit status when the comparison is void (the report says why)
+EXIT_NOT_MEANINGFUL = 3
 
 
 def share_at_max(res: EvalResult, family: str) -> float:
@@ -97,9 +108,57 @@ def share_at_max(res: EvalResult, family: str) -> float:
     return float(np.mean(provisioned >= res.max_replicas))
 
 
+def share_at_min(res: EvalResult, family: str) -> float:
+    """The share of the test period a family's chosen setting provisions the pool's minimum."""
+    provisioned = res.test_result(family).provisioned
+    if provisioned.size == 0:
+        return 0.0
+    return float(np.mean(provisioned <= max(res.min_replicas, 1)))
+
+
+def validity(res: EvalResult) -> dict[str, Any]:
+    """What decides whether the comparison can mean anything, printed before any verdict."""
+    ref, oracle = res.test_result("hpa"), res.test_result("oracle")
+    out: dict[str, Any] = {
+        "time_at_max": {f: share_at_max(res, f) for f in FAMILIES},
+        "time_at_min": {f: share_at_min(res, f) for f in FAMILIES},
+        "reference_attainment": ref.slo_attainment,
+        "oracle_attainment": oracle.slo_attainment,
+        "test_requests": res.test_requests,
+        "unattainable_requests": res.unattainable,
+        "unattainable_share": (
+            res.unattainable / res.test_requests
+            if res.unattainable is not None and res.test_requests
+            else None
+        ),
+        "unattainable_excluded": res.simulator == "des",
+        "problems": comparison_problems(res),
+    }
+    out["meaningful"] = not out["problems"]
+    return out
+
+
 def comparison_problems(res: EvalResult) -> list[str]:
     """Why the policies cannot be told apart on this trace and pool; empty when they can."""
     problems = []
+    if not np.any(res.work[res.split :] > 0):
+        return ["the test period has no requests: there is nothing to compare"]
+    if res.test_requests is not None and res.test_requests < MIN_TEST_REQUESTS:
+        return [
+            f"the test period has {res.test_requests} requests (fewer than "
+            f"{MIN_TEST_REQUESTS}): too few to tell policies apart. Give a longer trace, "
+            "or train on less of it (--train-frac)"
+        ]
+    if res.unattainable is not None and res.test_requests:
+        share = res.unattainable / res.test_requests
+        if share > UNATTAINABLE_SHARE:
+            problems.append(
+                f"{share:.0%} of the test period's requests ({res.unattainable:,} of "
+                f"{res.test_requests:,}) miss the SLO even alone on an idle replica (their "
+                "prompt's prefill exceeds the TTFT objective, or one decode step the TBT "
+                "objective): the SLO does not fit these requests whatever the policy. Loosen "
+                "the SLO (--slo) or describe a faster replica"
+            )
     saturated = {f: share_at_max(res, f) for f in FAMILIES}
     worst = {f: v for f, v in saturated.items() if v > SATURATED_SHARE}
     if worst:
@@ -108,8 +167,7 @@ def comparison_problems(res: EvalResult) -> list[str]:
             f"policies sit at the pool's maximum of {res.max_replicas} replicas for a material "
             f"share of the test period ({shown}): demand exceeds what the pool may provision, "
             "so they differ by where they hit the ceiling, not by how they scale. Raise "
-            "--max-replicas, or scale the trace's demand or the replica capacity "
-            "(--capacity-scale)"
+            "--max-replicas, or size the trace to the pool (--demand-scale auto)"
         )
     oracle = res.test_result("oracle")
     if oracle.slo_attainment < UNREACHABLE_ATTAINMENT:
@@ -121,7 +179,29 @@ def comparison_problems(res: EvalResult) -> list[str]:
             "compare noise. Check the SLO and the per-replica capacity against the trace's "
             "request sizes"
         )
+    floor = {f: share_at_min(res, f) for f in FAMILIES}
+    if min(floor.values()) > FLOOR_SHARE:
+        lowest = min(floor.values())
+        problems.append(
+            f"every policy, the oracle too, sits at the pool's minimum of "
+            f"{max(res.min_replicas, 1)} replica(s) for at least {lowest:.0%} of the test "
+            "period: demand this light leaves nothing to scale, so the policies cannot "
+            "differ. Size the trace to the pool (--demand-scale auto)"
+        )
     return problems
+
+
+def finding(points_at_equal_cost: float, cost_ratio_at_equal_slo: float) -> str:
+    """What a policy's two comparisons with the reference say, beyond the noise: "better",
+    "worse", "mixed" (one better, the other worse) or "no difference"."""
+    votes = set()
+    if not math.isnan(points_at_equal_cost) and abs(points_at_equal_cost) >= NOISE_POINTS:
+        votes.add("better" if points_at_equal_cost > 0 else "worse")
+    if not math.isnan(cost_ratio_at_equal_slo) and abs(cost_ratio_at_equal_slo - 1) >= NOISE_COST:
+        votes.add("better" if cost_ratio_at_equal_slo < 1 else "worse")
+    if not votes:
+        return "no difference"
+    return votes.pop() if len(votes) == 1 else "mixed"
 
 
 def verdict(res: EvalResult) -> dict[str, Any]:
@@ -131,28 +211,41 @@ def verdict(res: EvalResult) -> dict[str, Any]:
         "reference": f"hpa at target utilisation {res.chosen['hpa']:g}",
         "comparison_meaningful": not problems,
         "problems": problems,
+        "noise": {"slo_points": NOISE_POINTS, "cost_ratio": NOISE_COST},
     }
     tuned_at_equal = attainment_at_cost(res, "hpa-tuned", hpa.replica_hours)
-    for fam in ("predictive", "predictive+floor", "oracle"):
+    for fam in ("hpa-tuned", "predictive", "predictive+floor", "oracle"):
         r = res.test_result(fam)
-        ratio = r.replica_hours / hpa.replica_hours
+        ratio = r.replica_hours / hpa.replica_hours if hpa.replica_hours else math.nan
         at_equal = attainment_at_cost(res, fam, hpa.replica_hours)
-        out[fam] = {
+        points = 100 * (at_equal - hpa.slo_attainment)
+        cost_at_equal = (
+            cost_at_attainment(res, fam, hpa.slo_attainment) / hpa.replica_hours
+            if hpa.replica_hours
+            else math.nan
+        )
+        row: dict[str, Any] = {
             "cost_ratio": ratio,
             "slo_points": 100 * (r.slo_attainment - hpa.slo_attainment),
-            "slo_points_at_equal_cost": 100 * (at_equal - hpa.slo_attainment),
-            # against the HPA given the same scale-down window choice, at the same cost
-            "slo_points_at_equal_cost_vs_hpa_tuned": 100 * (at_equal - tuned_at_equal),
-            "cost_ratio_at_equal_slo": cost_at_attainment(res, fam, hpa.slo_attainment)
-            / hpa.replica_hours,
-            # None: not judged, the comparison means nothing (see "problems")
-            "goal_met": None
+            "slo_points_at_equal_cost": points,
+            "cost_ratio_at_equal_slo": cost_at_equal,
+            # beyond the noise; None: not judged, the comparison means nothing ("problems")
+            "finding": None if problems else finding(points, cost_at_equal),
+        }
+        if fam == "hpa-tuned":
+            out[fam] = row
+            continue
+        # against the HPA given the same scale-down window choice, at the same cost
+        row["slo_points_at_equal_cost_vs_hpa_tuned"] = 100 * (at_equal - tuned_at_equal)
+        row["goal_met"] = (
+            None
             if problems
             else bool(
                 (r.slo_attainment >= hpa.slo_attainment - 1e-9 and ratio <= 0.8)
                 or (not math.isnan(at_equal) and at_equal - hpa.slo_attainment >= 0.05)
-            ),
-        }
+            )
+        )
+        out[fam] = row
     scores = {(s.model, s.horizon): s.wape for s in res.scores}
     h = res.scale_up_h
     moves = {(s.model, s.horizon): s.wape_moves for s in res.scores}
@@ -191,12 +284,41 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def validity_lines(res: EvalResult) -> list[str]:
+    """The validity checks in words, one line each, as printed before any table."""
+    v = validity(res)
+    at_max = ", ".join(f"{f} {x:.0%}" for f, x in v["time_at_max"].items())
+    at_min = ", ".join(f"{f} {x:.0%}" for f, x in v["time_at_min"].items())
+    lines = [
+        f"time at the pool's maximum ({res.max_replicas}): {at_max}",
+        f"time at the pool's minimum ({max(res.min_replicas, 1)}): {at_min}",
+        f"SLO attainment of the reference (hpa): {v['reference_attainment']:.1%}; of the "
+        f"oracle: {v['oracle_attainment']:.1%}",
+    ]
+    if v["unattainable_requests"] is None:
+        lines.append("requests the SLO cannot fit: unknown (a rate-only trace)")
+    else:
+        how = ("left out of every attainment" if v["unattainable_excluded"]
+               else "counted as misses by the fluid simulator")  # fmt: skip
+        lines.append(
+            f"requests that miss the SLO even alone on an idle replica: "
+            f"{v['unattainable_requests']:,} of {v['test_requests']:,} "
+            f"({(v['unattainable_share'] or 0.0):.1%}), {how}"
+        )
+    return lines
+
+
 def print_tables(res: EvalResult, header: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=max(140, shutil.get_terminal_size().columns))
     console.print(header)
+    console.print("[bold]Validity checks[/]")
+    for line in validity_lines(res):
+        console.print(f"  {line}")
+    for problem in comparison_problems(res):
+        console.print(f"[bold red]NOT MEANINGFUL:[/] {problem}")
     for title, rows in (
         ("Forecasts on the test period (* drives the predictive policies)", forecast_rows(res)),
         ("Policies on the test period (settings tuned on the training period)", policy_rows(res)),
@@ -210,6 +332,11 @@ def print_tables(res: EvalResult, header: str) -> None:
     for problem in comparison_problems(res):
         console.print(f"[bold red]WARNING: this comparison is not meaningful:[/] {problem}")
     console.print(json.dumps(verdict(res), indent=2, default=_json_default))
+    if comparison_problems(res):
+        console.print(
+            "[bold red]No verdict: the comparison is not meaningful (reasons above); "
+            f"exit status {EXIT_NOT_MEANINGFUL}.[/]"
+        )
 
 
 def _json_default(o: Any) -> Any:
@@ -222,6 +349,7 @@ def write(res: EvalResult, out_dir: Path, header: str, plots: list[Path]) -> Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {
         "header": header,
+        "validity": validity(res),
         "forecasts": forecast_rows(res),
         "policies": policy_rows(res),
         "verdict": verdict(res),
@@ -245,7 +373,9 @@ def write(res: EvalResult, out_dir: Path, header: str, plots: list[Path]) -> Pat
         f"> **Warning: this comparison is not meaningful.** {p}\n\n"
         for p in comparison_problems(res)
     ]
-    md = [f"# Forecast evaluation\n\n{header}\n", *warnings, "## Forecasts (test period)\n",
+    checks = ["## Validity checks\n", *(f"- {line}" for line in validity_lines(res)), ""]
+    md = [f"# Forecast evaluation\n\n{header}\n", *checks, *warnings,
+          "## Forecasts (test period)\n",
           markdown_table(forecast_rows(res)), "\n## Policies (test period)\n",
           markdown_table(policy_rows(res)),
           "\n## Knobs chosen on the training period\n\nSLO attainment at the reference "

@@ -32,6 +32,9 @@ class SimResult:
     replica_changes: list[tuple[float, int]] = field(repr=False, default_factory=list)
     num_completed: int = 0
     ttft_p99_s: float = float("nan")
+    # requests no policy can serve within the SLO (`PoolConfig.attainable`): left out of
+    # the attainment figures (the per-request simulator; the fluid cannot tell them apart)
+    num_unattainable: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -15,7 +15,8 @@ queueing approximation of the fluid simulator needs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,6 +49,32 @@ class RequestStream:
     @property
     def duration_s(self) -> float:
         return float(self.arrival_s[-1]) if self.num_requests else 0.0
+
+    def scaled(self, factor: float, seed: int = 0, jitter_s: float = 60.0) -> RequestStream:
+        """The same traffic from a population ``factor`` times as large: each request kept
+        with probability ``factor`` (below 1), or ``ceil(factor)`` copies of the trace,
+        each arrival moved by up to ``jitter_s``, thinned to ``factor`` (above 1). Request
+        sizes and the shape of the rate over time are the trace's; sessions and prefix
+        blocks are dropped (copies would share them)."""
+        if factor <= 0:
+            raise ValueError(f"a demand scale must be positive, got {factor:g}")
+        rng = np.random.default_rng(seed)
+        copies = max(1, math.ceil(factor))
+        arrival = np.concatenate([
+            self.arrival_s + (rng.uniform(0.0, jitter_s, self.num_requests) if k else 0.0)
+            for k in range(copies)
+        ])  # fmt: skip
+        keep = rng.random(len(arrival)) < factor / copies
+        order = np.argsort(arrival[keep], kind="stable")
+        return RequestStream(
+            arrival_s=arrival[keep][order],
+            input_tokens=np.tile(self.input_tokens, copies)[keep][order],
+            output_tokens=np.tile(self.output_tokens, copies)[keep][order],
+            source=self.source,
+            start_epoch_s=self.start_epoch_s,
+            notes=[*self.notes, f"demand scaled x{factor:.3g} ({int(np.sum(keep)):,} of "
+                                f"{self.num_requests:,} requests' population)"],
+        )  # fmt: skip
 
     def to_demand(self, bin_s: float) -> DemandSeries:
         """Bin the stream into a demand series of `bin_s`-second bins."""
@@ -120,6 +147,17 @@ class DemandSeries:
 
     def cv(self) -> np.ndarray:
         return self.arrival_cv if self.arrival_cv is not None else np.ones(self.num_bins)
+
+    def scaled(self, factor: float) -> DemandSeries:
+        """Rates ``factor`` times as high (request sizes and arrival variability kept)."""
+        if factor <= 0:
+            raise ValueError(f"a demand scale must be positive, got {factor:g}")
+        return replace(
+            self,
+            req_per_s=self.req_per_s * factor,
+            input_tok_per_s=self.input_tok_per_s * factor,
+            output_tok_per_s=self.output_tok_per_s * factor,
+        )
 
     def slice(self, start: int, stop: int) -> DemandSeries:
         """Bins [start, stop) as a new series (times restart at 0, the epoch moves)."""
