@@ -106,22 +106,11 @@ def api_writes(cluster: Any) -> float:
     return total
 
 
-async def pending_writes(session: aiohttp.ClientSession, urls: list[str]) -> float:
-    """Records changed and not yet written, over the replicas (the leader's)."""
-    total = 0.0
-    for url in urls:
-        async with session.get(f"{url}/metrics") as r:
-            text = await r.text()
-        total += next(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("hybridllm_fleet_pending_writes ")
-        )
-    return total
-
-
-async def server_writes(session: aiohttp.ClientSession, urls: list[str], kind: str = "") -> float:
-    """The replicas' own count of their API writes (of ``kind``), summed."""
+async def _metric_sum(
+    session: aiohttp.ClientSession, urls: list[str], prefix: str, kind: str = ""
+) -> float:
+    """The samples of the replicas' /metrics whose line starts with ``prefix`` (and holds
+    ``kind``), summed over the replicas."""
     total = 0.0
     for url in urls:
         async with session.get(f"{url}/metrics") as r:
@@ -129,9 +118,19 @@ async def server_writes(session: aiohttp.ClientSession, urls: list[str], kind: s
         total += sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith("hybridllm_fleet_api_writes_total{") and kind in line
+            if line.startswith(prefix) and kind in line
         )
     return total
+
+
+async def pending_writes(session: aiohttp.ClientSession, urls: list[str]) -> float:
+    """Records changed and not yet written, over the replicas (the leader's)."""
+    return await _metric_sum(session, urls, "hybridllm_fleet_pending_writes ")
+
+
+async def server_writes(session: aiohttp.ClientSession, urls: list[str], kind: str = "") -> float:
+    """The replicas' own count of their API writes (of ``kind``), summed."""
+    return await _metric_sum(session, urls, "hybridllm_fleet_api_writes_total{", kind)
 
 
 class Device:
