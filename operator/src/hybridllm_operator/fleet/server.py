@@ -102,7 +102,7 @@ class Device:
     last_seen: float | None = None
     report: dict[str, Any] = field(default_factory=dict)  # last heartbeat body
     heard_at: float | None = None  # when the device sent `report` (this replica's clock)
-    heard_here = False  # `report` came to this replica, not from another's digest
+    heard_here: bool = False  # `report` came to this replica, not from another's digest
 
     def online(self, now: float, timeout: float) -> bool:
         return self.last_seen is not None and now - self.last_seen <= timeout
@@ -1129,8 +1129,6 @@ async def serve(
         stop.set()
         await asyncio.to_thread(electing.join, timing.retry_period + 10)
         if not server.leading and server._digest_parts:
-            with contextlib.suppress(Exception):  # gone: the leader need not wait it out
-                for name in server._digest_parts:
-                    await asyncio.to_thread(kube.delete_config_map, name)
+            await server._write_digest([])  # gone: the leader need not wait it out
         server.stop_informers()
         await runner.cleanup()
