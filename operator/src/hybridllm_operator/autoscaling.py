@@ -5,7 +5,7 @@ per scaled pool (the edge pool and the cloud pools; the gateway keeps its spec r
 Each `step` reads the demand (`hybridllm_operator.demand`), turns each tier's token rates
 into the pool's work with the pool's capacity (`PoolConfig.work_per_s`: a prefill pool
 counts prompt tokens, a decode pool output tokens), feeds the forecast the tier's
-history and asks the policy. The operator's daemon (`handlers.autoscaler`) calls it every
+history and asks the policy. The operator's `handlers.AutoscalerJob` calls it every
 ``spec.autoscaling.intervalSeconds``; the reconcile then writes the replicas into the
 Deployments and the decisions into the status.
 

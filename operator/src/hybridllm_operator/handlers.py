@@ -1,4 +1,5 @@
-"""kopf handlers: one reconciler daemon per LLMService, woken by events.
+"""kopf handlers: one reconciler daemon per LLMService, woken by events; one ticker for
+every LLMService's autoscaler and rollout.
 
 kopf runs a daemon per LLMService for as long as the object exists (spawned when it is
 created or when the operator starts, stopped when it is deleted). The daemon is the only
@@ -17,6 +18,12 @@ to 60 s) until it succeeds; a spec that can never work is reported as ``Degraded
 waits for the next spec change; and every ``resync_seconds`` (default an hour) the
 daemon reconciles anyway, as a safety net for an event lost while the watch reconnected.
 
+The periodic work of each LLMService (its autoscaler every
+``spec.autoscaling.intervalSeconds``, its rollout every few seconds) are `Job` objects
+that one `Ticker` task runs when they are due, for as long as the LLMService's reconciler
+runs. Before, each was a kopf daemon of its own: three tasks and their timers per
+LLMService, which at a thousand services kept an idle operator busy.
+
 State lives in kopf's memo: the operator-wide memo (filled at start-up) holds the API
 clients, the images, the executor that runs the blocking reconciles and the wakers by
 ``(namespace, name)``; each handler gets a shallow copy of it, so all see the same ones.
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
+import heapq
 import json
 import logging
 import time
@@ -117,6 +126,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     memo.images = operator_settings.images()
     memo.resync_seconds = operator_settings.resync_seconds
     memo.prometheus_url = operator_settings.prometheus_url
+    # every LLMService's autoscaler reads its demand from the same queries (demand.py)
+    memo.prometheus_batch = (
+        demand.PrometheusBatch(memo.prometheus_url) if memo.prometheus_url else None
+    )
     memo.rate_window_s = operator_settings.prometheus_rate_window_seconds
     memo.forecast_bin_s = operator_settings.forecast_bin_seconds
     memo.forecast_model = operator_settings.forecast_model
@@ -130,6 +143,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
         max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
     )
     memo.wakers = {}
+    memo.llmservice_events = 0
     # The autoscalers' reads (HTTP to Prometheus or the gateways) and forecasts run on
     # threads of their own: a slow metrics endpoint never delays a reconcile.
     memo.scale_executor = concurrent.futures.ThreadPoolExecutor(
@@ -182,17 +196,36 @@ WATCHDOG_PERIOD_S = 15.0
 WATCHDOG_GRACE_S = 30.0
 
 
+# Only the objects' metadata, as the API server's metadata-only listing gives it: the
+# watchdog reads names and times, and a full listing of every LLMService each period
+# (parsed into the dynamic client's objects) was most of an idle operator's CPU.
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+
+
+def llmservice_metadata(cluster: reconcile.Cluster, namespace: str | None) -> list[dict[str, Any]]:
+    """The metadata of every LLMService (in ``namespace``; None: all), from the API
+    server's watch cache (``resourceVersion=0``: no read from etcd)."""
+    where = f"/namespaces/{namespace}" if namespace else ""
+    response = cluster.dyn.request(
+        "GET",
+        f"/apis/{crd.API_VERSION}{where}/llmservices",
+        serialize=False,
+        header_params={"Accept": f"{METADATA_LIST},application/json"},
+        query_params=[("resourceVersion", "0")],
+    )
+    return [item["metadata"] for item in json.loads(response.data)["items"]]
+
+
 def _unserved(
     cluster: reconcile.Cluster, namespaces: list[str | None], wakers: dict[Any, Any]
 ) -> list[str]:
     """LLMServices older than the grace period that no daemon of ours reconciles."""
     listed: list[dict[str, Any]] = []
     for ns in [*namespaces] or [None]:
-        listed += cluster.llmservices().get(namespace=ns).to_dict()["items"]
+        listed += llmservice_metadata(cluster, ns)
     now = datetime.datetime.now(datetime.UTC)
     out = []
-    for item in listed:
-        meta = item["metadata"]
+    for meta in listed:
         created = datetime.datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
         if (
             not meta.get("deletionTimestamp")
@@ -203,14 +236,33 @@ def _unserved(
     return out
 
 
+@dataclasses.dataclass
+class WatchdogCount:
+    """The watchdog's verdict over its looks. A missing watch serves no LLMService and
+    delivers no event; some served, or events still arriving, is kopf working through a
+    burst (a thousand LLMServices applied at once start their daemons over minutes on a
+    busy operator), not a missing watch."""
+
+    events: int = 0  # LLMService events heard by the last look
+    misses: int = 0
+
+    def look(self, unserved: list[str], events: int, serving: bool) -> bool:
+        """Whether to stop: the second look in a row that finds LLMServices no daemon
+        serves, while none is served and no LLMService event arrived since the last."""
+        progressing = events != self.events
+        self.events = events
+        self.misses = self.misses + 1 if unserved and not progressing and not serving else 0
+        return self.misses >= 2
+
+
 async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
-    """Stop the operator when LLMServices exist that no daemon serves, twice in a row: kopf
-    resolved its resources while the API server was not serving them all, and it never
-    resolves them again. A restart (the Deployment's) does. Embedded without a stop flag
-    (kopf's test runner), it only logs."""
+    """Stop the operator when LLMServices exist that no daemon serves, while it serves
+    none and hears of none, twice in a row: kopf resolved its resources while the API
+    server was not serving them all, and it never resolves them again. A restart (the
+    Deployment's) does. Embedded without a stop flag (kopf's test runner), it only logs."""
     loop = asyncio.get_running_loop()
     namespaces: list[str | None] = list(memo.get("namespaces") or [])
-    misses = 0
+    count = WatchdogCount(events=memo.llmservice_events)
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
         try:
@@ -220,8 +272,8 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
         except (k8s_errors.ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
             logger.info("watchdog could not list LLMServices: %s", exc)
             continue
-        misses = misses + 1 if unserved else 0
-        if misses >= 2:
+        serving = any(not namespaces or ns in namespaces for ns, _ in list(memo.wakers))
+        if count.look(unserved, memo.llmservice_events, serving):
             logger.error(
                 "LLMServices %s have no reconciler: the operator is not watching them (the "
                 "API server did not list the resource when it started); exiting so that it "
@@ -233,19 +285,86 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
                 memo.stopped_by_watchdog = True
                 stop.set()
                 return
-            misses = 0  # embedded (no stop flag): say it again at the next misses
+            count.misses = 0  # embedded (no stop flag): say it again at the next misses
+
+
+class Ticker:
+    """Runs every LLMService's periodic looks (its autoscaler, its rollout) from one task.
+
+    A look is a `Job`: an async callable that does one pass and returns the seconds until
+    its next. The ticker keeps the jobs in a heap by due time and sleeps until the first
+    is due, so a thousand idle LLMServices cost one sleeping task, not two thousand. A job
+    runs as a task of its own while it works (a slow Prometheus delays only that job),
+    and never twice at once: it is due again only after its pass returned.
+    """
+
+    def __init__(self, logger: Logger) -> None:
+        self.logger = logger
+        self.heap: list[tuple[float, int, Job]] = []
+        self.count = 0
+        self.wake = asyncio.Event()
+        self.running: set[asyncio.Task[None]] = set()
+
+    def add(self, job: Job, delay: float = 0.0) -> None:
+        loop = asyncio.get_running_loop()
+        self.count += 1
+        heapq.heappush(self.heap, (loop.time() + delay, self.count, job))
+        self.wake.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            while self.heap and self.heap[0][0] <= now:
+                job = heapq.heappop(self.heap)[2]
+                if not job.stopped:
+                    task = loop.create_task(self._pass(job))
+                    self.running.add(task)
+                    task.add_done_callback(self.running.discard)
+            self.wake.clear()
+            timeout = self.heap[0][0] - now if self.heap else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout)
+
+    async def _pass(self, job: Job) -> None:
+        try:
+            wait = await job()
+        except Exception:
+            # A bug, not the cluster: say so and look again later (the job must not die).
+            self.logger.exception("%s of %s/%s failed", job.what, *job.key)
+            wait = RETRY_MAX_S
+        if not job.stopped:
+            self.add(job, wait)
+
+
+class Job:
+    """One LLMService's periodic look, run by the `Ticker` until ``stopped``."""
+
+    what = "look"
+
+    def __init__(self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo) -> None:
+        self.key, self.body, self.memo = key, body, memo
+        self.stopped = False
+
+    async def __call__(self) -> float:
+        raise NotImplementedError
 
 
 @kopf.on.startup()
 async def start_watchdog(memo: kopf.Memo, logger: Logger, **_: Any) -> None:
-    memo.loop = asyncio.get_running_loop()  # for `operator run`'s step-down from its thread
-    memo.watchdog = asyncio.get_running_loop().create_task(watchdog(memo, logger))
+    loop = asyncio.get_running_loop()
+    memo.loop = loop  # for `operator run`'s step-down from its thread
+    memo.watchdog = loop.create_task(watchdog(memo, logger))
+    memo.ticker = Ticker(logger)
+    memo.ticking = loop.create_task(memo.ticker.run())
+    memo.specs = {}  # (namespace, name) -> (generation, its parsed spec or None: invalid)
 
 
 @kopf.on.cleanup()
 def shutdown(memo: kopf.Memo, **_: Any) -> None:
-    if memo.get("watchdog") is not None:
-        memo.watchdog.cancel()
+    for task in ("watchdog", "ticking"):
+        if memo.get(task) is not None:
+            memo[task].cancel()
     memo.executor.shutdown(wait=False, cancel_futures=True)
     memo.scale_executor.shutdown(wait=False, cancel_futures=True)
 
@@ -264,8 +383,8 @@ async def _sleep_until_woken(waker: Waker, timeout: float | None) -> bool:
 
 
 def _scaling(memo: kopf.Memo, key: tuple[str, str], meta: Mapping[str, Any]) -> Any:
-    """This LLMService's autoscaler, shared by its two daemons; the first to ask makes it
-    from the state saved in the annotation (what it set before a restart)."""
+    """This LLMService's autoscaler, shared by its reconciler and its autoscaling job,
+    made from the state saved in the annotation (what it set before a restart)."""
     scaling = memo.scalers.get(key)
     if scaling is None:
         scaling = autoscaling.ServiceAutoscaler(
@@ -277,8 +396,8 @@ def _scaling(memo: kopf.Memo, key: tuple[str, str], meta: Mapping[str, Any]) -> 
 
 
 def _rollouts(memo: kopf.Memo, key: tuple[str, str], body: Mapping[str, Any]) -> Any:
-    """This LLMService's rollout controller, shared by its daemons; the first to ask makes
-    it from ``status.rollout`` (where a restarted operator finds the step it was at)."""
+    """This LLMService's rollout controller, shared by its reconciler and its rollout job,
+    made from ``status.rollout`` (where a restarted operator finds the step it was at)."""
     controller = memo.rollouts.get(key)
     if controller is None:
         controller = rollout.Controller((body.get("status") or {}).get("rollout"))
@@ -296,12 +415,17 @@ def _post(body: kopf.Body, controller: Any, logger: Logger) -> None:
 async def reconciler(
     body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
 ) -> None:
-    """Reconcile this LLMService now, then each time something wakes it, until deleted."""
+    """Reconcile this LLMService now, then each time something wakes it, until deleted.
+    Its autoscaler and its rollout run as jobs of the operator's one `Ticker` for as long
+    as this daemon does."""
     key = _key(meta)
     waker = Waker()
     memo.wakers[key] = waker
     scaling = _scaling(memo, key, meta)
     rollouts = _rollouts(memo, key, body)
+    jobs = [AutoscalerJob(key, body, memo, logger), RolloutJob(key, body, memo, logger)]
+    for job in jobs:
+        memo.ticker.add(job)
     loop = asyncio.get_running_loop()
     retry_s = RETRY_FIRST_S
     try:
@@ -348,20 +472,32 @@ async def reconciler(
                 # what this daemon last wrote: a status edited by hand is written again.
                 waker.applied.status = None
     finally:
+        for job in jobs:
+            job.stopped = True
         if memo.wakers.get(key) is waker:
             del memo.wakers[key]
         if memo.scalers.get(key) is scaling:  # the object is gone (or the operator stops)
             del memo.scalers[key]
         if memo.rollouts.get(key) is rollouts:
             del memo.rollouts[key]
+        memo.gateways.pop(key, None)
+        memo.specs.pop(key, None)
 
 
-def _spec_or_none(key: tuple[str, str], body: Mapping[str, Any]) -> crd.LLMServiceSpec | None:
-    """The object's spec, or None when it is invalid (the reconciler says why in the status)."""
+def _spec_or_none(memo: kopf.Memo, key: tuple[str, str], body: Mapping[str, Any]) -> Any:
+    """The object's spec, or None when it is invalid (the reconciler says why in the
+    status). Parsed once per generation: the jobs look every few seconds, the spec
+    changes only with ``metadata.generation``."""
+    generation = (body.get("metadata") or {}).get("generation")
+    cached = memo.specs.get(key)
+    if cached is not None and cached[0] == generation and generation is not None:
+        return cached[1]
     try:
-        return reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
+        spec: crd.LLMServiceSpec | None = reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
     except reconcile.InvalidSpec:
-        return None
+        spec = None
+    memo.specs[key] = (generation, spec)
+    return spec
 
 
 PERSIST_EVERY_S = 60.0  # the autoscaler's state is saved at least this often while it runs
@@ -371,7 +507,7 @@ def _demand_source(memo: kopf.Memo, key: tuple[str, str]) -> demand.DemandSource
     if memo.prometheus_url:
         return demand.PrometheusDemand(
             memo.prometheus_url, key[0], key[1], bin_s=memo.forecast_bin_s,
-            rate_window_s=memo.rate_window_s,
+            rate_window_s=memo.rate_window_s, batch=memo.prometheus_batch,
         )  # fmt: skip
     return demand.GatewayScrape(
         lambda: list(memo.gateways.get(key, {}).values()), bin_s=memo.forecast_bin_s
@@ -403,71 +539,79 @@ def _step(scaling: Any, source: demand.DemandSource) -> Any:
     return scaling.step(now, source.read(now), scaling.observed)
 
 
-@kopf.daemon(*LLMSERVICES, id="autoscaler", cancellation_timeout=30.0)
-async def autoscaler_loop(
-    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
-) -> None:
+class AutoscalerJob(Job):
     """Size this LLMService's pools every ``spec.autoscaling.intervalSeconds``: read the
     demand, decide, hand the replicas to the reconciler (which writes them and the status),
     post an Event for each change and save the autoscaler's state on the object."""
-    key = _key(meta)
-    scaling = _scaling(memo, key, meta)
-    loop = asyncio.get_running_loop()
-    source: demand.DemandSource | None = None
-    shown: Any = None
-    saved_at, saved = 0.0, None
-    advised: dict[str, int] = {}  # the last recommendation per pool (advisory mode)
-    try:
-        while True:
-            interval = 15.0
-            spec = _spec_or_none(key, body)
-            if spec is not None:
-                interval = float(spec.autoscaling.interval_seconds)
-                scaling.configure(spec)
-            if spec is not None and scaling.mode in DECIDING and scaling.observed:
-                source = source or _demand_source(memo, key)
-                changed = await loop.run_in_executor(memo.scale_executor, _step, scaling, source)
-                for component, (old, new) in changed.items():
-                    reason = scaling.decisions[component].reason
-                    kopf.event(
-                        body, type="Normal", reason="Scaled",
-                        message=f"{component}: {old} -> {new} replicas ({reason})",
-                    )  # fmt: skip
-                    logger.info("scaled %s from %d to %d: %s", component, old, new, reason)
-                for component, decision in scaling.decisions.items():
-                    # advisory: an Event each time the recommendation moves
-                    if scaling.mode == "advisory" and decision.recommended is not None:
-                        if advised.get(component) not in (None, decision.recommended):
-                            kopf.event(
-                                body, type="Normal", reason="Recommended",
-                                message=f"{component}: {decision.recommended} replicas "
-                                f"recommended ({decision.reason})",
-                            )  # fmt: skip
-                        advised[component] = decision.recommended
-                waker = cast(Waker | None, memo.wakers.get(key))
-                if waker is not None and (changed or _visible(scaling) != shown):
-                    shown = _visible(scaling)
-                    waker.event.set()
-                state = json.dumps(scaling.state(), separators=(",", ":"))
-                if state != saved and (changed or time.time() - saved_at >= PERSIST_EVERY_S):
-                    try:
-                        await loop.run_in_executor(
-                            memo.executor,
-                            _annotate,
-                            memo.cluster,
-                            key[0],
-                            key[1],
-                            autoscaling.STATE_ANNOTATION,
-                            state,
-                        )
-                        saved, saved_at = state, time.time()
-                    except (k8s_errors.ApiException, OSError) as exc:
-                        logger.info("autoscaler state not saved (retrying later): %s", exc)
-            await asyncio.sleep(interval)
-    finally:
-        if memo.scalers.get(key) is scaling:
-            del memo.scalers[key]
-        memo.gateways.pop(key, None)
+
+    what = "autoscaling"
+
+    def __init__(
+        self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
+    ) -> None:
+        super().__init__(key, body, memo)
+        self.logger = logger
+        self.source: demand.DemandSource | None = None
+        self.shown: Any = None
+        self.saved_at, self.saved = 0.0, cast(str | None, None)
+        self.advised: dict[str, int] = {}  # the last recommendation per pool (advisory mode)
+
+    async def __call__(self) -> float:
+        memo, key, body = self.memo, self.key, self.body
+        scaling = memo.scalers.get(key)
+        spec = _spec_or_none(memo, key, body)
+        if spec is None or scaling is None:
+            return 15.0
+        scaling.configure(spec)
+        if scaling.mode in DECIDING and scaling.observed:
+            loop = asyncio.get_running_loop()
+            self.source = self.source or _demand_source(memo, key)
+            changed = await loop.run_in_executor(memo.scale_executor, _step, scaling, self.source)
+            if self.stopped:
+                return 0.0
+            for component, (old, new) in changed.items():
+                reason = scaling.decisions[component].reason
+                kopf.event(
+                    body, type="Normal", reason="Scaled",
+                    message=f"{component}: {old} -> {new} replicas ({reason})",
+                )  # fmt: skip
+                self.logger.info("scaled %s from %d to %d: %s", component, old, new, reason)
+            for component, decision in scaling.decisions.items():
+                # advisory: an Event each time the recommendation moves
+                if scaling.mode == "advisory" and decision.recommended is not None:
+                    if self.advised.get(component) not in (None, decision.recommended):
+                        kopf.event(
+                            body, type="Normal", reason="Recommended",
+                            message=f"{component}: {decision.recommended} replicas "
+                            f"recommended ({decision.reason})",
+                        )  # fmt: skip
+                    self.advised[component] = decision.recommended
+            waker = cast(Waker | None, memo.wakers.get(key))
+            if waker is not None and (changed or _visible(scaling) != self.shown):
+                self.shown = _visible(scaling)
+                waker.event.set()
+            state = json.dumps(scaling.state(), separators=(",", ":"))
+            if state != self.saved and (changed or time.time() - self.saved_at >= PERSIST_EVERY_S):
+                try:
+                    await loop.run_in_executor(
+                        memo.executor,
+                        _annotate,
+                        memo.cluster,
+                        key[0],
+                        key[1],
+                        autoscaling.STATE_ANNOTATION,
+                        state,
+                    )
+                    self.saved, self.saved_at = state, time.time()
+                except (k8s_errors.ApiException, OSError) as exc:
+                    self.logger.info("autoscaler state not saved (retrying later): %s", exc)
+        # The next boundary of the interval on the wall clock: every LLMService of one
+        # interval reads at the same moment, so with Prometheus they share one answer.
+        interval = float(spec.autoscaling.interval_seconds)
+        return interval - time.time() % interval + BOUNDARY_SLACK_S
+
+
+BOUNDARY_SLACK_S = 0.01  # wake just past the boundary, never just before it
 
 
 def _windows(memo: kopf.Memo, key: tuple[str, str]) -> analysis.WindowSource:
@@ -476,58 +620,64 @@ def _windows(memo: kopf.Memo, key: tuple[str, str]) -> analysis.WindowSource:
     return analysis.ScrapeWindows(lambda: list(memo.gateways.get(key, {}).values()))
 
 
-@kopf.daemon(*LLMSERVICES, id="rollout", cancellation_timeout=30.0)
-async def rollout_loop(
-    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
-) -> None:
+class RolloutJob(Job):
     """Drive this LLMService's rollout: wait for the canary's pools and the gateways,
     analyse each step's window, act on hand commands (the ``hybridllm.io/rollout-action``
     annotation, removed once acted on) and hand each new state to the reconciler, which
     renders the pools and weights and writes ``status.rollout``."""
-    key = _key(meta)
-    controller = _rollouts(memo, key, body)
-    loop = asyncio.get_running_loop()
-    source: analysis.WindowSource | None = None
-    # what a fleet's devices report, for a step that moves them (through Prometheus, which
-    # scrapes the fleet server; without it such a step is judged on the gateways alone)
-    kpis = analysis.PrometheusDeviceKpis(memo.prometheus_url) if memo.prometheus_url else None
-    try:
-        while True:
-            wait = 5.0
-            spec = _spec_or_none(key, body)
-            if spec is not None and controller.state is not None:
-                action = (meta.get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
-                source = source or _windows(memo, key)
-                try:
-                    fleet = _fleet(memo, key[0], spec)
-                    obs = await loop.run_in_executor(
-                        memo.scale_executor, rollout.look, controller, spec, source, action,
-                        fleet, kpis,
-                    )  # fmt: skip
-                    before = controller.state
-                    controller.advance(spec, obs)
-                    if controller.state != before:
-                        waker = cast(Waker | None, memo.wakers.get(key))
-                        if waker is not None:
-                            waker.event.set()
-                    _post(body, controller, logger)
-                    if action:
-                        await loop.run_in_executor(
-                            memo.executor,
-                            _annotate,
-                            memo.cluster,
-                            key[0],
-                            key[1],
-                            rollout.ACTION_ANNOTATION,
-                            None,
-                        )
-                except (k8s_errors.ApiException, OSError) as exc:
-                    logger.info("rollout step interrupted (retrying): %s", exc)
-                wait = rollout.tick_seconds(controller.state, spec)
-            await asyncio.sleep(wait)
-    finally:
-        if memo.rollouts.get(key) is controller:
-            del memo.rollouts[key]
+
+    what = "rollout"
+
+    def __init__(
+        self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
+    ) -> None:
+        super().__init__(key, body, memo)
+        self.logger = logger
+        self.source: analysis.WindowSource | None = None
+        # what a fleet's devices report, for a step that moves them (through Prometheus,
+        # which scrapes the fleet server; without it such a step is judged on the gateways
+        # alone)
+        self.kpis = (
+            analysis.PrometheusDeviceKpis(memo.prometheus_url) if memo.prometheus_url else None
+        )
+
+    async def __call__(self) -> float:
+        memo, key, body = self.memo, self.key, self.body
+        controller = memo.rollouts.get(key)
+        spec = _spec_or_none(memo, key, body)
+        if spec is None or controller is None or controller.state is None:
+            return 5.0
+        loop = asyncio.get_running_loop()
+        action = (body.get("metadata", {}).get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
+        self.source = self.source or _windows(memo, key)
+        try:
+            fleet = _fleet(memo, key[0], spec)
+            obs = await loop.run_in_executor(
+                memo.scale_executor, rollout.look, controller, spec, self.source, action,
+                fleet, self.kpis,
+            )  # fmt: skip
+            if self.stopped:
+                return 0.0
+            before = controller.state
+            controller.advance(spec, obs)
+            if controller.state != before:
+                waker = cast(Waker | None, memo.wakers.get(key))
+                if waker is not None:
+                    waker.event.set()
+            _post(body, controller, self.logger)
+            if action:
+                await loop.run_in_executor(
+                    memo.executor,
+                    _annotate,
+                    memo.cluster,
+                    key[0],
+                    key[1],
+                    rollout.ACTION_ANNOTATION,
+                    None,
+                )
+        except (k8s_errors.ApiException, OSError) as exc:
+            self.logger.info("rollout step interrupted (retrying): %s", exc)
+        return float(rollout.tick_seconds(controller.state, spec))
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, "edgedevices")
@@ -593,6 +743,7 @@ def serving_devices(
 
 @kopf.on.event(*LLMSERVICES)
 async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    memo.llmservice_events += 1  # the watch works (the watchdog's sign of progress)
     waker = cast(Waker | None, memo.wakers.get(_key(meta)))
     if waker is not None and type != "DELETED" and meta.get("generation") != waker.generation:
         waker.event.set()

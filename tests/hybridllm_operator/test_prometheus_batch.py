@@ -1,0 +1,131 @@
+"""Every LLMService's demand from shared queries: three gateways' metrics (the gateway's own
+registry, served over HTTP) scraped by a real Prometheus with the labels the chart gives
+them, read by the operator's `PrometheusDemand` with one `PrometheusBatch` and without:
+the same demand and history for each service, from five queries for all of them."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import start_http_server
+
+from hybridllm_gateway.metrics import GatewayMetrics
+from hybridllm_operator import demand
+from hybridllm_operator.local.plan import free_ports
+
+SERVICES = (("ns1", "a"), ("ns1", "b"), ("ns2", "a"))  # one name in two namespaces
+BIN_S = 2.0
+SETTLED_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def prometheus(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    state = tmp_path_factory.mktemp("prometheus")
+    servers = []
+    targets = []
+    for i, (namespace, name) in enumerate(SERVICES):
+        metrics = GatewayMetrics()
+        for tier in ("edge", "cloud"):
+            metrics.prompt_tokens.labels(tier).inc(1000 * (i + 1))
+            metrics.completion_tokens.labels(tier).inc(100 * (i + 1))
+            metrics.outstanding.labels(tier).set(i + 1)
+            metrics.held.labels(tier).set(0)
+            metrics.cold.labels(tier).inc(0)
+            metrics.ttft.labels(tier).observe(0.1 * (i + 1))
+        port = free_ports(1)[0]
+        server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+        servers.append((server, metrics))
+        targets.append((f"127.0.0.1:{port}", {"namespace": namespace, "llmservice": name}))
+    stop = threading.Event()
+
+    def traffic() -> None:  # each service answers tokens at its own rate
+        while not stop.wait(0.1):
+            for i, (_, metrics) in enumerate(servers):
+                metrics.prompt_tokens.labels("edge").inc(10 * (i + 1))
+                metrics.completion_tokens.labels("cloud").inc(i + 1)
+
+    threading.Thread(target=traffic, daemon=True).start()
+    url = testenv.prometheus_up(state)
+    testenv.prometheus_targets(state, targets)
+    try:
+        # The tests read settled data (SETTLED_S old: every scrape of it is in, and up to a
+        # quantum or two bins older): wait until each service reads without problems that far
+        # back (a rate needs two samples).
+        deadline = time.monotonic() + 90
+        for namespace, name in SERVICES:
+            own = demand.PrometheusDemand(url, namespace, name, bin_s=BIN_S, rate_window_s=10)
+            while (problems := own.read(time.time() - SETTLED_S - 6).problems) and (
+                time.monotonic() < deadline
+            ):
+                time.sleep(0.5)
+            assert not problems, f"Prometheus has not scraped {namespace}/{name}: {problems}"
+        yield url
+    finally:
+        stop.set()
+        for server, _ in servers:
+            server.shutdown()
+        testenv.stop(state, "prometheus")
+
+
+def test_each_service_reads_from_the_batch_what_it_reads_alone(prometheus: str) -> None:
+    batch = demand.PrometheusBatch(prometheus)
+    at = math.floor((time.time() - SETTLED_S) / demand.EVAL_QUANTUM_S) * demand.EVAL_QUANTUM_S
+    rates = []
+    for namespace, name in SERVICES:
+        own = demand.PrometheusDemand(prometheus, namespace, name, bin_s=BIN_S, rate_window_s=10)
+        shared = demand.PrometheusDemand(
+            prometheus, namespace, name, bin_s=BIN_S, rate_window_s=10, batch=batch
+        )
+        alone, batched = own.read(at), shared.read(at + 1.0)  # the same evaluation time
+        assert not alone.problems
+        assert batched == alone
+        assert batched.tiers["edge"].in_flight == SERVICES.index((namespace, name)) + 1
+        assert batched.tiers["cloud"].completion_tok_s > 0
+        rates.append(batched.tiers["edge"].prompt_tok_s)
+    # each service its own rate (service i answers i + 1 times the first's), not another's
+    assert 0 < rates[0] < rates[1] < rates[2]
+    # five instant queries answered all three services
+    assert batch.queries == 5
+
+
+def test_the_newest_bin_from_the_batch_extends_the_history_as_a_whole_query_would(
+    prometheus: str,
+) -> None:
+    batch = demand.PrometheusBatch(prometheus)
+    end = math.floor((time.time() - SETTLED_S) / BIN_S) * BIN_S - BIN_S
+    readers = {
+        key: demand.PrometheusDemand(prometheus, *key, bin_s=BIN_S, rate_window_s=10, batch=batch)
+        for key in SERVICES
+    }
+    for reader in readers.values():
+        reader.read(end)  # the whole history, asked for each alone
+    before = batch.queries
+    for key, reader in readers.items():
+        extended = reader.read(end + BIN_S).bins
+        whole = demand.PrometheusDemand(prometheus, *key, bin_s=BIN_S, rate_window_s=10)
+        assert extended == whole.read(end + BIN_S).bins
+        assert extended["edge"][-1][0] > 0  # the new bin holds this service's tokens
+        assert reader._bins_until == end + BIN_S
+    # one new bin for all three: two queries (prompt, completion), beside the five instant
+    # ones when the new time is past the last one's evaluation quantum
+    quantum = math.floor((end + BIN_S) / demand.EVAL_QUANTUM_S) != math.floor(
+        end / demand.EVAL_QUANTUM_S
+    )
+    assert batch.queries - before == 2 + 5 * quantum
+
+
+def test_a_prometheus_that_is_down_is_asked_once_for_every_service() -> None:
+    batch = demand.PrometheusBatch(f"http://127.0.0.1:{free_ports(1)[0]}")
+    snapshots = [
+        demand.PrometheusDemand(batch.url, ns, name, batch=batch).read(time.time())
+        for ns, name in SERVICES
+    ]
+    for snapshot in snapshots:
+        assert set(snapshot.problems) == {"edge", "cloud"}
+        assert "did not answer" in snapshot.problems["edge"]
+    assert batch.queries == 1
