@@ -92,3 +92,19 @@ def test_histogram_quantile_interpolates_like_prometheus():
     assert demand.histogram_quantile(0.95, buckets) == 1.0  # in +Inf: the largest bound
     assert demand.histogram_quantile(0.05, buckets) == pytest.approx(0.05)
     assert demand.histogram_quantile(0.5, {0.1: 0.0, float("inf"): 0.0}) is None
+
+
+def test_scrapes_keep_one_connection_per_gateway_and_a_refusal_is_an_error(procs, table):
+    edge = procs.tokenserver("edge-a")
+    gw = procs.gateway(table(edge=[edge.url]))
+    url = gw.url + "/metrics"
+    pool = demand._scrapes.connection_from_url(url)
+    made = pool.num_connections
+    for _ in range(3):
+        assert demand.parse_gateway_metrics(demand.scrape(url), 0.0).prompt["edge"] == 0.0
+    assert pool.num_connections - made <= 1  # three reads, one connection (at most: new)
+    with pytest.raises(OSError, match="HTTP 404"):
+        demand.scrape(gw.url + "/no-such-page")
+    gw.kill()
+    with pytest.raises(OSError):  # the kept connection is gone, and nothing answers a new one
+        demand.scrape(url)

@@ -44,9 +44,9 @@ from hybridllm_common import crd
 from hybridllm_common import metrics as names
 from hybridllm_operator.demand import (
     PrometheusError,
-    _http_get,
     histogram_quantile,
     prometheus_get,
+    scrape,
 )
 
 PASS, FAIL, INCONCLUSIVE, NA = "pass", "fail", "inconclusive", "n/a"
@@ -354,7 +354,7 @@ class ScrapeWindows(WindowSource):
     def __init__(
         self, urls: Callable[[], Iterable[str]], fetch: Callable[[str], str] | None = None
     ) -> None:
-        self.urls, self.fetch = urls, fetch or _http_get
+        self.urls, self.fetch = urls, fetch or scrape
         self.baseline: tuple[float, dict[str, _Scrape]] | None = None
         self.lock = threading.Lock()
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import urllib3
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm_common import metrics as names
@@ -192,7 +193,7 @@ class GatewayScrape(DemandSource):
         fetch: Callable[[str], str] | None = None,
     ) -> None:
         self.urls = urls
-        self.fetch = fetch or _http_get
+        self.fetch = fetch or scrape
         self.last: dict[str, _Sample] = {}
         self.bins = {tier: Bins(bin_s, max_bins) for tier in TIERS}
         self.lock = threading.Lock()  # one read at a time (reads share `last` and `bins`)
@@ -273,6 +274,30 @@ class GatewayScrape(DemandSource):
 def _http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
         return str(response.read().decode())
+
+
+# Scrapes keep one connection open per gateway replica, as Prometheus does: a thousand
+# gateways read every interval would otherwise cost a thousand TCP connects (and their
+# closes) each time. The gateway keeps idle connections for an hour; one a replica closed
+# meanwhile is noticed before reuse, or the request is sent once more on a new one.
+SCRAPE_POOLS = 4096  # replicas whose connection is kept (the least recently read go first)
+_scrapes = urllib3.PoolManager(
+    num_pools=SCRAPE_POOLS,
+    maxsize=1,
+    timeout=urllib3.Timeout(HTTP_TIMEOUT_S),
+    retries=urllib3.Retry(total=1, connect=0, read=1, redirect=0, status=0),
+)
+
+
+def scrape(url: str) -> str:
+    """A gateway's ``/metrics`` over its kept connection; OSError says why it failed."""
+    try:
+        response = _scrapes.request("GET", url, preload_content=True)
+    except urllib3.exceptions.HTTPError as exc:
+        raise OSError(f"{type(exc).__name__}: {exc}") from exc
+    if response.status != 200:
+        raise OSError(f"HTTP {response.status} {response.reason or ''}".rstrip())
+    return bytes(response.data).decode()
 
 
 # --------------------------------------------------------------------------- Prometheus
