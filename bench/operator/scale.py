@@ -7,7 +7,9 @@ For each N, on a fresh control plane of its own (hack/testenv, the cached binari
   operator's CPU seconds and peak memory (VmHWM); the API server's requests by verb
   (`apiserver_request_total`, before and after) per service; then a steady state of
   ``--steady-seconds`` with nothing changing: the operator's CPU share and the API
-  requests in that window.
+  requests in that window. Once per ``--demand`` source: the operator reading demand
+  from each gateway pod (the chart's default) or from a real Prometheus (the steady state
+  then also counts the queries Prometheus answered).
 - **kubectl baseline** (the peer: what the control plane costs without any operator): the
   same children the operator would create (Deployments, Services, PDBs, ConfigMaps, from
   the same renderer, without owner references) applied with `kubectl apply --server-side`
@@ -18,6 +20,7 @@ Each service: an edge pool (1 replica), a monolithic CPU pool (1 replica) and a 
 so that every pod fits.
 
 Usage: uv run python bench/operator/scale.py --services 100,1000 [--steady-seconds 300]
+       [--demand scrape,prometheus]
 Writes bench/results/operator-scale.{md,json}.
 """
 
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -144,24 +148,43 @@ def wait(what: str, done: Any, timeout: float) -> float:
     return time.monotonic() - start
 
 
-def run_operator(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
+def prometheus_queries(url: str) -> float:
+    """Queries Prometheus answered so far (its own /api/v1/query and query_range counters)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("prometheus_http_requests_total{")
+        and re.search(r'handler="/api/v1/query(_range)?"', line)
+    )
+
+
+def run_operator(n: int, steady_s: float, workdir: Path, source: str) -> dict[str, Any]:
     plane = testenv()
-    state = workdir / f"op-{n}"
+    state = workdir / f"op-{n}-{source}"
     cluster = plane.up(state)
     proc = None
+    env = dict(cluster.env)
+    prometheus = None
+    if source == "prometheus":
+        # What the operator reads demand from at this scale: a real Prometheus (it scrapes
+        # nothing here: kwok's pods serve no metrics, so every service holds, "no series").
+        prometheus = plane.prometheus_up(state)
+        env["HYBRIDLLM_OPERATOR_PROMETHEUS_URL"] = prometheus
     try:
         kubectl = Kubectl(cluster)
         kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         kubectl("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
         kubectl("create", "namespace", NAMESPACE)
         add_nodes(kubectl, 3 * n)
-        log = (workdir / f"operator-{n}.log").open("wb")
+        log = (workdir / f"operator-{n}-{source}.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "hybridllm_common.cli", "operator", "run"],
-            env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
+            env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait("operator configured", lambda: b"Activity 'configure' succeeded" in
-             (workdir / f"operator-{n}.log").read_bytes(), 120)  # fmt: skip
+             (workdir / f"operator-{n}-{source}.log").read_bytes(), 120)  # fmt: skip
         time.sleep(2.0)  # let its watches settle before the idle reading
         idle_rss = proc_mem_mb(proc.pid, "VmRSS")
         cpu0, api0 = proc_cpu_s(proc.pid), api_requests(kubectl)
@@ -173,8 +196,10 @@ def run_operator(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
         ready_s = time.monotonic() - t0
         cpu1, api1 = proc_cpu_s(proc.pid), api_requests(kubectl)
         peak = proc_mem_mb(proc.pid, "VmHWM")
+        queries1 = prometheus_queries(prometheus) if prometheus else 0.0
         time.sleep(steady_s)  # the steady state: nothing changes; what does it cost?
         cpu2, api2 = proc_cpu_s(proc.pid), api_requests(kubectl)
+        queries2 = prometheus_queries(prometheus) if prometheus else 0.0
         rollout = delta(api1, api0)
         steady = delta(api2, api1)
         return {
@@ -191,6 +216,8 @@ def run_operator(n: int, steady_s: float, workdir: Path) -> dict[str, Any]:
                 v: round(steady[v] / steady_s, 2) for v in VERBS if steady[v]
             },
             "steady_writes": int(sum(steady[v] for v in WRITES)),
+            "demand": source,
+            "steady_prometheus_queries_per_s": round((queries2 - queries1) / steady_s, 2),
         }
     finally:
         if proc is not None:
@@ -245,6 +272,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--services", default="100,1000", help="comma-separated N")
     parser.add_argument("--steady-seconds", type=float, default=300.0)
+    parser.add_argument(
+        "--demand",
+        default="scrape,prometheus",
+        help="where the operator reads demand, comma-separated, a run each: scrape (each "
+        "gateway's /metrics, the chart's default) or prometheus (a real Prometheus)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "operator-scale"))
     parser.add_argument(
         "--render-only", action="store_true", help="rewrite the .md from the .json, run nothing"
@@ -255,16 +288,20 @@ def main() -> int:
         render(json.loads(out.with_suffix(".json").read_text()), out)
         return 0
     sizes = [int(x) for x in args.services.split(",")]
+    sources = [x.strip() for x in args.demand.split(",") if x.strip()]
+    if not sources or set(sources) - {"scrape", "prometheus"}:
+        parser.error(f"--demand {args.demand!r}: give scrape, prometheus or both")
     rows = []
     with tempfile.TemporaryDirectory(prefix="hybridllm-scale-") as tmp:
         for n in sizes:
             print(f"[scale] kubectl baseline, {n} services", flush=True)
             base = run_baseline(n, Path(tmp))
             print(f"[scale]   {base}", flush=True)
-            print(f"[scale] operator, {n} services", flush=True)
-            op = run_operator(n, args.steady_seconds, Path(tmp))
-            print(f"[scale]   {op}", flush=True)
-            rows.append({"baseline": base, "operator": op})
+            for source in sources:
+                print(f"[scale] operator, {n} services, demand from {source}", flush=True)
+                op = run_operator(n, args.steady_seconds, Path(tmp), source)
+                print(f"[scale]   {op}", flush=True)
+                rows.append({"baseline": base, "operator": op})
     command = portable(" ".join(["uv run python", *sys.argv]))
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
     cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -297,23 +334,31 @@ def render(result: dict[str, Any], out: Path) -> None:
         "cost with no operator. Each service has 3 pods (edge, monolithic, gateway) and "
         f"{per_service} objects; kwok runs the pods.",
         "",
-        "| services | kubectl: to available (s) | operator: to Ready (s) | ratio | operator CPU (s) | "
-        "operator idle / peak RSS (MB) | API requests per service, operator run | kubectl run | "
-        "steady: operator CPU | steady: API requests/s (all clients) | steady: PATCH/APPLY/DELETE "
-        "(the operator's verbs) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "The operator reads each service's demand either from each gateway pod's `/metrics` "
+        "(*scrape*, the chart's default; kwok's pods have addresses no gateway answers on, so "
+        "every read is a request that fails) or from a real Prometheus (*prometheus*, built "
+        "from the Go module proxy like the tests'; it scrapes nothing here, so every service "
+        'holds with "no series", and the answers are small).',
+        "",
+        "| services | demand from | kubectl: to available (s) | operator: to Ready (s) | ratio | "
+        "operator CPU (s) | operator idle / peak RSS (MB) | API requests per service, operator "
+        "run | kubectl run | steady: operator CPU | steady: API requests/s (all clients) | "
+        "steady: PATCH/APPLY/DELETE (the operator's verbs) | steady: Prometheus queries/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         b, o = row["baseline"], row["operator"]
         fmt = lambda d: ", ".join(f"{k} {v:g}" for k, v in d.items())  # noqa: E731
         lines.append(
-            f"| {o['services']} | {b['all_available_s']} | {o['all_ready_s']} | "
+            f"| {o['services']} | {o.get('demand', 'scrape')} | {b['all_available_s']} | "
+            f"{o['all_ready_s']} | "
             f"{o['all_ready_s'] / b['all_available_s']:.2f}x | {o['operator_cpu_s']} | "
             f"{o['operator_idle_rss_mb']} / {o['operator_peak_rss_mb']} | "
             f"{fmt(o['api_requests_per_service'])} | {fmt(b['api_requests_per_service'])} | "
             f"{100 * o['steady_operator_cpu_share']:.1f}% of a core over {o['steady_s']:.0f} s | "
             f"{fmt(o['steady_api_requests_per_s'])} | "
-            f"{round(sum(o['steady_api_requests_per_s'].get(v, 0) for v in OPERATOR_WRITES) * o['steady_s'])} |"
+            f"{round(sum(o['steady_api_requests_per_s'].get(v, 0) for v in OPERATOR_WRITES) * o['steady_s'])} | "
+            f"{o.get('steady_prometheus_queries_per_s', '-') if o.get('demand') == 'prometheus' else '-'} |"
         )
     lines += [
         "",
@@ -338,7 +383,8 @@ def render(result: dict[str, Any], out: Path) -> None:
         met = [g for g, ok in goals if ok]
         missed = [g for g, ok in goals if not ok]
         lines.append(
-            f"- {o['services']:,} services: met {', '.join(met) or 'none'}"
+            f"- {o['services']:,} services, demand from {o.get('demand', 'scrape')}: met "
+            f"{', '.join(met) or 'none'}"
             + (f"; **not met: {', '.join(missed)}**" if missed else "")
             + "."
         )

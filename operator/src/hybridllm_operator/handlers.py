@@ -295,7 +295,8 @@ class Ticker:
     its next. The ticker keeps the jobs in a heap by due time and sleeps until the first
     is due, so a thousand idle LLMServices cost one sleeping task, not two thousand. A job
     runs as a task of its own while it works (a slow Prometheus delays only that job),
-    and never twice at once: it is due again only after its pass returned.
+    and never twice at once: it is due again only after its pass returned. `poke` makes
+    a job due now (or, while it runs, right after).
     """
 
     def __init__(self, logger: Logger) -> None:
@@ -306,18 +307,28 @@ class Ticker:
         self.running: set[asyncio.Task[None]] = set()
 
     def add(self, job: Job, delay: float = 0.0) -> None:
+        """Make ``job`` due in ``delay`` seconds (its earlier due time no longer counts)."""
         loop = asyncio.get_running_loop()
         self.count += 1
+        job.entry = self.count
         heapq.heappush(self.heap, (loop.time() + delay, self.count, job))
         self.wake.set()
+
+    def poke(self, job: Job) -> None:
+        """Something changed that ``job`` acts on: run it now, not at its next tick."""
+        if job.running:
+            job.poked = True
+        elif not job.stopped:
+            self.add(job)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
             while self.heap and self.heap[0][0] <= now:
-                job = heapq.heappop(self.heap)[2]
-                if not job.stopped:
+                _, entry, job = heapq.heappop(self.heap)
+                if not job.stopped and entry == job.entry and not job.running:
+                    job.running = True
                     task = loop.create_task(self._pass(job))
                     self.running.add(task)
                     task.add_done_callback(self.running.discard)
@@ -333,6 +344,10 @@ class Ticker:
             # A bug, not the cluster: say so and look again later (the job must not die).
             self.logger.exception("%s of %s/%s failed", job.what, *job.key)
             wait = RETRY_MAX_S
+        finally:
+            job.running = False
+        if job.poked:
+            job.poked, wait = False, 0.0
         if not job.stopped:
             self.add(job, wait)
 
@@ -345,6 +360,9 @@ class Job:
     def __init__(self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo) -> None:
         self.key, self.body, self.memo = key, body, memo
         self.stopped = False
+        self.running = False
+        self.poked = False
+        self.entry = 0  # the ticker's heap entry that counts (older ones are skipped)
 
     async def __call__(self) -> float:
         raise NotImplementedError
@@ -358,6 +376,7 @@ async def start_watchdog(memo: kopf.Memo, logger: Logger, **_: Any) -> None:
     memo.ticker = Ticker(logger)
     memo.ticking = loop.create_task(memo.ticker.run())
     memo.specs = {}  # (namespace, name) -> (generation, its parsed spec or None: invalid)
+    memo.jobs = {}  # (namespace, name) -> [its AutoscalerJob, its RolloutJob]
 
 
 @kopf.on.cleanup()
@@ -424,6 +443,7 @@ async def reconciler(
     scaling = _scaling(memo, key, meta)
     rollouts = _rollouts(memo, key, body)
     jobs = [AutoscalerJob(key, body, memo, logger), RolloutJob(key, body, memo, logger)]
+    memo.jobs[key] = jobs
     for job in jobs:
         memo.ticker.add(job)
     loop = asyncio.get_running_loop()
@@ -433,6 +453,7 @@ async def reconciler(
             waker.event.clear()
             snapshot = {k: v for k, v in body.items()}  # the live view, frozen for this pass
             generation = snapshot["metadata"].get("generation")
+            rollout_before = rollouts.state
             wait: float | None
             try:
                 await loop.run_in_executor(
@@ -467,6 +488,8 @@ async def reconciler(
                 waker.generation, wait, retry_s = generation, memo.resync_seconds, RETRY_FIRST_S
                 waker.reconciles += 1
             _post(body, rollouts, logger)
+            if rollouts.state != rollout_before:  # a rollout started, restarted or ended
+                memo.ticker.poke(jobs[1])
             if not await _sleep_until_woken(waker, wait):
                 # A quiet resync compares the status with the object as it is, not with
                 # what this daemon last wrote: a status edited by hand is written again.
@@ -474,6 +497,8 @@ async def reconciler(
     finally:
         for job in jobs:
             job.stopped = True
+        if memo.jobs.get(key) is jobs:
+            del memo.jobs[key]
         if memo.wakers.get(key) is waker:
             del memo.wakers[key]
         if memo.scalers.get(key) is scaling:  # the object is gone (or the operator stops)
@@ -646,7 +671,7 @@ class RolloutJob(Job):
         controller = memo.rollouts.get(key)
         spec = _spec_or_none(memo, key, body)
         if spec is None or controller is None or controller.state is None:
-            return 5.0
+            return ROLLOUT_IDLE_S  # the reconcile pokes it when a rollout starts
         loop = asyncio.get_running_loop()
         action = (body.get("metadata", {}).get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
         self.source = self.source or _windows(memo, key)
@@ -677,7 +702,14 @@ class RolloutJob(Job):
                 )
         except (k8s_errors.ApiException, OSError) as exc:
             self.logger.info("rollout step interrupted (retrying): %s", exc)
+        if controller.state.phase in rollout.ENDED and not action:
+            return ROLLOUT_IDLE_S  # nothing to drive: a new revision or a command pokes it
         return float(rollout.tick_seconds(controller.state, spec))
+
+
+# How often the rollout job of an LLMService with no rollout under way looks anyway (a
+# start, a hand command and a spec change poke it at once).
+ROLLOUT_IDLE_S = 60.0
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, "edgedevices")
@@ -744,6 +776,9 @@ def serving_devices(
 @kopf.on.event(*LLMSERVICES)
 async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     memo.llmservice_events += 1  # the watch works (the watchdog's sign of progress)
+    jobs = memo.jobs.get(_key(meta))
+    if jobs and rollout.ACTION_ANNOTATION in (meta.get("annotations") or {}):
+        memo.ticker.poke(jobs[1])  # a hand command (`hybridllm rollout ...`): act on it now
     waker = cast(Waker | None, memo.wakers.get(_key(meta)))
     if waker is not None and type != "DELETED" and meta.get("generation") != waker.generation:
         waker.event.set()

@@ -34,6 +34,7 @@ from hybridllm_common import crd
 from hybridllm_operator import analysis, demand
 
 Phase = crd.RolloutPhase
+ENDED = (Phase.completed, Phase.aborted)  # nothing to drive until a new revision comes
 ACTION_ANNOTATION = f"{crd.GROUP}/rollout-action"
 ACTIONS = ("promote", "promote-full", "abort", "pause", "resume")
 # Phases in which the canary's pools exist (and the routing table has two revisions).
