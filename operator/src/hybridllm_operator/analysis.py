@@ -437,8 +437,8 @@ class PrometheusDeviceKpis(DeviceKpiSource):
                 {"query": f"max by (revision) ({metric}{{{sel}}})", "time": f"{now:.3f}"},
             )  # fmt: skip
             for row in rows:
-                revision = str(row["metric"].get("revision", ""))  # type: ignore[attr-defined]
-                values.setdefault(revision, {})[attr] = float(row["value"][1])  # type: ignore[index]
+                revision = str(row["metric"].get("revision", ""))
+                values.setdefault(revision, {})[attr] = float(row["value"][1])
         return {
             rev: DeviceKpis(v.get("devices", 0.0), v.get("error_rate"), v.get("ttft_p95"))
             for rev, v in values.items()

@@ -307,7 +307,7 @@ class PrometheusError(Exception):
     pass
 
 
-def prometheus_get(url: str, path: str, params: Mapping[str, str]) -> list[dict[str, object]]:
+def prometheus_get(url: str, path: str, params: Mapping[str, str]) -> list[dict[str, Any]]:
     """The result of one Prometheus HTTP API query; PrometheusError says why there is none."""
     query = urllib.parse.urlencode(params)
     try:
@@ -412,7 +412,7 @@ class PrometheusDemand(DemandSource):
         self._bins_until: float | None = None
         self._bins: tuple[dict[str, list[tuple[float, float]]], float] = ({}, 0.0)
 
-    def _get(self, path: str, params: Mapping[str, str]) -> list[dict[str, object]]:
+    def _get(self, path: str, params: Mapping[str, str]) -> list[dict[str, Any]]:
         return prometheus_get(self.url, path, params)
 
     def _exprs(self, sel: str, by: str) -> dict[str, str]:
@@ -446,7 +446,7 @@ class PrometheusDemand(DemandSource):
             )
         else:
             query = self._exprs(self.selector, "")[name]
-            rows = self._get("/api/v1/query", {**params, "query": query})  # type: ignore[assignment]
+            rows = self._get("/api/v1/query", {**params, "query": query})
         return {str(r["metric"].get("tier", "")): float(r["value"][1]) for r in rows}
 
     def read(self, now_s: float) -> Snapshot:
@@ -515,8 +515,8 @@ class PrometheusDemand(DemandSource):
                 },
             )
             for row in rows:
-                tier = str(row["metric"].get("tier", ""))  # type: ignore[attr-defined]
-                values = {float(t): float(v) for t, v in row["values"]}  # type: ignore[attr-defined]
+                tier = str(row["metric"].get("tier", ""))
+                values = {float(t): float(v) for t, v in row["values"]}
                 series.setdefault(tier, {})[key] = values
         bins: dict[str, list[tuple[float, float]]] = {}
         first = None
