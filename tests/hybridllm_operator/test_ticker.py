@@ -19,7 +19,7 @@ class Probe(handlers.Job):
     what = "probe"
 
     def __init__(self, name: str, wait: float = 3600.0) -> None:
-        super().__init__(("ns", name), {}, {})  # type: ignore[arg-type]
+        super().__init__(("ns", name), {}, {}, logging.getLogger("test"))  # type: ignore[arg-type]
         self.wait = wait
         self.passes = 0
         self.active = 0
@@ -50,7 +50,7 @@ async def _ran(job: Probe) -> None:
 
 def _run(test: Any) -> None:
     async def main() -> None:
-        ticker = handlers.Ticker(logging.getLogger("test"))
+        ticker = handlers.Ticker()
         task = asyncio.create_task(ticker.run())
         try:
             await test(ticker)

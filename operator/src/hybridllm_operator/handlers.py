@@ -299,8 +299,7 @@ class Ticker:
     a job due now (or, while it runs, right after).
     """
 
-    def __init__(self, logger: Logger) -> None:
-        self.logger = logger
+    def __init__(self) -> None:
         self.heap: list[tuple[float, int, Job]] = []
         self.count = 0
         self.wake = asyncio.Event()
@@ -342,7 +341,7 @@ class Ticker:
             wait = await job()
         except Exception:
             # A bug, not the cluster: say so and look again later (the job must not die).
-            self.logger.exception("%s of %s/%s failed", job.what, *job.key)
+            job.logger.exception("%s of %s/%s failed", job.what, *job.key)
             wait = RETRY_MAX_S
         finally:
             job.running = False
@@ -357,8 +356,10 @@ class Job:
 
     what = "look"
 
-    def __init__(self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo) -> None:
-        self.key, self.body, self.memo = key, body, memo
+    def __init__(
+        self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
+    ) -> None:
+        self.key, self.body, self.memo, self.logger = key, body, memo, logger
         self.stopped = False
         self.running = False
         self.poked = False
@@ -373,8 +374,11 @@ async def start_watchdog(memo: kopf.Memo, logger: Logger, **_: Any) -> None:
     loop = asyncio.get_running_loop()
     memo.loop = loop  # for `operator run`'s step-down from its thread
     memo.watchdog = loop.create_task(watchdog(memo, logger))
-    memo.ticker = Ticker(logger)
-    memo.ticking = loop.create_task(memo.ticker.run())
+    memo.ticker = Ticker()
+    # Started by the first reconciler: a task takes the context of the one that makes it,
+    # and kopf.event (the jobs post Events) needs the context kopf gives its handlers, which
+    # its start-up activities do not have yet.
+    memo.ticking = None
     memo.specs = {}  # (namespace, name) -> (generation, its parsed spec or None: invalid)
     memo.jobs = {}  # (namespace, name) -> [its AutoscalerJob, its RolloutJob]
 
@@ -442,6 +446,8 @@ async def reconciler(
     memo.wakers[key] = waker
     scaling = _scaling(memo, key, meta)
     rollouts = _rollouts(memo, key, body)
+    if memo.ticking is None:
+        memo.ticking = asyncio.get_running_loop().create_task(memo.ticker.run())
     jobs = [AutoscalerJob(key, body, memo, logger), RolloutJob(key, body, memo, logger)]
     memo.jobs[key] = jobs
     for job in jobs:
@@ -574,8 +580,7 @@ class AutoscalerJob(Job):
     def __init__(
         self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
     ) -> None:
-        super().__init__(key, body, memo)
-        self.logger = logger
+        super().__init__(key, body, memo, logger)
         self.source: demand.DemandSource | None = None
         self.shown: Any = None
         self.saved_at, self.saved = 0.0, cast(str | None, None)
@@ -656,8 +661,7 @@ class RolloutJob(Job):
     def __init__(
         self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
     ) -> None:
-        super().__init__(key, body, memo)
-        self.logger = logger
+        super().__init__(key, body, memo, logger)
         self.source: analysis.WindowSource | None = None
         # what a fleet's devices report, for a step that moves them (through Prometheus,
         # which scrapes the fleet server; without it such a step is judged on the gateways
