@@ -84,7 +84,7 @@ def _watch(
     async def run() -> kopf.Memo:
         stop = asyncio.Event()
         memo = kopf.Memo(
-            cluster=cluster, namespaces=[namespace], llmservice_events=0, stop=stop,
+            cluster=cluster, namespaces=[namespace], heard=handlers.Heard(), stop=stop,
             wakers={(namespace, name): object() for name in served},
             executor=concurrent.futures.ThreadPoolExecutor(2), stopped_by_watchdog=False,
         )  # fmt: skip

@@ -51,11 +51,31 @@ async def _ran(job: Probe) -> None:
 def _run(test: Any) -> None:
     async def main() -> None:
         ticker = handlers.Ticker()
-        task = asyncio.create_task(ticker.run())
+        for _ in range(3):  # every reconciler starts it: one loop runs
+            ticker.start()
         try:
             await test(ticker)
         finally:
-            task.cancel()
+            ticker.stop()
+
+    asyncio.run(main())
+
+
+def test_the_ticker_runs_one_loop_however_often_it_is_started() -> None:
+    async def main() -> None:
+        ticker = handlers.Ticker()
+        ticker.start()
+        first = ticker.task
+        for _ in range(100):
+            ticker.start()
+        loops = [
+            t
+            for t in asyncio.all_tasks()
+            if getattr(t.get_coro(), "__qualname__", "") == "Ticker.run"
+        ]
+        assert ticker.task is first
+        assert len(loops) == 1
+        ticker.stop()
 
     asyncio.run(main())
 

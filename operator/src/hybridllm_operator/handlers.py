@@ -143,7 +143,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
         max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
     )
     memo.wakers = {}
-    memo.llmservice_events = 0
+    # Handlers get a shallow copy of the memo: what they change for all to see lives in
+    # objects the copies share (the dicts above, this counter), never in a memo attribute.
+    memo.heard = Heard()
     # The autoscalers' reads (HTTP to Prometheus or the gateways) and forecasts run on
     # threads of their own: a slow metrics endpoint never delays a reconcile.
     memo.scale_executor = concurrent.futures.ThreadPoolExecutor(
@@ -237,6 +239,13 @@ def _unserved(
 
 
 @dataclasses.dataclass
+class Heard:
+    """LLMService events the operator's handlers saw (shared by every copy of the memo)."""
+
+    events: int = 0
+
+
+@dataclasses.dataclass
 class WatchdogCount:
     """The watchdog's verdict over its looks. A missing watch serves no LLMService and
     delivers no event; some served, or events still arriving, is kopf working through a
@@ -262,7 +271,7 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
     Deployment's) does. Embedded without a stop flag (kopf's test runner), it only logs."""
     loop = asyncio.get_running_loop()
     namespaces: list[str | None] = list(memo.get("namespaces") or [])
-    count = WatchdogCount(events=memo.llmservice_events)
+    count = WatchdogCount(events=memo.heard.events)
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
         try:
@@ -273,7 +282,7 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
             logger.info("watchdog could not list LLMServices: %s", exc)
             continue
         serving = any(not namespaces or ns in namespaces for ns, _ in list(memo.wakers))
-        if count.look(unserved, memo.llmservice_events, serving):
+        if count.look(unserved, memo.heard.events, serving):
             logger.error(
                 "LLMServices %s have no reconciler: the operator is not watching them (the "
                 "API server did not list the resource when it started); exiting so that it "
@@ -304,6 +313,16 @@ class Ticker:
         self.count = 0
         self.wake = asyncio.Event()
         self.running: set[asyncio.Task[None]] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Run the ticker's loop: once, however often it is asked (by every reconciler)."""
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
 
     def add(self, job: Job, delay: float = 0.0) -> None:
         """Make ``job`` due in ``delay`` seconds (its earlier due time no longer counts)."""
@@ -374,20 +393,20 @@ async def start_watchdog(memo: kopf.Memo, logger: Logger, **_: Any) -> None:
     loop = asyncio.get_running_loop()
     memo.loop = loop  # for `operator run`'s step-down from its thread
     memo.watchdog = loop.create_task(watchdog(memo, logger))
+    # Started by the first reconciler (`Ticker.start`): a task takes the context of the one
+    # that makes it, and kopf.event (the jobs post Events) needs the context kopf gives its
+    # handlers, which its start-up activities do not have yet.
     memo.ticker = Ticker()
-    # Started by the first reconciler: a task takes the context of the one that makes it,
-    # and kopf.event (the jobs post Events) needs the context kopf gives its handlers, which
-    # its start-up activities do not have yet.
-    memo.ticking = None
     memo.specs = {}  # (namespace, name) -> (generation, its parsed spec or None: invalid)
     memo.jobs = {}  # (namespace, name) -> [its AutoscalerJob, its RolloutJob]
 
 
 @kopf.on.cleanup()
 def shutdown(memo: kopf.Memo, **_: Any) -> None:
-    for task in ("watchdog", "ticking"):
-        if memo.get(task) is not None:
-            memo[task].cancel()
+    if memo.get("watchdog") is not None:
+        memo.watchdog.cancel()
+    if memo.get("ticker") is not None:
+        memo.ticker.stop()
     memo.executor.shutdown(wait=False, cancel_futures=True)
     memo.scale_executor.shutdown(wait=False, cancel_futures=True)
 
@@ -446,8 +465,7 @@ async def reconciler(
     memo.wakers[key] = waker
     scaling = _scaling(memo, key, meta)
     rollouts = _rollouts(memo, key, body)
-    if memo.ticking is None:
-        memo.ticking = asyncio.get_running_loop().create_task(memo.ticker.run())
+    memo.ticker.start()
     jobs = [AutoscalerJob(key, body, memo, logger), RolloutJob(key, body, memo, logger)]
     memo.jobs[key] = jobs
     for job in jobs:
@@ -779,7 +797,7 @@ def serving_devices(
 
 @kopf.on.event(*LLMSERVICES)
 async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    memo.llmservice_events += 1  # the watch works (the watchdog's sign of progress)
+    memo.heard.events += 1  # the watch works (the watchdog's sign of progress)
     jobs = memo.jobs.get(_key(meta))
     if jobs and rollout.ACTION_ANNOTATION in (meta.get("annotations") or {}):
         memo.ticker.poke(jobs[1])  # a hand command (`hybridllm rollout ...`): act on it now
