@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,17 @@ def prometheus(testenv: Any, tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 def _alerts(prometheus: str) -> list[dict[str, Any]]:
     return httpx.get(f"{prometheus}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+
+
+def _last_evaluation(prometheus: str) -> float:
+    """When the rule group holding the burn-rate alerts was last evaluated (Unix seconds)."""
+    groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    stamps = [
+        datetime.fromisoformat(g["lastEvaluation"]).timestamp()
+        for g in groups
+        if any(r["name"] == "HybridllmErrorBudgetBurnFast" for r in g["rules"])
+    ]
+    return min(stamps, default=0.0)
 
 
 def test_a_failing_service_burns_its_budget_and_a_healthy_one_does_not(
@@ -98,8 +110,25 @@ def test_a_failing_service_burns_its_budget_and_a_healthy_one_does_not(
         'llmservice="lenient"}[1h])) / sum by (llmservice) '
         '(rate(hybridllm_gateway_requests_total{llmservice="lenient"}[1h]))'
     )
-    ratio = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=10).json()
-    assert [float(r["value"][1]) for r in ratio["data"]["result"]] == [1.0]
+    # the alert may fire for "broken" before Prometheus has scraped "lenient" twice (targets
+    # are scraped at their own offsets): wait for lenient's ratio, then for a rule evaluation
+    # after it, and look at the alerts again
+    ratios: list[float] = []
+    deadline = time.monotonic() + 60
+    with httpx.Client(timeout=10) as client:
+        while time.monotonic() < deadline and ratios != [1.0]:
+            assert client.post(f"{lenient.url}/v1/chat/completions", json=body).status_code >= 500
+            answer = client.get(f"{url}/api/v1/query", params={"query": query}).json()
+            ratios = [float(r["value"][1]) for r in answer["data"]["result"]]
+        assert ratios == [1.0], "Prometheus never held lenient's failures"
+        seen = time.time()
+        while time.monotonic() < deadline and _last_evaluation(url) <= seen:
+            client.get(f"{url}/-/ready")  # a request per turn, not a sleep
+    assert _last_evaluation(url) > seen, "the alerting rules were not evaluated again"
+    firing = [a for a in _alerts(url) if a["labels"]["alertname"] == "HybridllmErrorBudgetBurnFast"]
+    assert {(a["labels"]["namespace"], a["labels"]["llmservice"]) for a in firing} == {
+        ("shop", "broken")
+    }
     assert firing[0]["state"] in ("pending", "firing")
     assert firing[0]["labels"]["severity"] == "critical"
     assert firing[0]["annotations"]["summary"] == "shop/broken burns its error budget 14x too fast"
