@@ -1,7 +1,7 @@
 """The operator's watchdog against the real API server: it reads LLMServices' metadata only,
 stops the operator when it serves none of them and no LLMService event arrives (a watch kopf
 never started), and waits while events still arrive or some are served (a burst kopf is
-working through)."""
+working through); while it serves some, it lists nothing."""
 
 from __future__ import annotations
 
@@ -66,20 +66,26 @@ def _watch(
     namespace: str,
     monkeypatch: pytest.MonkeyPatch,
     served: tuple[str, ...] = (),
-) -> tuple[kopf.Memo, list[list[str]]]:
+) -> tuple[kopf.Memo, list[list[str] | None]]:
     """Run the watchdog over ``namespace`` for five looks (or until it stops), its daemons
-    serving the LLMServices named ``served``, with no LLMService event arriving."""
+    serving the LLMServices named ``served``, with no LLMService event arriving; return the
+    memo and what each look found unserved (None: a look that listed nothing)."""
     monkeypatch.setattr(handlers, "WATCHDOG_PERIOD_S", 0.05)
     monkeypatch.setattr(handlers, "WATCHDOG_GRACE_S", 0.0)
-    looks: list[list[str]] = []
-    unserved = handlers._unserved
+    looks: list[list[str] | None] = []
+    listed: list[list[str]] = []
+    unserved, look = handlers._unserved, handlers.WatchdogCount.look
 
-    def counted(*args: Any) -> list[str]:
-        out = unserved(*args)
-        looks.append(out)
-        return out
+    def listing(*args: Any) -> list[str]:
+        listed.append(unserved(*args))
+        return listed[-1]
 
-    monkeypatch.setattr(handlers, "_unserved", counted)
+    def counted(self: handlers.WatchdogCount, found: list[str], *args: Any) -> bool:
+        looks.append(listed.pop() if listed else None)
+        return look(self, found, *args)
+
+    monkeypatch.setattr(handlers, "_unserved", listing)
+    monkeypatch.setattr(handlers.WatchdogCount, "look", counted)
 
     async def run() -> kopf.Memo:
         stop = asyncio.Event()
@@ -138,5 +144,6 @@ def test_watchdog_waits_while_it_serves_some_llmservices(
     )
     memo, looks = _watch(cluster, namespace, monkeypatch, served=("served",))
     assert len(looks) >= 5
-    assert all(look == [f"{namespace}/queued"] for look in looks)
+    # serving one proves the watch: the watchdog lists nothing, and waits
+    assert looks == [None] * len(looks)
     assert not memo.stopped_by_watchdog

@@ -268,20 +268,25 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
     """Stop the operator when LLMServices exist that no daemon serves, while it serves
     none and hears of none, twice in a row: kopf resolved its resources while the API
     server was not serving them all, and it never resolves them again. A restart (the
-    Deployment's) does. Embedded without a stop flag (kopf's test runner), it only logs."""
+    Deployment's) does. Embedded without a stop flag (kopf's test runner), it only logs.
+    It lists LLMServices only while it serves none."""
     loop = asyncio.get_running_loop()
     namespaces: list[str | None] = list(memo.get("namespaces") or [])
     count = WatchdogCount(events=memo.heard.events)
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
-        try:
-            unserved = await loop.run_in_executor(
-                memo.executor, _unserved, memo.cluster, namespaces, memo.wakers
-            )
-        except (k8s_errors.ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
-            logger.info("watchdog could not list LLMServices: %s", exc)
-            continue
         serving = any(not namespaces or ns in namespaces for ns, _ in list(memo.wakers))
+        unserved: list[str] = []
+        # Serving any LLMService proves the watch: no listing then (at a thousand services
+        # the listing of their metadata every period was most of an idle operator's work).
+        if not serving:
+            try:
+                unserved = await loop.run_in_executor(
+                    memo.executor, _unserved, memo.cluster, namespaces, memo.wakers
+                )
+            except (k8s_errors.ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
+                logger.info("watchdog could not list LLMServices: %s", exc)
+                continue
         if count.look(unserved, memo.heard.events, serving):
             logger.error(
                 "LLMServices %s have no reconciler: the operator is not watching them (the "
