@@ -218,10 +218,27 @@ def _alive(state_dir: Path, name: str) -> bool:
     if not pid_file.exists():
         return False
     try:
-        os.kill(int(pid_file.read_text()), 0)
+        pid = int(pid_file.read_text())
+        # A child of this process that exited stays a zombie, which signal 0 still
+        # reaches, until it is reaped: reap it here, or a component that died at once
+        # (a port taken) is waited on until the timeout.
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return False
+        os.kill(pid, 0)
     except (ProcessLookupError, ValueError):
         return False
     return True
+
+
+PORT_TAKEN = "address already in use"
+UP_ATTEMPTS = 3
+
+
+def _port_taken(exc: TestEnvError) -> bool:
+    """Whether a component failed because a port picked for it was taken before it bound
+    it (another process got it between `_free_port` and the bind)."""
+    return PORT_TAKEN in str(exc)
 
 
 def _wait(what: str, check, timeout: float, state_dir: Path, component: str) -> None:  # type: ignore[no-untyped-def]
@@ -291,14 +308,27 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None, real_no
     """Start everything and return once nodes are Ready and the default ServiceAccount exists.
 
     With ``real_node``, the cluster's one node is a real kubelet with containerd (see
-    node.py) where pods really run, instead of kwok's fake nodes."""
+    node.py) where pods really run, instead of kwok's fake nodes. A component that finds
+    its port taken (picked free, then taken by another process before it bound it) starts
+    the whole control plane again on new ports, up to three times."""
     state_dir = state_dir.resolve()
     if any(_alive(state_dir, c) for c in COMPONENTS):
         kubeconfig = state_dir / "kubeconfig"
         log(f"already running; kubeconfig {kubeconfig}")
         return Cluster(state_dir, kubeconfig, json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"])
-    started = time.monotonic()
     bin_dir = bin_dir or build()
+    for attempt in range(1, UP_ATTEMPTS + 1):
+        try:
+            return _up(state_dir, bin_dir, real_node)
+        except TestEnvError as exc:
+            if attempt == UP_ATTEMPTS or not _port_taken(exc):
+                raise
+            log(f"a port was taken before its component bound it; starting again on new ports ({exc})")
+    raise AssertionError("unreachable")
+
+
+def _up(state_dir: Path, bin_dir: Path, real_node: bool) -> Cluster:
+    started = time.monotonic()
     pki = state_dir / "pki"
     make_certs(pki)
     etcd_port, etcd_peer, api_port = _free_port(), _free_port(), _free_port()
@@ -450,18 +480,27 @@ def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list
         }],
         "rule_files": [str(p) for p in rule_files or []],
     }, indent=2))  # fmt: skip
-    port = _free_port()
-    _start(state_dir, "prometheus", [
-        str(bin_dir / "prometheus"), f"--config.file={home / 'prometheus.yml'}",
-        f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-        "--web.enable-lifecycle",
-        # apply new targets within 200 ms, not Prometheus's default 5 s
-        "--scrape.discovery-reload-interval=200ms",
-    ])  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    _wait("Prometheus /-/ready", lambda: _http_ok(f"{url}/-/ready"), 60, state_dir, "prometheus")
-    (home / "url").write_text(url)
-    return url
+    for attempt in range(1, UP_ATTEMPTS + 1):
+        port = _free_port()
+        _start(state_dir, "prometheus", [
+            str(bin_dir / "prometheus"), f"--config.file={home / 'prometheus.yml'}",
+            f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+            "--web.enable-lifecycle",
+            # apply new targets within 200 ms, not Prometheus's default 5 s
+            "--scrape.discovery-reload-interval=200ms",
+        ])  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait("Prometheus /-/ready", lambda u=url: _http_ok(f"{u}/-/ready"), 60, state_dir, "prometheus")
+        except TestEnvError as exc:
+            stop(state_dir, "prometheus")
+            if attempt == UP_ATTEMPTS or not _port_taken(exc):
+                raise
+            log(f"Prometheus's port was taken; starting it again on another ({exc})")
+            continue
+        (home / "url").write_text(url)
+        return url
+    raise AssertionError("unreachable")
 
 
 def prometheus_targets(state_dir: Path, targets: list[tuple[str, dict[str, str]]]) -> None:

@@ -4,6 +4,8 @@ on it."""
 from __future__ import annotations
 
 import json
+import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,3 +34,44 @@ def test_a_pod_marked_not_ready_by_the_node_controller_becomes_ready_again(
     }
     kube.run("patch", "pod", pod, "-n", namespace, "--subresource=status", "-p", json.dumps(patch))
     kube.eventually(lambda: _ready(kube, pod, namespace) == "True", 30, f"{pod} Ready again")
+
+
+def test_a_component_that_dies_at_once_fails_the_wait_with_its_log(
+    testenv: Any, tmp_path: Path
+) -> None:
+    """An exited child is a zombie until reaped, and signal 0 still reaches a zombie: the
+    wait must see it gone, not wait out its timeout."""
+    testenv._start(tmp_path, "dies", ["sh", "-c", "echo bind: address already in use; exit 3"])
+    with pytest.raises(testenv.TestEnvError) as caught:
+        testenv._wait("nothing", lambda: False, 600, tmp_path, "dies")
+    assert "dies exited while waiting for nothing" in str(caught.value)
+    assert "address already in use" in str(caught.value)
+
+
+def test_a_port_taken_before_its_component_binds_it_starts_the_plane_again(
+    testenv: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first port picked (etcd's) is taken by another process before etcd binds it:
+    the control plane starts again on new ports and comes up."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        picks: list[int] = []
+        free_port = testenv._free_port
+
+        def pick() -> int:
+            picks.append(port if not picks else free_port())
+            return picks[-1]
+
+        monkeypatch.setattr(testenv, "_free_port", pick)
+        state = tmp_path / "plane"
+        cluster = testenv.up(state)
+        try:
+            assert picks.count(port) == 1
+            assert len(picks) > 5  # a second round of ports
+            assert testenv._https_ok(f"{cluster.server}/readyz", state / "pki")
+            assert f":{port}" not in cluster.server
+        finally:
+            testenv.down(state)
+    assert not state.exists()
