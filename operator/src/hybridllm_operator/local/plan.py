@@ -271,7 +271,6 @@ class Plan:
     manifest: str
     spec: dict[str, Any]  # the checked spec, in its wire form
     replicas: list[Replica]
-    tiers: dict[str, str]  # tier -> component that answers it
     routing_path: str
     gateway_url: str
 
@@ -289,6 +288,7 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         data["replicas"] = [Replica(**r) for r in data["replicas"]]
+        data.pop("tiers", None)  # written by earlier versions; the supervisor derives them
         return cls(**data)
 
 
@@ -435,7 +435,6 @@ def make_plan(
         manifest=str(manifest.path),
         spec=manifest.spec.to_wire(),
         replicas=replicas,
-        tiers=builders.tier_components(service),
         routing_path=str(routing_path),
         gateway_url=f"http://{shown_host}:{gateway_port}",
     )
