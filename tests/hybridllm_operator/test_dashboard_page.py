@@ -13,8 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client import start_http_server
 
 from hybridllm_common import crd
+from hybridllm_operator.fleet import server as fleet_server
 from hybridllm_operator.local.plan import free_ports
 from hybridllm_operator.observability import metrics as control_metrics
 from hybridllm_operator.observability import page, panels
@@ -39,7 +41,10 @@ def served(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     stop = page.serve(exported, f"127.0.0.1:{port}", prometheus, rate_floor_s=4)
     try:
         testenv.prometheus_targets(state, [(f"127.0.0.1:{port}", {})])
-        yield {"url": f"http://127.0.0.1:{port}", "view": views[0], "prometheus": prometheus}
+        yield {
+            "url": f"http://127.0.0.1:{port}", "view": views[0], "prometheus": prometheus,
+            "state": state, "targets": [(f"127.0.0.1:{port}", {})],
+        }  # fmt: skip
     finally:
         stop()
         testenv.stop(state, "prometheus")
@@ -245,13 +250,7 @@ def test_a_service_on_devices_shows_its_fleet_and_queries_by_the_fleets_name(
 ) -> None:
     """examples/edge-fleet.yaml's edge tier runs on the kiosks fleet: its page gets the
     fleet section, whose queries select that fleet."""
-    doc = next(
-        d for d in yaml.safe_load_all((ROOT / "examples" / "edge-fleet.yaml").read_text())
-        if d["kind"] == "LLMService"
-    )  # fmt: skip
-    view = control_metrics.ServiceView(
-        "shop", doc["metadata"]["name"], crd.LLMServiceSpec.model_validate(doc["spec"])
-    )
+    view = _edge_fleet_view()
     assert [(s.key, s.values) for s in page.sections(view)][-1] == ("fleet", {"fleet": "kiosks"})
     exported = control_metrics.OperatorMetrics(lambda: [view])
     port = free_ports(1)[0]
@@ -265,3 +264,69 @@ def test_a_service_on_devices_shows_its_fleet_and_queries_by_the_fleets_name(
     assert r.status_code == 200, r.text
     assert r.json()["queries"] == ['sum by (phase) (hybridllm_fleet_devices{fleet="kiosks"})']
     assert '"title": "Edge fleet: kiosks"' in html
+
+
+def _edge_fleet_view() -> control_metrics.ServiceView:
+    doc = next(
+        d for d in yaml.safe_load_all((ROOT / "examples" / "edge-fleet.yaml").read_text())
+        if d["kind"] == "LLMService"
+    )  # fmt: skip
+    return control_metrics.ServiceView(
+        "shop", doc["metadata"]["name"], crd.LLMServiceSpec.model_validate(doc["spec"])
+    )
+
+
+def test_the_fleet_section_in_a_real_browser_draws_the_fleet_servers_series(
+    testenv: Any, served: dict[str, Any]
+) -> None:
+    """A fleet server's own metrics (its `Metrics`, as its leader exports them for the
+    kiosks fleet) scraped by the real Prometheus: the page of the service on that fleet
+    draws every fleet panel in headless Chromium, with data and nothing logged."""
+    fleet = fleet_server.Metrics()
+    fleet.devices.labels("kiosks", "Ready").set(3)
+    fleet.devices.labels("kiosks", "Offline").set(1)
+    fleet.revision_devices.labels("kiosks", "v1").set(3)
+    fleet.revision_tokens.labels("kiosks", "v1").set(42.0)
+    fleet.revision_errors.labels("kiosks", "v1").set(0.02)
+    fleet.revision_ttft.labels("kiosks", "v1").set(0.3)
+    fleet.heartbeat_age.labels("kiosks", "0.5").set(4.0)
+    fleet.heartbeat_age.labels("kiosks", "1").set(9.0)
+    fleet.requests.labels("heartbeat", "200").inc(10)
+    fleet_port, page_port = free_ports(2)
+    server, thread = start_http_server(fleet_port, "127.0.0.1", registry=fleet.registry)
+    view = _edge_fleet_view()
+    stop = page.serve(control_metrics.OperatorMetrics(lambda: [view]),
+                      f"127.0.0.1:{page_port}", served["prometheus"], rate_floor_s=4)  # fmt: skip
+    base = f"http://127.0.0.1:{page_port}"
+    try:
+        testenv.prometheus_targets(
+            served["state"], [*served["targets"], (f"127.0.0.1:{fleet_port}", {})]
+        )
+        calls = page.DASHBOARDS["fleet"].panels.index(
+            next(p for p in page.DASHBOARDS["fleet"].panels if p.title == "Device API calls")
+        )
+
+        def held() -> bool:
+            answer = httpx.get(
+                f"{base}/api/v1/services/shop/{view.name}/panels/fleet/{calls}",
+                params={"range": "5m"}, timeout=30,
+            ).json()  # fmt: skip
+            series = answer["series"]
+            return bool(series) and len(series[0]["points"]) >= 2
+
+        Kube.eventually(held, what="Prometheus to hold two scrapes of the fleet server")
+        loaded = browser.load(f"{base}/services/shop/{view.name}?range=5m")
+    finally:
+        stop()
+        server.shutdown()
+        thread.join(timeout=10)
+        testenv.prometheus_targets(served["state"], served["targets"])
+    body, shown = browser.panels_of(loaded.dom)
+    assert body.get("data-loaded") == "1", loaded.dom[-2000:]
+    assert loaded.console == []
+    drawn = {p["data-title"]: p for p in shown if p["data-section"] == "fleet"}
+    assert set(drawn) == {p.title for p in panels.FLEET.panels}
+    assert {t: p["data-state"] for t, p in drawn.items()} == dict.fromkeys(drawn, "ok")
+    assert int(drawn["Devices by state"]["data-series"]) == 2  # Ready and Offline
+    assert int(drawn["Heartbeat age"]["data-series"]) == 2  # the median and the oldest
+    assert int(drawn["Online devices by revision"]["data-points"]) >= 2
