@@ -235,10 +235,18 @@ PORT_TAKEN = "address already in use"
 UP_ATTEMPTS = 3
 
 
-def _port_taken(exc: TestEnvError) -> bool:
-    """Whether a component failed because a port picked for it was taken before it bound
-    it (another process got it between `_free_port` and the bind)."""
-    return PORT_TAKEN in str(exc)
+def _on_new_ports(what: str, start):  # type: ignore[no-untyped-def]
+    """``start()`` (which picks its ports and stops what it started when it fails), again
+    when a port it picked was taken before its component bound it (another process got it
+    between `_free_port` and the bind), up to ``UP_ATTEMPTS`` times."""
+    for attempt in range(1, UP_ATTEMPTS + 1):
+        try:
+            return start()
+        except TestEnvError as exc:
+            if attempt == UP_ATTEMPTS or PORT_TAKEN not in str(exc):
+                raise
+            log(f"{what}: a port was taken before it was bound; starting again on new ports ({exc})")
+    raise AssertionError("unreachable")
 
 
 def _wait(what: str, check, timeout: float, state_dir: Path, component: str) -> None:  # type: ignore[no-untyped-def]
@@ -316,15 +324,8 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None, real_no
         kubeconfig = state_dir / "kubeconfig"
         log(f"already running; kubeconfig {kubeconfig}")
         return Cluster(state_dir, kubeconfig, json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"])
-    bin_dir = bin_dir or build()
-    for attempt in range(1, UP_ATTEMPTS + 1):
-        try:
-            return _up(state_dir, bin_dir, real_node)
-        except TestEnvError as exc:
-            if attempt == UP_ATTEMPTS or not _port_taken(exc):
-                raise
-            log(f"a port was taken before its component bound it; starting again on new ports ({exc})")
-    raise AssertionError("unreachable")
+    built = bin_dir or build()
+    return _on_new_ports("the control plane", lambda: _up(state_dir, built, real_node))
 
 
 def _up(state_dir: Path, bin_dir: Path, real_node: bool) -> Cluster:
@@ -480,7 +481,8 @@ def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list
         }],
         "rule_files": [str(p) for p in rule_files or []],
     }, indent=2))  # fmt: skip
-    for attempt in range(1, UP_ATTEMPTS + 1):
+
+    def start() -> str:
         port = _free_port()
         _start(state_dir, "prometheus", [
             str(bin_dir / "prometheus"), f"--config.file={home / 'prometheus.yml'}",
@@ -491,16 +493,15 @@ def prometheus_up(state_dir: Path, scrape_interval: str = "1s", rule_files: list
         ])  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait("Prometheus /-/ready", lambda u=url: _http_ok(f"{u}/-/ready"), 60, state_dir, "prometheus")
-        except TestEnvError as exc:
+            _wait("Prometheus /-/ready", lambda: _http_ok(f"{url}/-/ready"), 60, state_dir, "prometheus")
+        except TestEnvError:
             stop(state_dir, "prometheus")
-            if attempt == UP_ATTEMPTS or not _port_taken(exc):
-                raise
-            log(f"Prometheus's port was taken; starting it again on another ({exc})")
-            continue
-        (home / "url").write_text(url)
+            raise
         return url
-    raise AssertionError("unreachable")
+
+    url = _on_new_ports("Prometheus", start)
+    (home / "url").write_text(url)
+    return url
 
 
 def prometheus_targets(state_dir: Path, targets: list[tuple[str, dict[str, str]]]) -> None:
