@@ -216,6 +216,13 @@ def namespace(kube: Kube) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def operator(kube: Kube) -> Iterator[Any]:
     """The real operator (kopf handlers) running in this process against the test cluster."""
+    with running_operator() as runner:
+        yield runner
+
+
+@contextlib.contextmanager
+def running_operator() -> Iterator[Any]:
+    """Run the operator in this process for the ``with`` block; it must stop cleanly."""
     from kopf.testing import KopfRunner
 
     args = [

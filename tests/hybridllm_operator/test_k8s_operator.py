@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,7 @@ class _Tracked:
         self.holding = threading.Event()
         self.second = threading.Event()
         self.fail_status: int | None = None
+        self.fail_body: str | None = None
         self.fail_left = 0
 
     def __call__(self, cluster: Any, body: dict[str, Any], *args: Any) -> Any:
@@ -246,7 +248,9 @@ class _Tracked:
                 # and the session fixture sets it after collection
                 from kubernetes.client import exceptions as k8s_errors
 
-                raise k8s_errors.ApiException(status=fail, reason="injected by the test")
+                error = k8s_errors.ApiException(status=fail, reason="injected by the test")
+                error.body = self.fail_body
+                raise error
             if hold:
                 self.holding.set()
                 # The window a second reconcile of the same object would need to show up:
@@ -344,3 +348,38 @@ def test_a_conflict_during_a_child_triggered_reconcile_is_retried(
     )
     assert spy.fail_left == 0
     assert spy.calls >= 11, spy.calls
+
+
+def test_a_namespace_being_deleted_ends_the_reconciles_of_its_llmservice(
+    kube: Any, operator: Any, namespace: str, tracked: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write refused because the namespace is being deleted (403, NamespaceTerminating:
+    the namespace controller removes the LLMService soon) ends its reconciler with one
+    line, not an error and a retry on every child event the deletion brings."""
+    kube.apply(example("doomed"), namespace)
+    kube.eventually(lambda: ready(kube, "doomed", namespace), 90, "doomed Ready")
+    kube.eventually(lambda: _settled(kube, "doomed", namespace), 60, "rollouts complete")
+    spy = tracked("doomed")
+    spy.fail_status, spy.fail_left = 403, 1
+    spy.fail_body = json.dumps({
+        "kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+        "message": f"unable to create new content in namespace {namespace} because it is "
+        "being terminated",
+        "details": {"causes": [{"reason": "NamespaceTerminating"}]},
+    })  # fmt: skip
+    kube.run("delete", "configmap", "doomed-routing", "-n", namespace)
+
+    def said(text: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if text in r.getMessage()]
+
+    kube.eventually(
+        lambda: said(f"namespace {namespace} is being deleted: no more reconciles"),
+        60,
+        "the reconciler saying it stops",
+    )
+    kube.eventually(lambda: said("Daemon 'reconciler' succeeded"), 30, "the reconciler ended")
+    assert spy.calls == 1
+    assert not [
+        r for r in said("reconcile failed")
+        if (getattr(r, "k8s_ref", None) or {}).get("name") == "doomed"
+    ]  # fmt: skip

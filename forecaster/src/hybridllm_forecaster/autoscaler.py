@@ -194,6 +194,11 @@ class PoolScaler:
             self.policy.restore(state.get("policy") or {})
             self._started = True
 
+    def start_again(self) -> None:
+        """The pool starts again from the replicas it runs (its spec's starting point was
+        changed): the next decision seeds the reactive window with them, as the first did."""
+        self._started = False
+
     # ------------------------------------------------------------------ the decision
 
     def decide(

@@ -126,11 +126,11 @@ class HpaBehaviour:
         return int(min(self.pool.max_replicas, max(self.pool.min_replicas, n)))
 
     def seed(self, now_s: float, replicas: int) -> None:
-        """Count the replicas a pool starts with as a recommendation made now, so that a
-        new controller does not take a pool below its starting size before one
-        stabilisation window has passed (an HPA created beside a pool would, at once)."""
-        if not self._recent:
-            self._recent.append((now_s, replicas))
+        """Count the replicas a pool starts with (or starts again with, its spec's starting
+        point changed) as a recommendation made now, so that a controller does not take a
+        pool below its starting size before one stabilisation window has passed (an HPA
+        created beside a pool would, at once)."""
+        self._recent.append((now_s, replicas))
 
     def state(self) -> list[list[float]]:
         return [[t, d] for t, d in self._recent]

@@ -12,11 +12,18 @@ Deployments and the decisions into the status.
 What it remembers (the policies' windows, the replicas it set) is `state()`, which the
 operator keeps in the LLMService's ``hybridllm.io/autoscaler`` annotation: a restarted
 operator starts from it instead of the spec's replicas.
+
+A pool's ``replicas`` in the spec is its starting point. Changing it while the autoscaler
+owns the replicas starts the pool again from the new value (within its bounds), as at
+creation: the Deployment gets it at once, and the reactive window counts it as a
+recommendation made then (so a hand-raised pool holds for one ``scaleDownDelaySeconds``
+unless the load needs more).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +33,8 @@ from hybridllm_common import crd
 from hybridllm_forecaster import autoscaler
 from hybridllm_forecaster.capacity import DEFAULT_POOLS, CapacityModel, PoolConfig, Slo
 from hybridllm_operator.demand import Snapshot
+
+log = logging.getLogger(__name__)
 
 STATE_ANNOTATION = f"{crd.GROUP}/autoscaler"
 CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
@@ -86,6 +95,7 @@ class ServiceAutoscaler:
     replica_seconds: dict[str, float] = field(default_factory=dict)
     last_step_s: float | None = None
     spec: crd.LLMServiceSpec | None = None  # the last configured
+    starting: dict[str, int] = field(default_factory=dict)  # each pool's spec replicas
     _saved: dict[str, Any] = field(default_factory=dict)  # restored state not yet used
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -98,12 +108,18 @@ class ServiceAutoscaler:
 
     def _configure(self, spec: crd.LLMServiceSpec) -> None:
         mode = spec.autoscaling.mode.value
-        wanted = {c: pool_config(c, p, spec) for c, p in crd.scaled_pools(spec).items()}
+        pools = crd.scaled_pools(spec)
+        wanted = {c: pool_config(c, p, spec) for c, p in pools.items()}
+        starts = {c: p.replicas for c, p in pools.items()}
+        moved = {c: n for c, n in starts.items() if self.starting.get(c, n) != n}
+        self.starting = starts
         if (
             mode == self.mode
             and all(c in self.scalers and self.scalers[c].pool == cfg for c, cfg in wanted.items())
             and len(wanted) == len(self.scalers)
         ):
+            if moved:
+                self._start_again(moved, wanted, self.scalers, dict(self.desired))
             return
         scalers: dict[str, autoscaler.PoolScaler] = {}
         desired: dict[str, int] = {}
@@ -126,6 +142,28 @@ class ServiceAutoscaler:
         # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
         self.mode, self.scalers, self.desired = mode, scalers, desired
         self.decisions = {c: d for c, d in self.decisions.items() if c in scalers}
+        if moved:
+            self._start_again(moved, wanted, scalers, dict(desired))
+
+    def _start_again(
+        self,
+        moved: Mapping[str, int],
+        wanted: Mapping[str, PoolConfig],
+        scalers: Mapping[str, autoscaler.PoolScaler],
+        desired: dict[str, int],
+    ) -> None:
+        """The spec's replicas of these pools changed: each starts again from them."""
+        for component, replicas in moved.items():
+            config = wanted[component]
+            start = min(config.max_replicas, max(config.min_replicas, replicas))
+            if self.applies and desired.get(component, start) != start:
+                log.info(
+                    "%s: spec replicas set to %d, the autoscaler starts again from %d "
+                    "(it had set %d)", component, replicas, start, desired[component],
+                )  # fmt: skip
+            desired[component] = start
+            scalers[component].start_again()
+        self.desired = desired
 
     @property
     def applies(self) -> bool:
@@ -208,7 +246,11 @@ class ServiceAutoscaler:
         return {
             "mode": self.mode,
             "pools": {
-                c: {"desired": self.desired.get(c), "policy": s.state()}
+                c: {
+                    "desired": self.desired.get(c),
+                    "start": self.starting.get(c),
+                    "policy": s.state(),
+                }
                 for c, s in self.scalers.items()
             },
         }
@@ -227,6 +269,8 @@ class ServiceAutoscaler:
                 continue
             if isinstance(saved.get("desired"), int):
                 self.desired[component] = saved["desired"]
+            if isinstance(saved.get("start"), int):  # the spec's replicas then
+                self.starting[component] = saved["start"]
             self._saved[component] = saved
 
     @staticmethod

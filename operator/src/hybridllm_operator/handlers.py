@@ -503,6 +503,11 @@ async def reconciler(
                 waker.generation, wait, retry_s = generation, None, RETRY_FIRST_S
             except (k8s_errors.ApiException, OSError) as exc:
                 status = getattr(exc, "status", None)
+                if _namespace_terminating(exc):
+                    # Its namespace is going, and this LLMService with it: nothing to
+                    # converge (each child event would only be refused again).
+                    logger.info("namespace %s is being deleted: no more reconciles", key[0])
+                    return
                 if isinstance(exc, k8s_errors.ApiException) and status not in TRANSIENT_STATUSES:
                     logger.error("reconcile failed (API server answered %s): %s", status, exc)
                 else:
@@ -536,6 +541,15 @@ async def reconciler(
             del memo.rollouts[key]
         memo.gateways.pop(key, None)
         memo.specs.pop(key, None)
+
+
+def _namespace_terminating(exc: Exception) -> bool:
+    """The API server refused a write because the namespace is being deleted."""
+    return (
+        isinstance(exc, k8s_errors.ApiException)
+        and exc.status == 403
+        and "NamespaceTerminating" in str(exc.body or "")
+    )
 
 
 def _spec_or_none(memo: kopf.Memo, key: tuple[str, str], body: Mapping[str, Any]) -> Any:
