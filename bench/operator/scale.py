@@ -4,7 +4,8 @@ For each N, on a fresh control plane of its own (hack/testenv, the cached binari
 
 - **operator**: `hybridllm operator run` as its own process; N LLMServices created at once
   (`kubectl create -f`, one file); time until every one is Ready at its generation; the
-  operator's CPU seconds and peak memory (VmHWM); the API server's requests by verb
+  operator's CPU seconds and memory (VmHWM over the whole run, steady state included, and
+  VmRSS at its end); the API server's requests by verb
   (`apiserver_request_total`, before and after) per service; then a steady state of
   ``--steady-seconds`` with nothing changing: the operator's CPU share and the API
   requests in that window. Once per ``--demand`` source: the operator reading demand
@@ -195,10 +196,11 @@ def run_operator(n: int, steady_s: float, workdir: Path, source: str) -> dict[st
         wait(f"{n} LLMServices Ready", lambda: ready_count(kubectl) == n, 3600)
         ready_s = time.monotonic() - t0
         cpu1, api1 = proc_cpu_s(proc.pid), api_requests(kubectl)
-        peak = proc_mem_mb(proc.pid, "VmHWM")
         queries1 = prometheus_queries(prometheus) if prometheus else 0.0
         time.sleep(steady_s)  # the steady state: nothing changes; what does it cost?
         cpu2, api2 = proc_cpu_s(proc.pid), api_requests(kubectl)
+        peak = proc_mem_mb(proc.pid, "VmHWM")  # the whole run's, the steady state's too
+        end_rss = proc_mem_mb(proc.pid, "VmRSS")
         queries2 = prometheus_queries(prometheus) if prometheus else 0.0
         rollout = delta(api1, api0)
         steady = delta(api2, api1)
@@ -209,6 +211,7 @@ def run_operator(n: int, steady_s: float, workdir: Path, source: str) -> dict[st
             "operator_cpu_s": round(cpu1 - cpu0, 1),
             "operator_idle_rss_mb": round(idle_rss, 1),
             "operator_peak_rss_mb": round(peak, 1),
+            "operator_end_rss_mb": round(end_rss, 1),
             "api_requests_per_service": {v: round(rollout[v] / n, 2) for v in VERBS if rollout[v]},
             "steady_s": steady_s,
             "steady_operator_cpu_share": round((cpu2 - cpu1) / steady_s, 4),
@@ -341,7 +344,7 @@ def render(result: dict[str, Any], out: Path) -> None:
         'holds with "no series", and the answers are small).',
         "",
         "| services | demand from | kubectl: to available (s) | operator: to Ready (s) | ratio | "
-        "operator CPU (s) | operator idle / peak RSS (MB) | API requests per service, operator "
+        "operator CPU (s) | operator RSS (MB): idle / peak / at the end | API requests per service, operator "
         "run | kubectl run | steady: operator CPU | steady: API requests/s (all clients) | "
         "steady: PATCH/APPLY/DELETE (the operator's verbs) | steady: Prometheus queries/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -353,7 +356,8 @@ def render(result: dict[str, Any], out: Path) -> None:
             f"| {o['services']} | {o.get('demand', 'scrape')} | {b['all_available_s']} | "
             f"{o['all_ready_s']} | "
             f"{o['all_ready_s'] / b['all_available_s']:.2f}x | {o['operator_cpu_s']} | "
-            f"{o['operator_idle_rss_mb']} / {o['operator_peak_rss_mb']} | "
+            f"{o['operator_idle_rss_mb']} / {o['operator_peak_rss_mb']} / "
+            f"{o.get('operator_end_rss_mb', '-')} | "
             f"{fmt(o['api_requests_per_service'])} | {fmt(b['api_requests_per_service'])} | "
             f"{100 * o['steady_operator_cpu_share']:.1f}% of a core over {o['steady_s']:.0f} s | "
             f"{fmt(o['steady_api_requests_per_s'])} | "
