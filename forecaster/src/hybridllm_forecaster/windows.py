@@ -138,10 +138,11 @@ def plan_start(
 ) -> Planned:
     """The first start from ``now_s`` that the window allows for a rollout lasting
     ``duration_s`` (see the module's docstring)."""
-    judge = window.below_peak is not None and profile is not None and profile.peak > 0
     step = profile.bin_s if profile is not None else step_s
     latest = now_s + window.max_delay_s
-    limit = window.below_peak * profile.peak if judge and profile else None
+    limit = None  # the forecast P90 a rollout must stay under (None: not judged)
+    if window.below_peak is not None and profile is not None and profile.peak > 0:
+        limit = window.below_peak * profile.peak
     # Candidates: now, then every bin boundary (and schedule opening) up to the latest.
     candidates = [now_s, *np.arange(math.floor(now_s / step) * step + step, latest, step)]
     for a, _ in window.schedule:
