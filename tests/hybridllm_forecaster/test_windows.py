@@ -35,10 +35,13 @@ def test_the_profile_puts_each_bin_at_its_time_of_day_whatever_the_history_start
     assert profile.peak == pytest.approx(110)
     assert profile.max_over(EPOCH + 1 * HOUR, EPOCH + 3 * HOUR) < 12
     assert profile.max_over(EPOCH, EPOCH + 2 * DAY) == profile.peak
-    # less than a day: no profile; a bin that does not divide a day is refused
+    # less than a day: no profile
     assert windows.DayProfile.from_history(y[:100], BIN, start) is None
-    with pytest.raises(ValueError, match="divide a day"):
-        windows.DayProfile.from_history(y, 700.0, start)
+    # a bin that does not divide a day: the day's last bin is wider, nothing is lost
+    odd = windows.DayProfile.from_history(np.ones(400), 700.0, EPOCH)
+    assert odd is not None
+    assert len(odd.upper) == DAY // 700
+    assert odd.max_over(EPOCH + DAY - 10, EPOCH + DAY + 10) == 1.0
 
 
 def test_the_upper_quantile_is_taken_over_the_days():

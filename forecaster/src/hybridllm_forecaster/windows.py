@@ -57,9 +57,9 @@ class DayProfile:
     ) -> DayProfile | None:
         """The profile of the last ``days`` days of ``bins`` (bin 0 began at Unix time
         ``start_s``); None with less than one whole day of history."""
-        if bin_s <= 0 or DAY_S % bin_s:
-            raise ValueError(f"bin_s must divide a day, got {bin_s}")
-        per_day = int(DAY_S // bin_s)
+        if bin_s <= 0:
+            raise ValueError(f"bin_s must be positive, got {bin_s}")
+        per_day = int(DAY_S // bin_s)  # a bin that does not divide a day: the last is wider
         y = np.maximum(np.nan_to_num(np.asarray(bins, dtype=float), nan=0.0), 0.0)
         seen = min(days, len(y) // per_day)
         if seen < 1:
@@ -71,7 +71,8 @@ class DayProfile:
         t = first + np.arange(len(y)) * bin_s
         day = np.floor(t / DAY_S).astype(int)
         grid = np.full((seen + 1, per_day), np.nan)
-        grid[day - day[0], np.floor((t % DAY_S) / bin_s).astype(int)] = y
+        column = np.minimum(np.floor((t % DAY_S) / bin_s).astype(int), per_day - 1)
+        grid[day - day[0], column] = y
         upper = np.nanquantile(grid, upper_q, axis=0)
         p50 = np.nanquantile(grid, 0.5, axis=0)
         return cls(bin_s=bin_s, upper=upper, p50=p50, days=seen)
@@ -83,13 +84,12 @@ class DayProfile:
 
     def max_over(self, from_s: float, to_s: float) -> float:
         """The highest upper-quantile bin touching ``[from_s, to_s]`` (Unix times)."""
-        per_day = len(self.upper)
-        first = math.floor(from_s / self.bin_s)
-        last = max(first, math.ceil(to_s / self.bin_s) - 1)
-        if last - first + 1 >= per_day:
+        if to_s - from_s >= DAY_S:
             return self.peak
-        idx = np.arange(first, last + 1) % per_day
-        return float(np.max(self.upper[idx]))
+        # one time in each bin touched (a step of one bin never skips one), and the end
+        ts = np.append(np.arange(from_s, to_s, self.bin_s), max(from_s, to_s - 1e-6))
+        cols = np.minimum(np.floor((ts % DAY_S) / self.bin_s).astype(int), len(self.upper) - 1)
+        return float(np.max(self.upper[cols]))
 
 
 @dataclass(frozen=True)
