@@ -633,6 +633,11 @@ def test_a_window_schedules_the_rollout_and_it_starts_at_the_planned_time() -> N
     # a later plan moves it, without a second Event
     state, events = rollout.advance(state, spec, _obs(60.0, planned=_planned(7800.0)))
     assert (state.planned_start, events) == (7800.0, [])
+    # while it waits, the stable pools take every other change of the spec, not the model
+    raised = _spec("v2", **NIGHTLY).model_copy(update={"gateway": crd.GatewaySpec(replicas=5)})
+    waiting, _ = rollout.advance(state, raised, _obs(70.0, spec_only=True))
+    stable = builders.Service("s", "ns", "u", raised, rollout=waiting).stable
+    assert (stable.model.revision, stable.gateway.replicas) == ("v1", 5)
     # the time comes
     state, events = rollout.advance(state, spec, _obs(7800.0, planned=_planned(7800.0)))
     assert state.phase == Phase.progressing

@@ -302,6 +302,12 @@ def _scheduled(
         return done, [*events, ("Normal", "RolloutCalledOff", done.message)]
     if target != state.canary_revision:
         state = state.model_copy(update={"canary_revision": target, "planned_start": None})
+    # While it waits, the stable pools follow every other change of the spec (replicas,
+    # resources, routing): only the model stays the stable one's.
+    kept = stable_spec(state, spec).model
+    state = state.model_copy(
+        update={"stable_spec": spec_wire(spec.model_copy(update={"model": kept}))}
+    )
     if window_of(spec) is None:
         return _start(state, spec, obs.now), [
             *events, ("Normal", "RolloutStarted",
