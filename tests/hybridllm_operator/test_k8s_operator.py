@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from hybridllm_operator import builders
 
 pytestmark = pytest.mark.k8s
 
@@ -383,3 +389,61 @@ def test_a_namespace_being_deleted_ends_the_reconciles_of_its_llmservice(
         r for r in said("reconcile failed")
         if (getattr(r, "k8s_ref", None) or {}).get("name") == "doomed"
     ]  # fmt: skip
+
+
+def test_a_rollout_window_holds_a_new_revision_with_its_planned_start_until_started_by_hand(
+    kube: Any, operator: Any, namespace: str
+) -> None:
+    """spec.rollout.window: a new revision waits (Scheduled) with the planned start in the
+    status while the stable pools keep serving; `hybridllm rollout start` starts it now."""
+    opens = (time.gmtime().tm_hour + 3) % 24  # three hours ahead: never now
+    body = example("windowed")
+    body["spec"]["rollout"] = {
+        "steps": [{"weight": 50, "pauseSeconds": 5}, {"weight": 100, "pauseSeconds": 0}],
+        "window": {"schedule": [f"{opens:02d}:00-{opens:02d}:30"]},
+    }
+    kube.apply(body, namespace)
+    kube.eventually(lambda: ready(kube, "windowed", namespace), 90, "windowed Ready")
+    body["spec"]["model"]["revision"] = "v2"
+    kube.apply(body, namespace)
+
+    def rollout_status() -> dict[str, Any]:
+        obj = kube.get("llms", "windowed", namespace) or {}
+        return dict((obj.get("status") or {}).get("rollout") or {})
+
+    scheduled = kube.eventually(
+        lambda: (r := rollout_status()).get("plannedStart") and r, 60, "the planned start"
+    )
+    assert scheduled["phase"] == "Scheduled"
+    assert scheduled["canaryRevision"] == "v2"
+    planned = scheduled["plannedStart"]
+    assert time.time() < planned < time.time() + 86_400
+    assert planned % 86_400 == opens * 3600
+    assert "(`hybridllm rollout start` starts it now)" in scheduled["message"]
+    # the stable pools serve v1; no canary yet
+    assert kube.get("deployment", "windowed-edge-canary", namespace) is None
+    edge = kube.get("deployment", "windowed-edge", namespace)
+    assert edge is not None
+    assert edge["spec"]["template"]["metadata"]["labels"][builders.LABEL_REVISION] == "v1"
+    env = {**os.environ, **kube.cluster.env}
+    shown = subprocess.run(
+        [sys.executable, "-m", "hybridllm_common.cli", "rollout", "status", "windowed",
+         "-n", namespace],
+        env=env, capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert "Scheduled" in shown
+    assert "planned start:" in shown
+    subprocess.run(
+        [sys.executable, "-m", "hybridllm_common.cli", "rollout", "start", "windowed",
+         "-n", namespace],
+        env=env, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    started = kube.eventually(
+        lambda: (r := rollout_status()).get("phase") == "Progressing" and r, 60, "the start"
+    )
+    assert started.get("plannedStart") is None
+    kube.eventually(
+        lambda: kube.get("deployment", "windowed-edge-canary", namespace),
+        60,
+        "the canary's pool",
+    )

@@ -601,3 +601,131 @@ def test_step_tiers_are_checked() -> None:
     assert any("the last step must move every enabled tier" in e for e in errors), errors
     ok = [e for e in crd.semantic_errors("svc", _spec("v1", cloud=True, steps=EDGE_FIRST))]
     assert not [e for e in ok if "rollout" in e.field], ok
+
+
+def _planned(start_s: float, reason: str = "forecast demand stays low") -> Any:
+    from hybridllm_forecaster import windows
+
+    return windows.Planned(start_s, reason)
+
+
+NIGHTLY = {"window": {"schedule": ["02:00-04:00"], "belowPeakPercent": 40}}
+
+
+def test_a_window_schedules_the_rollout_and_it_starts_at_the_planned_time() -> None:
+    state, _ = rollout.advance(None, _spec("v1", **NIGHTLY), _obs(0.0))
+    spec = _spec("v2", **NIGHTLY)
+    # the reconcile's look sees the new revision: scheduled, the stable spec still serves
+    state, events = rollout.advance(state, spec, _obs(10.0, spec_only=True))
+    assert state.phase == Phase.scheduled
+    assert state.canary_revision == "v2"
+    assert state.planned_start is None
+    assert events == []
+    service = builders.Service("s", "ns", "u", spec, rollout=state)
+    assert service.stable.model.revision == "v1"
+    assert service.canary is None
+    # the rollout loop's look plans it
+    state, events = rollout.advance(state, spec, _obs(20.0, planned=_planned(7200.0)))
+    assert state.phase == Phase.scheduled
+    assert state.planned_start == 7200.0
+    assert "starts at 1970-01-01 02:00 UTC: forecast demand stays low" in state.message
+    assert [e[1] for e in events] == ["RolloutScheduled"]
+    # a later plan moves it, without a second Event
+    state, events = rollout.advance(state, spec, _obs(60.0, planned=_planned(7800.0)))
+    assert (state.planned_start, events) == (7800.0, [])
+    # while it waits, the stable pools take every other change of the spec, not the model
+    raised = _spec("v2", **NIGHTLY).model_copy(update={"gateway": crd.GatewaySpec(replicas=5)})
+    waiting, _ = rollout.advance(state, raised, _obs(70.0, spec_only=True))
+    stable = builders.Service("s", "ns", "u", raised, rollout=waiting).stable
+    assert (stable.model.revision, stable.gateway.replicas) == ("v1", 5)
+    # the time comes
+    state, events = rollout.advance(state, spec, _obs(7800.0, planned=_planned(7800.0)))
+    assert state.phase == Phase.progressing
+    assert state.planned_start is None
+    assert state.started_at == 7800.0
+    assert [e[1] for e in events] == ["RolloutStarted"]
+    assert "forecast demand stays low" in events[0][2]
+
+
+def test_start_by_hand_overrides_the_window_and_abort_or_a_revert_calls_it_off() -> None:
+    base, _ = rollout.advance(None, _spec("v1", **NIGHTLY), _obs(0.0))
+    spec = _spec("v2", **NIGHTLY)
+    scheduled, _ = rollout.advance(base, spec, _obs(10.0, planned=_planned(9000.0)))
+    assert scheduled.phase == Phase.scheduled
+    started, events = rollout.advance(
+        scheduled, spec, _obs(20.0, action="start@20", actions_seen=True)
+    )
+    assert started.phase == Phase.progressing
+    assert [e[1] for e in events] == ["RolloutAction", "RolloutStarted"]
+    assert "by hand before its planned start" in events[1][2]
+    # start means nothing once it runs
+    _, events = rollout.advance(started, spec, _obs(30.0, action="start@30", actions_seen=True))
+    assert [e[1] for e in events] == ["RolloutActionIgnored"]
+    # abort: the stable revision serves, `resume` starts it
+    aborted, _ = rollout.advance(scheduled, spec, _obs(20.0, action="abort@20", actions_seen=True))
+    assert aborted.phase == Phase.aborted
+    assert "rollout resume" in aborted.message
+    resumed, _ = rollout.advance(aborted, spec, _obs(30.0, action="resume@30", actions_seen=True))
+    assert resumed.phase == Phase.progressing
+    # the spec set back to the stable revision calls it off
+    off, events = rollout.advance(scheduled, _spec("v1", **NIGHTLY), _obs(20.0))
+    assert off.phase == Phase.completed
+    assert off.canary_revision is None
+    assert [e[1] for e in events] == ["RolloutCalledOff"]
+    # another new revision replaces the scheduled one; removing the window starts it now
+    other, _ = rollout.advance(scheduled, _spec("v3", **NIGHTLY), _obs(20.0))
+    assert (other.phase, other.canary_revision, other.planned_start) == (
+        Phase.scheduled,
+        "v3",
+        None,
+    )
+    now, events = rollout.advance(other, _spec("v3"), _obs(30.0))
+    assert now.phase == Phase.progressing
+    assert now.canary_revision == "v3"
+    assert "spec.rollout.window removed" in events[0][2]
+
+
+def test_the_look_plans_a_scheduled_rollout_from_the_window_and_the_profile() -> None:
+    import numpy as np
+
+    from hybridllm_forecaster import windows
+
+    day = windows.DAY_S
+    controller = rollout.Controller()
+    controller.advance(_spec("v1", **NIGHTLY), _obs(0.0))
+    spec = _spec("v2", **NIGHTLY)
+    controller.advance(spec, _obs(1.0, spec_only=True))
+    assert rollout.is_scheduled(controller.state)
+    assert rollout.expected_duration_s(spec) == 120 + 2 * spec.autoscaling.scale_up_lead_seconds
+
+    class NoWindows:
+        def read(self, since: float | None, now: float) -> analysis.Window:
+            raise AssertionError("a scheduled rollout reads no gateway window")
+
+    obs = rollout.look(controller, spec, NoWindows(), None)  # no profile: the schedule alone
+    assert obs.planned is not None
+    assert 2 * 3600 <= obs.planned.start_s % day < 4 * 3600
+    assert obs.planned.reason.startswith("no demand history of a whole day yet")
+    busy_days = np.where((np.arange(1440) >= 8 * 60) & (np.arange(1440) < 20 * 60), 10.0, 1.0)
+    profile = windows.DayProfile.from_history(busy_days, 60.0, 0.0)  # quiet nights
+    obs = rollout.look(controller, spec, NoWindows(), None, profile=profile)
+    assert obs.planned is not None
+    assert 2 * 3600 <= obs.planned.start_s % day < 4 * 3600
+    assert "at or below 10% of the daily peak" in obs.planned.reason
+    flat = windows.DayProfile.from_history(np.ones(1440), 60.0, 0.0)
+    obs = rollout.look(controller, spec, NoWindows(), None, profile=flat)
+    assert obs.planned is not None
+    assert obs.planned.reason.startswith("no start in the next 24 h meets the window")
+
+
+def test_a_window_with_the_rolling_strategy_is_refused_by_name() -> None:
+    spec = _spec("v1", strategy="rolling", **NIGHTLY)
+    errors = crd.semantic_errors("s", spec)
+    assert any(
+        e.field == "spec.rollout.window" and "not supported with strategy rolling" in e.message
+        for e in errors
+    )
+    with pytest.raises(ValueError, match="not HH:MM-HH:MM"):
+        _spec("v1", window={"schedule": ["2:00-4:00"]})
+    with pytest.raises(ValueError, match="empty or past 24:00"):
+        _spec("v1", window={"schedule": ["04:00-04:00"]})

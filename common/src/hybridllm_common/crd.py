@@ -656,6 +656,58 @@ def _default_steps() -> list[RolloutStep]:
     ]
 
 
+WINDOW_RANGE = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])-([01][0-9]|2[0-4]):([0-5][0-9])$")
+
+
+def window_range_seconds(text: str) -> tuple[int, int]:
+    """'HH:MM-HH:MM' as seconds since midnight (UTC): (start, end)."""
+    m = WINDOW_RANGE.match(text)
+    if m is None:
+        raise ValueError(f"window range {text!r} is not HH:MM-HH:MM")
+    a = int(m.group(1)) * 3600 + int(m.group(2)) * 60
+    b = int(m.group(3)) * 3600 + int(m.group(4)) * 60
+    if b > 86_400 or a == b:
+        raise ValueError(f"window range {text!r} is empty or past 24:00")
+    return a, b
+
+
+class RolloutWindow(_Model):
+    """When a rollout of a new revision may start. The operator plans the start from the
+    demand forecast and the schedule, shows it in status.rollout.plannedStart, and starts
+    then (or at once with `hybridllm rollout start`)."""
+
+    schedule: list[str] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Ranges of the UTC day in which a rollout may start, HH:MM-HH:MM (a "
+        "range may pass midnight: 22:00-02:00). Empty: at any time.",
+        json_schema_extra={"items": {"type": "string", "pattern": WINDOW_RANGE.pattern}},
+    )
+    below_peak_percent: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Start only where the forecast demand (each time of day's P90 over "
+        "the demand history, up to a week) stays under this percent of the day's P90 peak "
+        "for the rollout's expected duration (its steps' pauses plus two "
+        "scaleUpLeadSeconds). Needs a whole day of history, read by the autoscaler (any "
+        "mode but off and external); until then the schedule alone decides.",
+    )
+    max_delay_seconds: int = Field(
+        default=86_400,
+        ge=0,
+        le=7 * 86_400,
+        description="The longest a new revision waits for its window; then its rollout "
+        "starts regardless.",
+    )
+
+    @model_validator(mode="after")
+    def _ranges(self) -> RolloutWindow:
+        for text in self.schedule:
+            window_range_seconds(text)
+        return self
+
+
 class RolloutSpec(_Model):
     """How a new model revision replaces the current one."""
 
@@ -666,6 +718,12 @@ class RolloutSpec(_Model):
                     "self.strategy != 'canary' || (size(self.steps) > 0 && self.steps[size(self.steps) - 1].weight == 100)",
                     "a canary rollout's last step must have weight 100",
                     ".steps",
+                ),
+                cel(
+                    "self.strategy != 'rolling' || !has(self.window)",
+                    "window is not supported with strategy rolling yet (the pools update in "
+                    "place at once); use canary or blueGreen to schedule a rollout",
+                    ".window",
                 ),
             ]
         }
@@ -689,6 +747,10 @@ class RolloutSpec(_Model):
     analysis: RolloutAnalysis = _sub(RolloutAnalysis, "Thresholds that fail a stage.")
     auto_rollback: bool = Field(
         default=True, description="Return to the previous revision when a stage fails."
+    )
+    window: RolloutWindow | None = Field(
+        default=None,
+        description="When a rollout may start (default: as soon as the revision changes).",
     )
 
 
@@ -848,6 +910,7 @@ class Endpoints(_Model):
 
 
 class RolloutPhase(StrEnum):
+    scheduled = "Scheduled"  # a new revision waits for its planned start (spec.rollout.window)
     progressing = "Progressing"  # a step is running
     paused = "Paused"  # held by hand (hybridllm rollout pause)
     inconclusive = "Inconclusive"  # the analysis cannot judge yet; the step holds
@@ -902,6 +965,10 @@ class RolloutStatus(_Model):
         "them from it while the new revision is the spec's).",
     )
     started_at: float | None = Field(default=None, description="Unix time the rollout started.")
+    planned_start: float | None = Field(
+        default=None,
+        description="Unix time a scheduled rollout is planned to start (spec.rollout.window).",
+    )
     routing_generation: int = Field(
         default=0, ge=0,
         description="Bumped at every change of the weights; the gateways export the one "
@@ -1350,6 +1417,14 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                     f"{spec.edge.quantization.value} is not available with runtime {spec.edge.runtime.value}; "
                     f"choose one of {', '.join(sorted(q.value for q in allowed))}"
                 ),
+            )
+        )
+    if spec.rollout.window is not None and spec.rollout.strategy == RolloutStrategy.rolling:
+        errors.append(
+            FieldError(
+                field="spec.rollout.window",
+                message="is not supported with strategy rolling yet (the pools update in "
+                "place at once); use canary or blueGreen to schedule a rollout",
             )
         )
     enabled = [t for t in RolloutTier if getattr(spec, t.value).enabled]

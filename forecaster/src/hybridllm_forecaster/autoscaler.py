@@ -110,6 +110,10 @@ class OnlineForecast:
         self._fc = forecast.run_model(self.model, y, self.spec())
         self._fn = policies.forecast_max_fn(self._fc.upper, self.bin_s, start_s, self.bin_s)
 
+    def history(self) -> tuple[np.ndarray, float]:
+        """The bins last given to `update`, and when bin 0 began."""
+        return self._y, self.start_s
+
     @property
     def ready(self) -> bool:
         return self._fn is not None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm_common import crd
-from hybridllm_forecaster import autoscaler
+from hybridllm_forecaster import autoscaler, windows
 from hybridllm_forecaster.capacity import DEFAULT_POOLS, CapacityModel, PoolConfig, Slo
 from hybridllm_operator.demand import Snapshot
 
@@ -164,6 +164,20 @@ class ServiceAutoscaler:
             desired[component] = start
             scalers[component].start_again()
         self.desired = desired
+
+    def day_profile(self) -> windows.DayProfile | None:
+        """The service's demand by time of day (every scaled pool's work, summed), from the
+        history the pools' forecasts were last given; None before a whole day of it (or
+        in modes that read no demand)."""
+        with self.lock:
+            histories = [s.forecast.history() for s in self.scalers.values()]
+        histories = [(y, start) for y, start in histories if len(y)]
+        if not histories:
+            return None
+        n = min(len(y) for y, _ in histories)  # the pools share their bins; align the ends
+        total = sum(y[len(y) - n :] for y, _ in histories)
+        start = histories[0][1] + (len(histories[0][0]) - n) * self.bin_s
+        return windows.DayProfile.from_history(total, self.bin_s, start)
 
     @property
     def applies(self) -> bool:

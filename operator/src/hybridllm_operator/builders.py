@@ -112,10 +112,11 @@ class Service:
     @property
     def stable(self) -> crd.LLMServiceSpec:
         """The spec the stable pools run: the live one, unless a rollout recorded another
-        (while it has a canary, and once it aborted: the spec's revision is not served until
-        it is set back or retried)."""
+        (while it has a canary, while a new revision waits for its window, and once it
+        aborted: the spec's revision is not served until it is set back or retried)."""
         if self.rollout is None or not (
-            rollout_mod.has_canary(self.rollout) or self.rollout.phase == crd.RolloutPhase.aborted
+            rollout_mod.has_canary(self.rollout)
+            or self.rollout.phase in (crd.RolloutPhase.aborted, crd.RolloutPhase.scheduled)
         ):
             return self.spec
         return rollout_mod.stable_spec(self.rollout, self.spec)

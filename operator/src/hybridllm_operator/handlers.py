@@ -718,9 +718,15 @@ class RolloutJob(Job):
         self.source = self.source or _windows(memo, key)
         try:
             fleet = _fleet(memo, key[0], spec)
+            scaling = memo.scalers.get(key)
+            profile = (
+                scaling.day_profile()
+                if scaling is not None and rollout.is_scheduled(controller.state)
+                else None
+            )
             obs = await loop.run_in_executor(
                 memo.scale_executor, rollout.look, controller, spec, self.source, action,
-                fleet, self.kpis,
+                fleet, self.kpis, profile,
             )  # fmt: skip
             if self.stopped:
                 return 0.0

@@ -20,6 +20,12 @@ spec included), so a restarted operator resumes at the same step. A step moves t
 it names (every enabled tier by default), each tier's weight only ever going to a step's
 weight or back to zero: no step is skipped and no tier gets more than the steps so far
 gave it. The ``rolling`` strategy skips all of this: the pools update in place.
+
+With ``spec.rollout.window`` a new revision first waits, *Scheduled*, while the stable
+pools keep serving: the rollout loop plans the start each look
+(:func:`hybridllm_forecaster.windows.plan_start`, from the schedule and the demand's day
+profile that the autoscaler's history gives), the status shows it, and the rollout
+starts when that time comes, or at once on ``hybridllm rollout start``.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridllm_common import crd
+from hybridllm_forecaster import windows
 from hybridllm_operator import analysis, demand
 
 Phase = crd.RolloutPhase
 ENDED = (Phase.completed, Phase.aborted)  # nothing to drive until a new revision comes
 ACTION_ANNOTATION = f"{crd.GROUP}/rollout-action"
-ACTIONS = ("promote", "promote-full", "abort", "pause", "resume")
+ACTIONS = ("start", "promote", "promote-full", "abort", "pause", "resume")
 # Phases in which the canary's pools exist (and the routing table has two revisions).
 CANARY_PHASES = frozenset({
     Phase.progressing, Phase.paused, Phase.inconclusive, Phase.failed,
@@ -66,6 +73,7 @@ class Observation:
     # only the spec is new (the reconcile's look): start, restart or abort a rollout on a
     # new revision; what the pools, gateways and fleet say is the rollout loop's to judge
     spec_only: bool = False
+    planned: windows.Planned | None = None  # a scheduled rollout's start, planned now
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,25 @@ def stable_spec(state: crd.RolloutStatus, spec: crd.LLMServiceSpec) -> crd.LLMSe
     if not state.stable_spec:
         return spec
     return crd.LLMServiceSpec.model_validate(json.loads(state.stable_spec))
+
+
+def window_of(spec: crd.LLMServiceSpec) -> windows.Window | None:
+    """``spec.rollout.window`` as the planner takes it (None: start at once)."""
+    w = spec.rollout.window
+    if w is None or spec.rollout.strategy == crd.RolloutStrategy.rolling:
+        return None
+    return windows.Window(
+        schedule=tuple(crd.window_range_seconds(r) for r in w.schedule),
+        below_peak=w.below_peak_percent / 100 if w.below_peak_percent is not None else None,
+        max_delay_s=float(w.max_delay_seconds),
+    )
+
+
+def expected_duration_s(spec: crd.LLMServiceSpec) -> float:
+    """How long a rollout takes when every step passes: its steps' pauses, the canary's
+    cold start and the stable pools' rolling update (one cold start each)."""
+    pauses = sum(s.pause_seconds for s in steps(spec))
+    return float(pauses + 2 * spec.autoscaling.scale_up_lead_seconds)
 
 
 def steps(spec: crd.LLMServiceSpec) -> list[crd.RolloutStep]:
@@ -161,6 +188,11 @@ def devices_on_canary(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec)
     if first is None or state.phase in (Phase.promoting, Phase.finalizing):
         return True
     return state.step >= first
+
+
+def is_scheduled(state: crd.RolloutStatus | None) -> bool:
+    """A new revision waits for its window (its start is planned at each look)."""
+    return state is not None and state.phase == Phase.scheduled
 
 
 def has_canary(state: crd.RolloutStatus | None) -> bool:
@@ -230,12 +262,73 @@ def _start(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, now: float) -> cr
         update={
             "phase": Phase.progressing, "canary_revision": spec.model.revision, "step": 0,
             "steps": len(plan), "weights": {}, "step_started_at": None,
-            "started_at": now,
+            "started_at": now, "planned_start": None,
             "analysis": [], "routing_generation": state.routing_generation + 1,
             "golden": None,
             "message": f"waiting for the pools of {spec.model.revision} to be ready",
         }
     )  # fmt: skip
+
+
+def _begin(
+    state: crd.RolloutStatus, spec: crd.LLMServiceSpec, obs: Observation, why: str
+) -> tuple[crd.RolloutStatus, list[Event]]:
+    """A new revision in the spec: its rollout starts now, or is scheduled (a window)."""
+    target = spec.model.revision
+    if window_of(spec) is None:
+        return _start(state, spec, obs.now), [("Normal", "RolloutStarted", why)]
+    scheduled = _to(
+        state, Phase.scheduled, f"{target} waits for its window (spec.rollout.window): "
+        "planning its start", canary_revision=target, planned_start=None, step=0,
+        steps=len(steps(spec)), weights={}, step_started_at=None, analysis=[], golden=None,
+    )  # fmt: skip
+    return _scheduled(scheduled, spec, obs, [])
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
+
+
+def _scheduled(
+    state: crd.RolloutStatus, spec: crd.LLMServiceSpec, obs: Observation, events: list[Event]
+) -> tuple[crd.RolloutStatus, list[Event]]:
+    """A scheduled rollout at a look: called off, started, or (re)planned."""
+    target = spec.model.revision
+    if target == state.stable_revision:
+        done = _to(state, Phase.completed,
+                   f"the scheduled rollout of {state.canary_revision} is called off: "
+                   f"spec.model.revision is {target} again", canary_revision=None,
+                   planned_start=None, stable_spec=spec_wire(spec))  # fmt: skip
+        return done, [*events, ("Normal", "RolloutCalledOff", done.message)]
+    if target != state.canary_revision:
+        state = state.model_copy(update={"canary_revision": target, "planned_start": None})
+    # While it waits, the stable pools follow every other change of the spec (replicas,
+    # resources, routing): only the model stays the stable one's.
+    kept = stable_spec(state, spec).model
+    state = state.model_copy(
+        update={"stable_spec": spec_wire(spec.model_copy(update={"model": kept}))}
+    )
+    if window_of(spec) is None:
+        return _start(state, spec, obs.now), [
+            *events, ("Normal", "RolloutStarted",
+                      f"{state.stable_revision} -> {target} (spec.rollout.window removed)"),
+        ]  # fmt: skip
+    planned = obs.planned
+    if planned is None:
+        return state, events
+    if obs.now >= planned.start_s:
+        return _start(state, spec, obs.now), [
+            *events,
+            ("Normal", "RolloutStarted", f"{state.stable_revision} -> {target}: {planned.reason}"),
+        ]
+    first = state.planned_start is None
+    state = _to(state, Phase.scheduled,
+                f"{target} starts at {_utc(planned.start_s)}: {planned.reason} "
+                "(`hybridllm rollout start` starts it now)",
+                planned_start=planned.start_s)  # fmt: skip
+    if first:
+        events = [*events, ("Normal", "RolloutScheduled", state.message)]
+    return state, events
 
 
 def _to(state: crd.RolloutStatus, phase: Phase, message: str, **update: Any) -> crd.RolloutStatus:
@@ -295,6 +388,18 @@ def _act(
         ]  # fmt: skip
     state = state.model_copy(update=handled)
     phase, events = state.phase, [("Normal", "RolloutAction", f"{verb} by hand")]
+    if verb == "start" and phase == Phase.scheduled:
+        return _start(state, spec, now), [
+            *events, ("Normal", "RolloutStarted",
+                      f"{state.stable_revision} -> {spec.model.revision}, by hand before its "
+                      "planned start"),
+        ]  # fmt: skip
+    if verb == "abort" and phase == Phase.scheduled:
+        return _to(state, Phase.aborted,
+                   f"the scheduled rollout of {state.canary_revision} aborted by hand; the "
+                   f"stable revision {state.stable_revision} serves (set spec.model.revision "
+                   f"back to {state.stable_revision}, or `hybridllm rollout resume` to start it)",
+                   planned_start=None), events  # fmt: skip
     if verb == "abort" and phase in STEPPING:
         return _abort(state, "aborted by hand"), events
     if verb == "pause" and phase in (Phase.progressing, Phase.inconclusive):
@@ -363,20 +468,18 @@ def _advance(
     if phase == Phase.completed:
         if target == state.stable_revision:
             return state.model_copy(update={"stable_spec": spec_wire(spec)}), events
-        return _start(state, spec, obs.now), [
-            *events,
-            ("Normal", "RolloutStarted", f"{state.stable_revision} -> {target}"),
-        ]
+        begun, more = _begin(state, spec, obs, f"{state.stable_revision} -> {target}")
+        return begun, events + more
+    if phase == Phase.scheduled:
+        return _scheduled(state, spec, obs, events)
     if phase == Phase.aborted:
         if target == state.stable_revision:
             done = _to(state, Phase.completed, f"back on {target}", canary_revision=None,
                        stable_spec=spec_wire(spec))  # fmt: skip
             return done, events
         if target != state.canary_revision:
-            return _start(state, spec, obs.now), [
-                *events,
-                ("Normal", "RolloutStarted", f"{state.stable_revision} -> {target}"),
-            ]
+            begun, more = _begin(state, spec, obs, f"{state.stable_revision} -> {target}")
+            return begun, events + more
         return state, events
     if phase in STEPPING and target == state.stable_revision:
         return _abort(state, f"spec.model.revision is {target} again"), [
@@ -595,13 +698,23 @@ def look(
     action: str | None,
     fleet: FleetView | None = None,
     device_kpis: analysis.DeviceKpiSource | None = None,
+    profile: windows.DayProfile | None = None,
 ) -> Observation:
     """What the rollout loop sees now (the operator's and local mode's alike): the pools
     (``controller.readiness``, from the last reconcile), the gateways' routing and the
-    step's window (read only while a canary exists), and a hand command."""
+    step's window (read only while a canary exists), and a hand command. A scheduled
+    rollout's start is planned from the window and the demand's day ``profile``."""
     now = time.time()
     state = controller.state
     ready = controller.readiness
+    if state is not None and state.phase == Phase.scheduled:
+        window = window_of(spec)
+        planned = (
+            windows.plan_start(now, expected_duration_s(spec), window, profile)
+            if window is not None
+            else None
+        )
+        return Observation(now, action=action, actions_seen=True, planned=planned)
     if state is None or not has_canary(state):
         return Observation(now, action=action, actions_seen=True)
     canary = spec if state.phase not in (Phase.promoting, Phase.finalizing) else None
@@ -658,6 +771,10 @@ def tick_seconds(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> f
     """How long the rollout loop waits before its next look: briefly while it waits for
     pools or gateways, an analysis interval while a step runs, longer when idle."""
     interval = float(spec.rollout.analysis.interval_seconds)
+    if state is not None and state.phase == Phase.scheduled:
+        # the plan moves with the forecast: look again within a minute, and at the start
+        left = (state.planned_start or 0.0) - time.time()
+        return max(1.0, min(60.0, left)) if state.planned_start is not None else 5.0
     if state is None or state.phase in (Phase.completed, Phase.aborted, Phase.paused, Phase.failed):
         return 5.0
     if state.phase in (Phase.progressing, Phase.inconclusive) and state.step_started_at:

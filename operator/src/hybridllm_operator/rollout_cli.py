@@ -1,4 +1,4 @@
-"""`hybridllm rollout status|promote|abort|pause|resume NAME`: a rollout by hand.
+"""`hybridllm rollout status|start|promote|abort|pause|resume NAME`: a rollout by hand.
 
 Every command but ``status`` writes the ``hybridllm.io/rollout-action`` annotation on the
 LLMService (``promote@<time>``, so the same command twice is two commands); the operator
@@ -61,11 +61,15 @@ def format_status(obj: dict[str, Any]) -> str:
     lines.append(f"  stable revision: {r.stable_revision}")
     if r.canary_revision:
         lines.append(f"  canary revision: {r.canary_revision}")
+    if r.canary_revision and r.phase != crd.RolloutPhase.scheduled:
         lines.append(
             f"  step:            {r.step + 1}/{r.steps}, {r.weight}% of traffic on the canary"
         )
         if r.golden:
             lines.append(f"  golden prompts:  {r.golden}")
+    if r.planned_start is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(r.planned_start))
+        lines.append(f"  planned start:   {when}")
     if r.message:
         lines.append(f"  {r.message}")
     if r.analysis:
@@ -142,6 +146,7 @@ def register_rollout(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
     helps = {
         "status": "phase, step, weight and the last analysis",
+        "start": "start a scheduled rollout now, before its planned start (spec.rollout.window)",
         "promote": "end the current step now and go to the next (--full: to the end)",
         "abort": "send all traffic back to the stable revision and remove the canary",
         "pause": "hold at the current step (no analysis moves it on)",

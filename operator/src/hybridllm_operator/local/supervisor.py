@@ -724,8 +724,13 @@ class Supervisor:
             self._wake.clear()
             self._reload_spec()
             action = self._read_action()
+            profile = (
+                self.scaling.day_profile()
+                if self.scaling is not None and rollout.is_scheduled(self.rollouts.state)
+                else None
+            )
             obs = await loop.run_in_executor(
-                None, rollout.look, self.rollouts, self.spec, source, action
+                None, rollout.look, self.rollouts, self.spec, source, action, None, None, profile
             )
             before = self.rollouts.state
             self.rollouts.advance(self.spec, obs)
