@@ -681,7 +681,13 @@ class RolloutWindow(_Model):
         max_length=8,
         description="Ranges of the UTC day in which a rollout may start, HH:MM-HH:MM (a "
         "range may pass midnight: 22:00-02:00). Empty: at any time.",
-        json_schema_extra={"items": {"type": "string", "pattern": WINDOW_RANGE.pattern}},
+        json_schema_extra={
+            "items": {
+                "type": "string",
+                "pattern": WINDOW_RANGE.pattern,
+                "description": "One range of the UTC day, HH:MM-HH:MM.",
+            }
+        },
     )
     below_peak_percent: int | None = Field(
         default=None,
