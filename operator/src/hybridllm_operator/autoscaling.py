@@ -40,6 +40,11 @@ STATE_ANNOTATION = f"{crd.GROUP}/autoscaler"
 CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
 
 
+def _within(config: PoolConfig, replicas: int) -> int:
+    """``replicas`` held to the pool's bounds."""
+    return min(config.max_replicas, max(config.min_replicas, replicas))
+
+
 def tier_of(component: str) -> str:
     return "edge" if component == "edge" else "cloud"
 
@@ -136,9 +141,7 @@ class ServiceAutoscaler:
                     scaler.restore((self._saved.pop(component, None) or {}).get("policy"))
                 scalers[component] = scaler
             if component in self.desired:
-                desired[component] = min(
-                    config.max_replicas, max(config.min_replicas, self.desired[component])
-                )
+                desired[component] = _within(config, self.desired[component])
         # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
         self.mode, self.scalers, self.desired = mode, scalers, desired
         self.decisions = {c: d for c, d in self.decisions.items() if c in scalers}
@@ -155,7 +158,7 @@ class ServiceAutoscaler:
         """The spec's replicas of these pools changed: each starts again from them."""
         for component, replicas in moved.items():
             config = wanted[component]
-            start = min(config.max_replicas, max(config.min_replicas, replicas))
+            start = _within(config, replicas)
             if self.applies and desired.get(component, start) != start:
                 log.info(
                     "%s: spec replicas set to %d, the autoscaler starts again from %d "
