@@ -42,7 +42,7 @@ CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
 
 def _within(config: PoolConfig, replicas: int) -> int:
     """``replicas`` held to the pool's bounds."""
-    return min(config.max_replicas, max(config.min_replicas, replicas))
+    return int(min(config.max_replicas, max(config.min_replicas, replicas)))
 
 
 def tier_of(component: str) -> str:
