@@ -328,6 +328,70 @@ def up(state_dir: Path = DEFAULT_STATE_DIR, bin_dir: Path | None = None, real_no
     return _on_new_ports("the control plane", lambda: _up(state_dir, built, real_node))
 
 
+# kwok gives its fake pods addresses in KWOK_CIDR, and nothing answers there. Whatever
+# connects to one (the operator reading a gateway pod's /metrics directly, a rollout's
+# analysis) would otherwise follow the default route out of the machine. While a kwok
+# control plane is up, the range is routed `unreachable` on this host, so such a connect
+# fails at once with "No route to host" and no packet leaves. Several control planes may
+# be up at once (the tests start more than one): each holds the route with a file under
+# ROUTE_HOLDERS naming its state directory, and the last one down removes the route, and
+# only if a control plane added it (a route that was there before is left alone).
+KWOK_CIDR = "10.0.0.0/16"
+ROUTE_HOLDERS = Path("/run/hybridllm-testenv/kwok-route")
+
+
+def _route_present() -> bool:
+    out = subprocess.run(["ip", "route", "show", "type", "unreachable", KWOK_CIDR],
+                         capture_output=True, text=True, check=False)
+    return bool(out.stdout.strip())
+
+
+def _route_holders() -> list[Path]:
+    """The holders whose control plane may still be up (a state directory that is gone
+    cannot be: its holder is stale, left by a run that was killed)."""
+    held = []
+    for f in sorted(ROUTE_HOLDERS.glob("*.holder")) if ROUTE_HOLDERS.exists() else []:
+        if Path(f.read_text().strip()).exists():
+            held.append(f)
+        else:
+            f.unlink(missing_ok=True)
+    return held
+
+
+def _holder(state_dir: Path) -> Path:
+    import hashlib
+
+    return ROUTE_HOLDERS / (hashlib.sha256(str(state_dir).encode()).hexdigest()[:16] + ".holder")
+
+
+def hold_kwok_route(state_dir: Path) -> None:
+    """Route KWOK_CIDR unreachable while this control plane is up (root only; without
+    root, say that connects to kwok's pod addresses would leave the machine)."""
+    if os.geteuid() != 0:
+        log(f"warning: not root, so kwok's pod addresses ({KWOK_CIDR}) are not routed unreachable "
+            "here: a direct connect to a fake pod (the operator reading a gateway pod without "
+            "Prometheus) follows the default route")
+        return
+    ROUTE_HOLDERS.mkdir(parents=True, exist_ok=True)
+    _route_holders()  # drop stale holders first
+    if not _route_present():
+        subprocess.run(["ip", "route", "add", "unreachable", KWOK_CIDR], check=True)
+        (ROUTE_HOLDERS / "added").write_text(KWOK_CIDR + "\n")
+    _holder(state_dir).write_text(str(state_dir) + "\n")
+
+
+def release_kwok_route(state_dir: Path) -> None:
+    """Let go of this control plane's hold; the last holder removes the route it added."""
+    if os.geteuid() != 0 or not ROUTE_HOLDERS.exists():
+        return
+    _holder(state_dir).unlink(missing_ok=True)
+    if _route_holders() or not (ROUTE_HOLDERS / "added").exists():
+        return
+    if _route_present():
+        subprocess.run(["ip", "route", "del", "unreachable", KWOK_CIDR], check=False)
+    (ROUTE_HOLDERS / "added").unlink(missing_ok=True)
+
+
 def _up(state_dir: Path, bin_dir: Path, real_node: bool) -> Cluster:
     started = time.monotonic()
     pki = state_dir / "pki"
@@ -393,6 +457,7 @@ def _up(state_dir: Path, bin_dir: Path, real_node: bool) -> Cluster:
             _wait("the default ServiceAccount", default_sa, 120, state_dir, "kube-controller-manager")
             log(f"control plane and real node up in {time.monotonic() - started:.1f}s at {server}; kubeconfig {kubeconfig}")
             return cluster
+        hold_kwok_route(state_dir)
         stages = state_dir / "kwok-stages.yaml"
         stages.write_text((bin_dir / "kwok-stages.yaml").read_text() + "\n---\n" + (HERE / "kwok-pod-ready-again.yaml").read_text())
         _start(state_dir, "kwok", [
@@ -528,6 +593,7 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
         node.stop(state_dir, lambda name: stop(state_dir, name))
     for name in reversed(COMPONENTS):
         stop(state_dir, name)
+    release_kwok_route(state_dir)
     if state_dir.exists():
         subprocess.run(["rm", "-rf", str(state_dir)], check=False)
 

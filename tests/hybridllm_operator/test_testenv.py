@@ -3,8 +3,11 @@ on it."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +78,56 @@ def test_a_port_taken_before_its_component_binds_it_starts_the_plane_again(
         finally:
             testenv.down(state)
     assert not state.exists()
+
+
+def test_a_connect_to_a_kwok_pod_fails_on_this_host(kube: Any, namespace: str) -> None:
+    """kwok's pods have addresses nothing answers on; a connect to one (the operator
+    reading a gateway pod directly) must fail here at once, not leave the machine by the
+    default route."""
+    if os.geteuid() != 0:
+        pytest.skip("the route is set as root")
+    kube.run("create", "deployment", "web", "--image=registry.invalid/web:1", "-n", namespace)
+    kube.run("rollout", "status", "deployment/web", "-n", namespace, "--timeout=60s")
+    pod = kube.get("pod", kube.names("pods", namespace, "app=web")[0], namespace)
+    ip = pod["status"]["podIP"]
+    with socket.socket() as s, pytest.raises(OSError) as caught:
+        s.settimeout(5)
+        s.connect((ip, 8000))
+    assert caught.value.errno == errno.EHOSTUNREACH, caught.value
+
+
+def test_the_unreachable_route_is_held_by_every_plane_and_removed_by_the_last(
+    testenv: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two control planes hold the route; it goes with the second, and a route that was
+    there before any plane is left alone."""
+    if os.geteuid() != 0:
+        pytest.skip("the route is set as root")
+    cidr = "10.255.254.0/24"  # a range of this test's own, so the session's route is untouched
+    monkeypatch.setattr(testenv, "KWOK_CIDR", cidr)
+    monkeypatch.setattr(testenv, "ROUTE_HOLDERS", tmp_path / "holders")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+
+    def routed() -> bool:
+        out = subprocess.run(["ip", "route", "show", "type", "unreachable", cidr],
+                             capture_output=True, text=True, check=True)
+        return bool(out.stdout.strip())
+
+    assert not routed()
+    try:
+        testenv.hold_kwok_route(a)
+        testenv.hold_kwok_route(b)
+        assert routed()
+        testenv.release_kwok_route(a)
+        assert routed(), "the route went while another plane held it"
+        b.rmdir()  # a plane killed without its down: its holder is stale
+        testenv.release_kwok_route(a)
+        assert not routed(), "the last holder's release left the route"
+        subprocess.run(["ip", "route", "add", "unreachable", cidr], check=True)
+        testenv.hold_kwok_route(a)
+        testenv.release_kwok_route(a)
+        assert routed(), "a route that was there before was removed"
+    finally:
+        subprocess.run(["ip", "route", "del", "unreachable", cidr], check=False)
