@@ -187,3 +187,29 @@ def test_a_new_starting_point_in_the_spec_starts_the_pool_again_from_it():
     moved.restore(raw)
     moved.configure(spec("reactive", edge_replicas=3))
     assert moved.replicas()["edge"] == 3  # changed while it was away
+
+
+def test_a_pools_forecast_need_is_its_p90_over_the_lead_time_against_its_maximum():
+    """What holds a rollout's traffic: the forecast the autoscaler keeps, in replicas at
+    the target utilisation, beside the pool's maxReplicas; nothing before a forecast."""
+    scaler = autoscaling.ServiceAutoscaler(bin_s=60.0)
+    scaler.configure(spec("hybrid"))
+    observed = {c: autoscaling.Observed(replicas=2, ready=2) for c in ("edge", "monolithic")}
+    assert scaler.forecast_need("edge", 0.0) is None  # no history yet
+
+    def history(rate: list[float]) -> Snapshot:
+        bins = [(r, 0.0) for r in rate]
+        last = TierDemand(prompt_tok_s=rate[-1], completion_tok_s=0)
+        return Snapshot({"edge": last, "cloud": last}, {"edge": bins, "cloud": bins}, 0.0)
+
+    steady = [1000.0] * 30  # one replica of work (1,000 prompt tok/s per replica)
+    now = 30 * 60.0
+    scaler.step(now, history(steady), observed)
+    need, most = scaler.forecast_need("edge", now)
+    assert most == 8
+    assert 1.0 / 0.7 * 0.9 < need < 1.0 / 0.7 * 1.5  # about 1.4 replicas at 70%
+    rising = [1000.0 + 250.0 * i for i in range(30)]  # 8.25 replicas of work and climbing
+    scaler.step(now, history(rising), observed)
+    need, most = scaler.forecast_need("edge", now)
+    assert need > most, need
+    assert scaler.forecast_need("prefill", now) is None  # not a pool of this service

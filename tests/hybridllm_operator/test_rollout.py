@@ -396,6 +396,7 @@ OBSERVATIONS = st.fixed_dictionaries(
         "revision": st.sampled_from(["v2", "v2", "v2", "v2", "v1", "v3"]),
         "golden": st.sampled_from([None, "pass", "fail"]),
         "fleet": st.sampled_from([None, "Progressing", "Completed", "RolledBack"]),
+        "hold": st.sampled_from([None, None, "the edge pool is forecast past its maximum"]),
     }
 )
 
@@ -409,7 +410,8 @@ def test_properties_from_any_state(
     from any state an abort (with the gateways following) leads to all traffic on the
     stable revision. With golden prompts and a first step that moves the edge devices
     (`gated`): no weight moves before the golden prompts passed, and that step's window
-    never starts before the fleet took the canary's revision."""
+    never starts before the fleet took the canary's revision. While the forecast holds
+    the rollout, no weight rises and no step or promotion begins but by hand."""
     extra: dict[str, Any] = {"cloud": True, "steps": EDGE_FIRST} if edge_first else {}
     if gated:
         steps = [
@@ -431,7 +433,17 @@ def test_properties_from_any_state(
         state, _ = rollout.advance(state, spec, _obs(
             t, canary_ready=o["canary_ready"], stable_ready=o["stable_ready"],
             routed=o["routed"], verdict=verdict, action=action, golden=golden, fleet=fleet,
+            forecast_hold=o["hold"],
         ))  # fmt: skip
+        if (
+            o["hold"] and not o["action"] and before.phase in rollout.STEPPING
+            and before.canary_revision == state.canary_revision
+        ):  # fmt: skip
+            # a forecast hold moves no traffic up and begins no step and no promotion
+            assert state.step == before.step, (before, state)
+            assert state.phase != Phase.promoting, (before, state)
+            for tier, weight in state.weights.items():
+                assert weight <= before.weights.get(tier, 0), (tier, before, state)
         if gated and state.phase in rollout.STEPPING and state.golden is None:
             assert not any(state.weights.values()), state  # nothing before the golden prompts
         if (
@@ -729,3 +741,72 @@ def test_a_window_with_the_rolling_strategy_is_refused_by_name() -> None:
         _spec("v1", window={"schedule": ["2:00-4:00"]})
     with pytest.raises(ValueError, match="empty or past 24:00"):
         _spec("v1", window={"schedule": ["04:00-04:00"]})
+
+
+# --------------------------------------------------------------------------- forecast holds
+
+HOLD = "the edge pool is forecast to need 9.3 replicas, over its maxReplicas 8"
+
+
+def test_a_forecast_past_the_maximum_holds_each_move_of_traffic_until_it_falls() -> None:
+    spec, t = _spec("v2"), 0.0
+    state = _started()
+    # the canary's pools are ready, but the forecast says the pool will be at its limit
+    state, events = rollout.advance(state, spec, _obs(t, canary_ready=True, forecast_hold=HOLD))
+    assert state.weight == 0
+    assert rollout.FORECAST_HOLD in state.message
+    assert HOLD in state.message
+    assert [e[1] for e in events] == ["RolloutHeld"]
+    state, events = rollout.advance(state, spec, _obs(t, canary_ready=True, forecast_hold=HOLD))
+    assert state.weight == 0
+    assert events == []  # one Event as the hold begins, not one per look
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))  # the forecast fell
+    assert state.weight == 10
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True, routed=True))
+    t += 60
+    # the step passed, but the next one would move more traffic into the rise: it waits
+    state, events = rollout.advance(
+        state, spec, _obs(t, canary_ready=True, verdict=_verdict("pass"), forecast_hold=HOLD)
+    )
+    assert (state.step, state.weight, state.phase) == (0, 10, Phase.progressing)
+    assert "step 1/3 passed; step 2/3 holds for the forecast" in state.message
+    assert [e[1] for e in events] == ["RolloutHeld"]
+    state, events = rollout.advance(state, spec, _obs(t + 5, verdict=_verdict("pass")))
+    assert state.step == 1
+    assert [e[1] for e in events] == ["RolloutStepPassed"]
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True, routed=True))
+    t += 60
+    state, _ = rollout.advance(state, spec, _obs(t, verdict=_verdict("pass")))
+    assert state.step == 2
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True, routed=True))
+    # the last step's pass would promote (the stable pools roll): held too
+    state, _ = rollout.advance(state, spec, _obs(t, verdict=_verdict("pass"), forecast_hold=HOLD))
+    assert state.phase == Phase.progressing
+    assert "step 3/3 passed; promotion holds for the forecast" in state.message
+    # a hand promotion goes on regardless
+    state, _ = rollout.advance(
+        state, spec, _obs(t, forecast_hold=HOLD, action="promote@1", actions_seen=True)
+    )
+    assert state.phase == Phase.promoting
+
+
+def test_the_hold_looks_at_the_pools_of_the_tiers_the_next_move_shifts() -> None:
+    spec = _spec("v2", cloud=True, steps=EDGE_FIRST)
+    state = _started()
+    over = {"monolithic": (12.0, 8), "edge": (3.0, 8)}
+    need = over.get
+    # step 1 moves the edge tier alone: the cloud pool's forecast does not hold it
+    assert rollout.forecast_hold(state, spec, need) is None
+    at_cloud = state.model_copy(update={"step": 2})
+    hold = rollout.forecast_hold(at_cloud, spec, need)
+    assert hold is not None
+    assert "the monolithic pool is forecast to need 12.0 replicas" in hold
+    # the last step promotes every tier; a pool without a forecast (None) never holds
+    last = state.model_copy(update={"step": 4})
+    assert rollout.forecast_hold(last, spec, {"edge": (9.0, 8)}.get) is not None
+    assert rollout.forecast_hold(last, spec, {}.get) is None
+    # outside a running step there is nothing to hold
+    paused = state.model_copy(update={"phase": Phase.paused})
+    assert rollout.forecast_hold(paused, spec, need) is None

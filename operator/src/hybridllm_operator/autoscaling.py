@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,6 +182,23 @@ class ServiceAutoscaler:
         total = sum(y[len(y) - n :] for y, _ in histories)
         start = histories[0][1] + (len(histories[0][0]) - n) * self.bin_s
         return windows.DayProfile.from_history(total, self.bin_s, start)
+
+    def need(self, component: str) -> tuple[float, int] | None:
+        """`forecast_need` now (the rollout controller's view)."""
+        return self.forecast_need(component, time.time())
+
+    def forecast_need(self, component: str, now_s: float) -> tuple[float, int] | None:
+        """(replicas, maxReplicas): the replicas one pool needs at its target utilisation
+        for the forecast P90 of its work over its lead time from ``now_s`` (as far as the
+        forecast reaches), and its maximum; None without a forecast (a pool this
+        autoscaler does not scale, or too little history yet)."""
+        with self.lock:
+            scaler = self.scalers.get(component)
+        if scaler is None or not scaler.forecast.ready:
+            return None
+        pool = scaler.pool
+        work = scaler.forecast.forecast_max(now_s, now_s + pool.lead_time_s)
+        return work / pool.target_utilisation, pool.max_replicas
 
     @property
     def applies(self) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,8 @@ class Observation:
     # new revision; what the pools, gateways and fleet say is the rollout loop's to judge
     spec_only: bool = False
     planned: windows.Planned | None = None  # a scheduled rollout's start, planned now
+    # why the next move of traffic waits: a pool it moves is forecast past its maximum
+    forecast_hold: str | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,46 @@ def sizing_weight(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, tier: str)
     if tier in step_tiers(step, spec):
         return step.weight
     return state.weights.get(tier, 0)
+
+
+# (replicas at the target utilisation the forecast P90 asks for, maxReplicas) of a pool
+Need = Callable[[str], tuple[float, int] | None]
+FORECAST_HOLD = "holds for the forecast"  # in the message while a step holds for it
+
+
+def forecast_hold(
+    state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec, need: Need
+) -> str | None:
+    """Why the rollout's next move of traffic should wait, or None: a pool of a tier that
+    move shifts (the current step's tiers; every tier at the last step, whose pass
+    promotes) is forecast to need more replicas than its maximum over its lead time. A
+    canary's cold start, and a rollback if it fails, take capacity the pool will not have
+    then; the move waits until the forecast falls (or a hand `promote`)."""
+    if state is None or state.phase not in (Phase.progressing, Phase.inconclusive):
+        return None
+    plan = steps(spec)
+    at = min(state.step, len(plan) - 1)
+    tiers = set(enabled_tiers(spec) if at == len(plan) - 1 else step_tiers(plan[at], spec))
+    for component in crd.scaled_pools(spec):
+        if ("edge" if component == "edge" else "cloud") not in tiers:
+            continue
+        got = need(component)
+        if got is not None and got[0] > got[1]:
+            return (
+                f"the {component} pool is forecast to need {got[0]:.1f} replicas (P90 over "
+                f"its lead time, at its target utilisation), over its maxReplicas {got[1]}"
+            )
+    return None
+
+
+def _held(
+    state: crd.RolloutStatus, message: str, **update: Any
+) -> tuple[crd.RolloutStatus, list[Event]]:
+    """A step that holds for the forecast; one Event as the hold begins."""
+    events: list[Event] = []
+    if FORECAST_HOLD not in state.message:
+        events.append(("Warning", "RolloutHeld", message))
+    return _to(state, state.phase, message, **update), events
 
 
 def devices_step(spec: crd.LLMServiceSpec) -> int | None:
@@ -558,6 +601,12 @@ def _step(
     tiers = step_tiers(step, spec)
     if any(state.weights.get(t, 0) != step.weight for t in tiers):
         on = "" if tiers == enabled_tiers(spec) else f" on {' and '.join(tiers)}"
+        if obs.forecast_hold is not None:
+            held, more = _held(
+                state, f"{where} {FORECAST_HOLD} before sending {step.weight}%{on} to {canary}: "
+                f"{obs.forecast_hold}",
+            )  # fmt: skip
+            return held, passed + more
         return _to(state, Phase.progressing,
                    f"{where}: sending {step.weight}% of traffic{on} to {canary}",
                    **_weight(state, step.weight, tiers)), passed  # fmt: skip
@@ -610,6 +659,9 @@ def _step(
                    **update), []  # fmt: skip
     if verdict.outcome == analysis.INCONCLUSIVE:
         return _to(state, Phase.inconclusive, f"{where} holds: {verdict.message}", **update), []
+    if obs.forecast_hold is not None:
+        nxt = "promotion" if state.step + 1 >= len(plan) else f"step {state.step + 2}/{len(plan)}"
+        return _held(state, f"{where} passed; {nxt} {FORECAST_HOLD}: {obs.forecast_hold}", **update)
     return _next_step(state.model_copy(update=update), spec, verdict.message)
 
 
@@ -699,11 +751,13 @@ def look(
     fleet: FleetView | None = None,
     device_kpis: analysis.DeviceKpiSource | None = None,
     profile: windows.DayProfile | None = None,
+    need: Need | None = None,
 ) -> Observation:
     """What the rollout loop sees now (the operator's and local mode's alike): the pools
     (``controller.readiness``, from the last reconcile), the gateways' routing and the
     step's window (read only while a canary exists), and a hand command. A scheduled
-    rollout's start is planned from the window and the demand's day ``profile``."""
+    rollout's start is planned from the window and the demand's day ``profile``; ``need``
+    gives each pool's forecast need, which holds a move of traffic (`forecast_hold`)."""
     now = time.time()
     state = controller.state
     ready = controller.readiness
@@ -729,6 +783,7 @@ def look(
         now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
         routed=routed(window, state, tiers), verdict=verdict, action=action,
         actions_seen=True, canary_problem=ready.canary_problem, golden=golden, fleet=fleet,
+        forecast_hold=forecast_hold(state, spec, need) if need is not None else None,
     )  # fmt: skip
 
 

@@ -730,7 +730,16 @@ class Supervisor:
                 else None
             )
             obs = await loop.run_in_executor(
-                None, rollout.look, self.rollouts, self.spec, source, action, None, None, profile
+                None,
+                rollout.look,
+                self.rollouts,
+                self.spec,
+                source,
+                action,
+                None,
+                None,
+                profile,
+                self.scaling.need if self.scaling is not None else None,
             )
             before = self.rollouts.state
             self.rollouts.advance(self.spec, obs)
