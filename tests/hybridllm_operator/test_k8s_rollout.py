@@ -167,29 +167,49 @@ def _service_url(component: str, track: str | None = None) -> str:
     return f"http://{name}.{NAMESPACE}.svc:{builders.PORT}"
 
 
+def _wire(
+    stack: dict[str, Any], env_extra: dict[str, str], metrics_port: int | None = None
+) -> tuple[Follower, dict[str, str], dict[str, str], dict[str, str], Operator]:
+    """The follower that plays the pods' Services (the stable one on the stable token
+    server, the canary on the good one), the operator's environment (the chart's
+    ServiceAccount, the stack's Prometheus), the operator, and what Prometheus scrapes
+    (the gateway, and the operator's metrics on ``metrics_port``): (follower, the token
+    servers' and gateway's local URLs, the Service URL map, env, operator)."""
+    kube, cluster, ports, tmp = stack["kube"], stack["cluster"], stack["ports"], stack["tmp"]
+    targets = [(f"127.0.0.1:{ports['gateway']}", {"namespace": NAMESPACE, "llmservice": NAME})]
+    if metrics_port is not None:  # the operator's series carry their own labels
+        targets.append((f"127.0.0.1:{metrics_port}", {}))
+    stack["testenv"].prometheus_targets(cluster.state_dir, targets)
+    local = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    urls = {_service_url("edge"): local["stable"], _service_url("edge", "canary"): local["good"]}
+    follower = Follower(kube, tmp / "routing.json", urls)
+    env = chart_operator_env(
+        cluster, kube,
+        {**os.environ, "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": stack["prometheus"], **env_extra},
+        tmp,
+    )  # fmt: skip
+    args = (f"--metrics=127.0.0.1:{metrics_port}",) if metrics_port is not None else ()
+    operator = Operator(env, tmp / "operator.log", NAMESPACE, *args)
+    return follower, local, urls, env, operator
+
+
+def _start_gateway(stack: dict[str, Any], follower: Follower) -> None:
+    """The gateway on the follower's copy of the routing table, once the table exists."""
+    port = stack["ports"]["gateway"]
+    stack["kube"].eventually(follower.sync, what="the routing table")
+    stack["procs"].append(_serve(
+        [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config", str(follower.path),
+         "--port", str(port), "--host", "127.0.0.1", "--reload-interval-s", "0.2"],
+        stack["tmp"] / "gateway.log", port,
+    ))  # fmt: skip
+    follower.thread.start()
+
+
 def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_request(
     stack: dict[str, Any],
 ) -> None:
-    kube, cluster, testenv, ports = (
-        stack["kube"],
-        stack["cluster"],
-        stack["testenv"],
-        stack["ports"],
-    )
-    tmp: Path = stack["tmp"]
-    local = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    urls = {_service_url("edge"): local["stable"], _service_url("edge", "canary"): local["good"]}
-    routing = tmp / "routing.json"
-    follower = Follower(kube, routing, urls)
-    env = chart_operator_env(
-        cluster, kube, {**os.environ, "HYBRIDLLM_OPERATOR_PROMETHEUS_URL": stack["prometheus"]}, tmp
-    )
-    metrics_port = _free_port()
-    operator = Operator(env, tmp / "operator.log", NAMESPACE, f"--metrics=127.0.0.1:{metrics_port}")
-    testenv.prometheus_targets(cluster.state_dir, [
-        (f"127.0.0.1:{ports['gateway']}", {"namespace": NAMESPACE, "llmservice": NAME}),
-        (f"127.0.0.1:{metrics_port}", {}),  # the operator's series carry their own labels
-    ])  # fmt: skip
+    kube, tmp = stack["kube"], stack["tmp"]
+    follower, local, urls, env, operator = _wire(stack, {}, metrics_port=_free_port())
 
     def llms() -> dict[str, Any]:
         obj = kube.get("llmservice", NAME, NAMESPACE)
@@ -219,13 +239,7 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
     try:
         kube.apply(MANIFEST, NAMESPACE)
         kube.eventually(lambda: rollout_status().get("phase") == "Completed", what="v1 stable")
-        kube.eventually(follower.sync, what="the routing table")
-        stack["procs"].append(_serve(
-            [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config", str(routing),
-             "--port", str(ports["gateway"]), "--host", "127.0.0.1", "--reload-interval-s", "0.2"],
-            tmp / "gateway.log", ports["gateway"],
-        ))  # fmt: skip
-        follower.thread.start()
+        _start_gateway(stack, follower)
         with Load(local["gateway"]) as load:
             # ---- a good revision: every step, a pause by hand, an operator restart
             set_revision("v2")
@@ -350,6 +364,83 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
         assert load.failed == [], load.failed[:5]
     except AssertionError:
         print(json.dumps(llms().get("status"), indent=1))
+        print((tmp / "operator.log").read_text()[-10000:])
+        raise
+    finally:
+        follower.stop.set()
+        operator.kill()
+
+
+def test_a_rollout_holds_its_traffic_while_the_forecast_is_past_the_pools_maximum(
+    stack: dict[str, Any],
+) -> None:
+    """The autoscaler forecasts (from Prometheus, 5 s bins) more work than the pool's one
+    replica can take: a new revision's canary is started, but no traffic moves to it; the
+    status says why and a RolloutHeld Event is posted; a full promotion by hand goes on."""
+    kube, tmp = stack["kube"], stack["tmp"]
+    follower, local, _, env, operator = _wire(stack, {
+        "HYBRIDLLM_OPERATOR_PROMETHEUS_RATE_WINDOW_SECONDS": "5",
+        "HYBRIDLLM_OPERATOR_FORECAST_BIN_SECONDS": "5",
+    })  # fmt: skip
+    manifest = json.loads(json.dumps(MANIFEST))
+    spec = manifest["spec"]
+    # one replica at most, and a small one: the clients' load is several replicas' work
+    spec["edge"]["pool"] = {
+        "replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+        "capacity": {"prefillTokensPerSecond": 200, "decodeTokensPerSecond": 20},
+    }  # fmt: skip
+    spec["autoscaling"] = {"mode": "hybrid", "intervalSeconds": 5}
+    spec["rollout"]["analysis"].pop("goldenPrompts")
+
+    def status() -> dict[str, Any]:
+        obj = kube.get("llmservice", NAME, NAMESPACE)
+        assert obj is not None
+        return obj.get("status") or {}
+
+    def held_events() -> list[str]:
+        out = kube.run("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+        return [e["message"] for e in json.loads(out)["items"] if e["reason"] == "RolloutHeld"]
+
+    def forecast_over_max() -> bool:
+        p90 = ((status().get("pools") or {}).get("edge") or {}).get("predictedP90")
+        return p90 is not None and float(p90) > 1
+
+    operator.start()
+    try:
+        kube.apply(manifest, NAMESPACE)
+        kube.eventually(
+            lambda: (status().get("rollout") or {}).get("phase") == "Completed", what="v1 stable"
+        )
+        _start_gateway(stack, follower)
+        with Load(local["gateway"]) as load:
+            kube.eventually(forecast_over_max, timeout=120, what="a forecast past one replica")
+            spec["model"]["revision"] = "v2"
+            kube.apply(manifest, NAMESPACE)
+            kube.eventually(held_events, timeout=120, what="a RolloutHeld Event")
+            rollout = status()["rollout"]
+            assert rollout["phase"] == "Progressing"
+            assert rollout["weight"] == 0
+            assert "step 1/3 holds for the forecast before sending 20% to v2" in rollout["message"]
+            assert "the edge pool is forecast to need" in rollout["message"]
+            assert "over its maxReplicas 1" in held_events()[0]
+            assert kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) is not None
+            subprocess.run(
+                [sys.executable, "-m", "hybridllm_common.cli", "rollout", "promote", "--full",
+                 NAME, "-n", NAMESPACE],
+                env=env, capture_output=True, text=True, check=True, timeout=60,
+            )  # fmt: skip
+            kube.eventually(
+                lambda: (status().get("rollout") or {}).get("stableRevision") == "v2"
+                and status()["rollout"]["phase"] == "Completed",
+                timeout=180, what="v2 promoted by hand",
+            )  # fmt: skip
+        # the gateway was never given a weight between none and all while it held
+        given = {w["v2"] for w in follower.weights() if "v2" in w}
+        assert given <= {0, 100}, given
+        assert len(held_events()) == 1, held_events()  # one Event for the hold, not per look
+        assert load.failed == [], load.failed[:5]
+    except AssertionError:
+        print(json.dumps(status(), indent=1))
         print((tmp / "operator.log").read_text()[-10000:])
         raise
     finally:
