@@ -390,6 +390,9 @@ def release_kwok_route(state_dir: Path) -> None:
     if _route_present():
         subprocess.run(["ip", "route", "del", "unreachable", KWOK_CIDR], check=False)
     (ROUTE_HOLDERS / "added").unlink(missing_ok=True)
+    for d in (ROUTE_HOLDERS, ROUTE_HOLDERS.parent):  # nothing of ours left in /run
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def _up(state_dir: Path, bin_dir: Path, real_node: bool) -> Cluster:

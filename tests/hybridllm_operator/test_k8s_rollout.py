@@ -416,7 +416,13 @@ def test_a_rollout_holds_its_traffic_while_the_forecast_is_past_the_pools_maximu
             kube.eventually(forecast_over_max, timeout=120, what="a forecast past one replica")
             spec["model"]["revision"] = "v2"
             kube.apply(manifest, NAMESPACE)
-            kube.eventually(held_events, timeout=120, what="a RolloutHeld Event")
+            # the Event is posted by the rollout loop, the status written by the reconcile
+            # it wakes: each in its own time
+            kube.eventually(
+                lambda: "holds for the forecast" in status()["rollout"]["message"]
+                and held_events(),
+                timeout=120, what="the hold in the status, and a RolloutHeld Event",
+            )  # fmt: skip
             rollout = status()["rollout"]
             assert rollout["phase"] == "Progressing"
             assert rollout["weight"] == 0

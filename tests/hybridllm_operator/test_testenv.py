@@ -129,6 +129,7 @@ def test_the_unreachable_route_is_held_by_every_plane_and_removed_by_the_last(
         b.rmdir()  # a plane killed without its down: its holder is stale
         testenv.release_kwok_route(a)
         assert not routed(), "the last holder's release left the route"
+        assert not (tmp_path / "holders").exists(), "the holders' folder was left behind"
         subprocess.run(["ip", "route", "add", "unreachable", cidr], check=True)
         testenv.hold_kwok_route(a)
         testenv.release_kwok_route(a)
