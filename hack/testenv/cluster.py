@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -359,8 +360,6 @@ def _route_holders() -> list[Path]:
 
 
 def _holder(state_dir: Path) -> Path:
-    import hashlib
-
     return ROUTE_HOLDERS / (hashlib.sha256(str(state_dir).encode()).hexdigest()[:16] + ".holder")
 
 

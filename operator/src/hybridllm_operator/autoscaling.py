@@ -183,15 +183,12 @@ class ServiceAutoscaler:
         start = histories[0][1] + (len(histories[0][0]) - n) * self.bin_s
         return windows.DayProfile.from_history(total, self.bin_s, start)
 
-    def need(self, component: str) -> tuple[float, int] | None:
-        """`forecast_need` now (the rollout controller's view)."""
-        return self.forecast_need(component, time.time())
-
-    def forecast_need(self, component: str, now_s: float) -> tuple[float, int] | None:
+    def forecast_need(self, component: str, now_s: float | None = None) -> tuple[float, int] | None:
         """(replicas, maxReplicas): the replicas one pool needs at its target utilisation
-        for the forecast P90 of its work over its lead time from ``now_s`` (as far as the
-        forecast reaches), and its maximum; None without a forecast (a pool this
-        autoscaler does not scale, or too little history yet)."""
+        for the forecast P90 of its work over its lead time from ``now_s`` (default: now;
+        as far as the forecast reaches), and its maximum; None without a forecast (a pool
+        this autoscaler does not scale, or too little history yet)."""
+        now_s = time.time() if now_s is None else now_s
         with self.lock:
             scaler = self.scalers.get(component)
         if scaler is None or not scaler.forecast.ready:

@@ -726,7 +726,7 @@ class RolloutJob(Job):
             )
             obs = await loop.run_in_executor(
                 memo.scale_executor, rollout.look, controller, spec, self.source, action,
-                fleet, self.kpis, profile, scaling.need if scaling is not None else None,
+                fleet, self.kpis, profile, scaling.forecast_need if scaling is not None else None,
             )  # fmt: skip
             if self.stopped:
                 return 0.0

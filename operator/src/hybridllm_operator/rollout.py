@@ -40,6 +40,7 @@ from typing import Any
 from hybridllm_common import crd
 from hybridllm_forecaster import windows
 from hybridllm_operator import analysis, demand
+from hybridllm_operator.autoscaling import tier_of
 
 Phase = crd.RolloutPhase
 ENDED = (Phase.completed, Phase.aborted)  # nothing to drive until a new revision comes
@@ -187,14 +188,14 @@ def forecast_hold(
     move shifts (the current step's tiers; every tier at the last step, whose pass
     promotes) is forecast to need more replicas than its maximum over its lead time. A
     canary's cold start, and a rollback if it fails, take capacity the pool will not have
-    then; the move waits until the forecast falls (or a hand `promote`)."""
+    then; the move waits until the forecast falls (or `promote --full` by hand)."""
     if state is None or state.phase not in (Phase.progressing, Phase.inconclusive):
         return None
     plan = steps(spec)
     at = min(state.step, len(plan) - 1)
     tiers = set(enabled_tiers(spec) if at == len(plan) - 1 else step_tiers(plan[at], spec))
     for component in crd.scaled_pools(spec):
-        if ("edge" if component == "edge" else "cloud") not in tiers:
+        if tier_of(component) not in tiers:
             continue
         got = need(component)
         if got is not None and got[0] > got[1]:
@@ -772,7 +773,7 @@ def look(
     if state is None or not has_canary(state):
         return Observation(now, action=action, actions_seen=True)
     canary = spec if state.phase not in (Phase.promoting, Phase.finalizing) else None
-    tiers = sorted({"edge" if c == "edge" else "cloud" for c in crd.scaled_pools(canary or spec)})
+    tiers = sorted({tier_of(c) for c in crd.scaled_pools(canary or spec)})
     window = source.read(state.step_started_at, now)
     alpha = needs_analysis(state, spec, now)
     verdict = analyse(window, state, spec, tiers, alpha) if alpha is not None else None

@@ -739,7 +739,7 @@ class Supervisor:
                 None,
                 None,
                 profile,
-                self.scaling.need if self.scaling is not None else None,
+                self.scaling.forecast_need if self.scaling is not None else None,
             )
             before = self.rollouts.state
             self.rollouts.advance(self.spec, obs)
