@@ -452,3 +452,97 @@ def test_a_rollout_holds_its_traffic_while_the_forecast_is_past_the_pools_maximu
     finally:
         follower.stop.set()
         operator.kill()
+
+
+def test_a_step_moves_traffic_only_once_its_surge_replicas_run_and_holds_while_no_node_has_room(
+    stack: dict[str, Any],
+) -> None:
+    """The stable pool's two replicas fill the two CPU nodes its pods may run on (ten
+    cores each on sixteen-core nodes). The canary's replica for 50% cannot be placed:
+    the step holds at 0% (RolloutHeld, the scheduler's reason; no abort, the revision is
+    not at fault). A node with room lets it run and the traffic moves; the next step's
+    second replica (100% of two) cannot be placed either: the rollout holds at 50% with
+    the canary at 1/2 until a second node comes, and only then sends 100%."""
+    kube, tmp, testenv = stack["kube"], stack["tmp"], stack["testenv"]
+    follower, local, _, _, operator = _wire(stack, {})
+    manifest = json.loads(json.dumps(MANIFEST))
+    spec = manifest["spec"]
+    spec["edge"]["pool"] = {
+        "replicas": 2, "maxReplicas": 2, "resources": {"cpu": "10", "memory": "1Gi"},
+        "nodeSelector": {"hybridllm.io/pool": "cpu"},
+    }  # fmt: skip
+    spec["rollout"]["steps"] = [
+        {"weight": 50, "pauseSeconds": 4},
+        {"weight": 100, "pauseSeconds": 0},
+    ]
+    spec["rollout"]["analysis"].pop("goldenPrompts")
+
+    def status() -> dict[str, Any]:
+        obj = kube.get("llmservice", NAME, NAMESPACE)
+        assert obj is not None
+        return obj.get("status") or {}
+
+    def rollout_status() -> dict[str, Any]:
+        return status().get("rollout") or {}
+
+    def events(reason: str) -> list[str]:
+        out = kube.run("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+        return [e["message"] for e in json.loads(out)["items"] if e["reason"] == reason]
+
+    def canary_ready() -> int:
+        d = kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) or {}
+        return int((d.get("status") or {}).get("readyReplicas") or 0)
+
+    def add_node(name: str, cores: str) -> None:
+        node = testenv._node_manifest(
+            name, {"hybridllm.io/pool": "cpu"}, {"cpu": cores, "memory": "64Gi", "pods": "110"}, []
+        )
+        kube.run("apply", "-f", "-", stdin=json.dumps(node))
+
+    def holding(weight: int) -> bool:
+        now = rollout_status()
+        return (
+            now.get("weight") == weight
+            and "holds for room in the cluster" in now.get("message", "")
+            and len(events("RolloutHeld")) >= (1 if weight == 0 else 2)
+        )
+
+    operator.start()
+    try:
+        kube.apply(manifest, NAMESPACE)
+        kube.eventually(lambda: rollout_status().get("phase") == "Completed", what="v1 stable")
+        _start_gateway(stack, follower)
+        with Load(local["gateway"]) as load:
+            spec["model"]["revision"] = "v2"
+            kube.apply(manifest, NAMESPACE)
+            kube.eventually(lambda: holding(0), timeout=120, what="a hold for room at 0%")
+            message = rollout_status()["message"]
+            assert "step 1/2 holds for room in the cluster" in message, message
+            assert "edge 0/1 ready" in message and "Insufficient cpu" in message, message
+            add_node("kwok-cpu-extra-0", "16")  # room for one canary replica
+            kube.eventually(lambda: holding(50), timeout=120, what="a hold for room at 50%")
+            message = rollout_status()["message"]
+            assert "step 2/2 holds for room in the cluster" in message, message
+            assert "edge 1/2 ready" in message, message
+            assert canary_ready() == 1
+            assert all(w.get("v2", 0) <= 50 for w in follower.weights()), follower.weights()
+            add_node("kwok-cpu-extra-1", "32")  # the second replica, and the promotion's surge
+            kube.eventually(
+                lambda: rollout_status().get("phase") == "Completed"
+                and rollout_status().get("stableRevision") == "v2",
+                timeout=180, what="v2 promoted once its replicas ran",
+            )  # fmt: skip
+        shown: list[int] = []  # the canary weights the gateway was given, in order
+        for w in follower.weights():
+            if "v2" in w and (not shown or shown[-1] != w["v2"]):
+                shown.append(w["v2"])
+        assert [w for w in shown if w in (50, 100)][:2] == [50, 100], shown
+        assert events("RolloutAborted") == []
+        assert load.failed == [], load.failed[:5]
+    except AssertionError:
+        print(json.dumps(status(), indent=1))
+        print((tmp / "operator.log").read_text()[-10000:])
+        raise
+    finally:
+        follower.stop.set()
+        operator.kill()

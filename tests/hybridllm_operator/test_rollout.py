@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -12,7 +13,7 @@ from scipy import stats
 
 from hybridllm_common import crd
 from hybridllm_common.metrics import LATENCY_BUCKETS
-from hybridllm_operator import analysis, builders, rollout
+from hybridllm_operator import analysis, builders, reconcile, rollout
 
 Phase = crd.RolloutPhase
 
@@ -796,17 +797,121 @@ def test_the_hold_looks_at_the_pools_of_the_tiers_the_next_move_shifts() -> None
     spec = _spec("v2", cloud=True, steps=EDGE_FIRST)
     state = _started()
     over = {"monolithic": (12.0, 8), "edge": (3.0, 8)}
-    need = over.get
+    asked: list[float] = []
+
+    def need(component: str, *, beyond_s: float) -> tuple[float, int] | None:
+        asked.append(beyond_s)
+        return over.get(component)
+
     # step 1 moves the edge tier alone: the cloud pool's forecast does not hold it
     assert rollout.forecast_hold(state, spec, need) is None
+    assert asked == [60.0]  # the forecast covers the step the move goes to: its pause
     at_cloud = state.model_copy(update={"step": 2})
     hold = rollout.forecast_hold(at_cloud, spec, need)
     assert hold is not None
     assert "the monolithic pool is forecast to need 12.0 replicas" in hold
     # the last step promotes every tier; a pool without a forecast (None) never holds
     last = state.model_copy(update={"step": 4})
-    assert rollout.forecast_hold(last, spec, {"edge": (9.0, 8)}.get) is not None
-    assert rollout.forecast_hold(last, spec, {}.get) is None
+    assert rollout.forecast_hold(last, spec, lambda c, beyond_s: (9.0, 8)) is not None
+    assert rollout.forecast_hold(last, spec, lambda c, beyond_s: None) is None
     # outside a running step there is nothing to hold
     paused = state.model_copy(update={"phase": Phase.paused})
     assert rollout.forecast_hold(paused, spec, need) is None
+
+
+# --------------------------------------------------------------------------- surge first
+
+
+def test_a_canary_is_sized_for_its_share_of_the_forecast_beyond_the_replicas_now() -> None:
+    # its share of the replicas now, at least one
+    assert rollout.canary_size(8, None, 8, 10) == 1
+    assert rollout.canary_size(0, None, 8, 10) == 1
+    assert rollout.canary_size(4, None, 8, 50) == 2
+    # the forecast over the step asks for more: the surge is its share of that
+    assert rollout.canary_size(4, 7.2, 8, 50) == 4
+    assert rollout.canary_size(4, 6.0, 8, 100) == 6
+    # never its share of more than the pool's maximum; a lower forecast never shrinks it
+    assert rollout.canary_size(4, 30.0, 8, 50) == 4
+    assert rollout.canary_size(6, 2.0, 8, 50) == 3
+    # rendered: the canary Deployment's replicas, the forecast over the step's pause
+    spec = _spec("v2")
+    state = _started()
+    service = builders.Service(name="svc", namespace="ns", uid="u", spec=spec, rollout=state,
+                               scaled={"edge": 2}, forecast={"edge": 3.5})  # fmt: skip
+    by_name = {p.component + (p.track or ""): p for p in builders.pools(service)}
+    assert by_name["edge"].replicas == 2  # the stable pool keeps the autoscaler's
+    assert by_name["edgecanary"].replicas == 1  # 10% of 4
+
+    def canary(service: builders.Service) -> int | None:
+        return {p.track: p.replicas for p in builders.pools(service)}[builders.CANARY]
+
+    heading = state.model_copy(update={"step": 1})  # 50% of 4, where 50% of 2 is one
+    assert canary(dataclasses.replace(service, rollout=heading)) == 2
+    assert canary(dataclasses.replace(service, rollout=heading, forecast={})) == 1
+    # a forecast past the maximum (4 by default) sizes it for the maximum
+    assert canary(dataclasses.replace(service, rollout=heading, forecast={"edge": 9.0})) == 2
+    assert rollout.sizing_seconds(heading, spec) == 60.0
+    assert rollout.sizing_seconds(None, spec) == 0.0
+
+
+def test_traffic_moves_only_once_the_canary_has_its_size_for_the_step() -> None:
+    spec, t = _spec("v2"), 0.0
+    state = _started()
+    state, events = rollout.advance(state, spec, _obs(t, canary_short="edge 0/1 ready"))
+    assert state.weight == 0
+    assert "waiting for the pools of v2 to be ready for 10% (edge 0/1 ready)" in state.message
+    assert events == []
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True))
+    state, _ = rollout.advance(state, spec, _obs(t, canary_ready=True, routed=True))
+    state, _ = rollout.advance(state, spec, _obs(t + 60, verdict=_verdict("pass")))
+    assert (state.step, state.weight) == (1, 10)
+    # step 2's surge: the scheduler cannot place the canary's new replica. The step holds
+    # at the traffic it has (no abort: the revision is not at fault), one Event
+    why = "edge-canary: Unschedulable: 0/4 nodes are available: 4 Insufficient cpu."
+    obs = _obs(t + 61, canary_short="edge 1/3 ready", canary_unschedulable=why)
+    state, events = rollout.advance(state, spec, obs)
+    assert (state.step, state.weight, state.phase) == (1, 10, Phase.progressing)
+    assert rollout.CAPACITY_HOLD in state.message
+    assert "edge 1/3 ready" in state.message
+    assert "4 Insufficient cpu" in state.message
+    assert [e[:2] for e in events] == [("Warning", "RolloutHeld")]
+    state, events = rollout.advance(state, spec, obs)
+    assert events == []
+    assert state.weight == 10
+    # room was made: the replicas run, and only now the traffic moves
+    state, events = rollout.advance(state, spec, _obs(t + 90, canary_ready=True))
+    assert state.weight == 50
+    assert rollout.CAPACITY_HOLD not in state.message
+
+
+def test_the_canary_is_ready_only_at_its_full_size_and_unschedulable_is_no_failure() -> None:
+    spec = _spec("v2")
+    state, _ = rollout.advance(_started(), spec, _obs(0, canary_ready=True))
+    service = _service(state.model_copy(update={"step": 1}), spec)
+
+    def deployment(name: str, revision: str, want: int, ready: int) -> dict[str, Any]:
+        track = {builders.LABEL_TRACK: builders.CANARY} if name.endswith("canary") else {}
+        return {
+            "metadata": {"name": name, "generation": 1, "labels": {
+                builders.LABEL_COMPONENT: "edge", builders.LABEL_REVISION: revision, **track}},
+            "spec": {"replicas": want},
+            "status": {"observedGeneration": 1, "replicas": ready, "updatedReplicas": ready,
+                       "readyReplicas": ready, "availableReplicas": ready},
+        }  # fmt: skip
+
+    pending = {
+        "metadata": {"name": "svc-edge-canary-x", "labels": {
+            builders.LABEL_COMPONENT: "edge", builders.LABEL_TRACK: builders.CANARY}},
+        "status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                   "reason": "Unschedulable", "message": "0/4 nodes are available."}]},
+    }  # fmt: skip
+    stable = deployment("svc-edge", "v1", 1, 1)
+    short = reconcile.readiness(service, [stable, deployment("svc-edge-canary", "v2", 1, 1)], [])
+    assert short.canary_ready
+    assert short.canary_short is None
+    grown = [stable, deployment("svc-edge-canary", "v2", 2, 1)]
+    got = reconcile.readiness(service, grown, [pending])
+    assert not got.canary_ready
+    assert got.canary_short == "edge 1/2 ready"
+    assert got.canary_problem is None  # no room in the cluster is not the revision's fault
+    assert got.canary_unschedulable == "edge-canary: Unschedulable: 0/4 nodes are available."

@@ -183,19 +183,33 @@ class ServiceAutoscaler:
         start = histories[0][1] + (len(histories[0][0]) - n) * self.bin_s
         return windows.DayProfile.from_history(total, self.bin_s, start)
 
-    def forecast_need(self, component: str, now_s: float | None = None) -> tuple[float, int] | None:
+    def forecast_need(
+        self, component: str, now_s: float | None = None, beyond_s: float = 0.0
+    ) -> tuple[float, int] | None:
         """(replicas, maxReplicas): the replicas one pool needs at its target utilisation
-        for the forecast P90 of its work over its lead time from ``now_s`` (default: now;
-        as far as the forecast reaches), and its maximum; None without a forecast (a pool
-        this autoscaler does not scale, or too little history yet)."""
+        for the forecast P90 of its work over its lead time from ``now_s`` (default: now)
+        and ``beyond_s`` more (a rollout step's pause), as far as the forecast reaches,
+        and its maximum; None without a forecast (a pool this autoscaler does not scale,
+        or too little history yet)."""
         now_s = time.time() if now_s is None else now_s
         with self.lock:
             scaler = self.scalers.get(component)
         if scaler is None or not scaler.forecast.ready:
             return None
         pool = scaler.pool
-        work = scaler.forecast.forecast_max(now_s, now_s + pool.lead_time_s)
+        work = scaler.forecast.forecast_max(now_s, now_s + pool.lead_time_s + beyond_s)
         return work / pool.target_utilisation, pool.max_replicas
+
+    def forecast_needs(self, beyond_s: float = 0.0) -> dict[str, float]:
+        """Each pool's forecast need in replicas (``forecast_need``), for those that have one."""
+        with self.lock:
+            components = list(self.scalers)
+        out = {}
+        for component in components:
+            got = self.forecast_need(component, beyond_s=beyond_s)
+            if got is not None:
+                out[component] = got[0]
+        return out
 
     @property
     def applies(self) -> bool:

@@ -87,6 +87,9 @@ class Service:
     rollout: crd.RolloutStatus | None = None
     # Serving edge devices of spec.edge.devices (their URL and the revision they run).
     devices: tuple[tuple[str, str], ...] = ()
+    # The autoscaler's forecast need of each pool over its lead time and the rollout
+    # step's pause (replicas at the target utilisation): the canary's surge.
+    forecast: Mapping[str, float] = field(default_factory=dict)
 
     def replicas(self, component: str, pool: crd.PoolSpec) -> int | None:
         """A scaled pool's replicas: the autoscaler's, the spec's until it has decided, or
@@ -133,14 +136,17 @@ class Service:
         return self.spec
 
     def canary_replicas(self, component: str, pool: crd.PoolSpec) -> int | None:
-        """The canary's share of a pool: its traffic share of the replicas the pool has
-        now (at least one), for the weight of the step it is at or heading for."""
+        """The canary's share of a pool (`rollout.canary_size`): the traffic share of the
+        step it is at or heading for, of the replicas the pool has now or the forecast
+        asks for over the step, whichever is more."""
         total = self.replicas(component, pool)
         if total is None or self.rollout is None:
             return total
         tier = "edge" if component == "edge" else "cloud"
         weight = rollout_mod.sizing_weight(self.rollout, self.spec, tier)
-        return max(1, -(-total * weight // 100))
+        return rollout_mod.canary_size(
+            total, self.forecast.get(component), pool.max_replicas, weight
+        )
 
 
 def child_name(service: Service, component: str, track: str | None = None) -> str:

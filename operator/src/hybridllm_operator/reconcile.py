@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kubernetes import client, dynamic
@@ -273,14 +273,36 @@ def readiness(
 
     canary = service.canary
     problems = status.pod_problems(pods)
+    stuck = status.unschedulable(pods)
     canary_problem = next(
-        (f"{k}: {v}" for k, v in sorted(problems.items()) if k.endswith("-canary")), None
+        (
+            f"{k}: {v}"
+            for k, v in sorted(problems.items())
+            if k.endswith("-canary") and not v.startswith(status.UNSCHEDULABLE)
+        ),
+        None,
     )
+    canary_pools = (
+        builders.model_pools(service, canary, builders.CANARY) if canary is not None else []
+    )
+    # The canary moves traffic only with every replica of its size for the step up: the
+    # surge is in place first. Short pools, and why the scheduler cannot place one.
+    short, unschedulable = [], None
+    for pool in canary_pools:
+        d = by_key.get(f"{pool.component}-{builders.CANARY}") or {}
+        want = (d.get("spec") or {}).get("replicas", 0) or 0
+        have = (d.get("status") or {}).get("readyReplicas") or 0
+        if have < want:
+            short.append(f"{pool.component} {have}/{want} ready")
+        key = f"{pool.component}-{builders.CANARY}"
+        if stuck.get(key) and unschedulable is None:
+            unschedulable = f"{key}: {problems.get(key) or status.UNSCHEDULABLE}"
     return rollout.Readiness(
-        canary_ready=canary is not None
-        and ready(builders.model_pools(service, canary, builders.CANARY), builders.CANARY),
+        canary_ready=canary is not None and ready(canary_pools, builders.CANARY) and not short,
         stable_ready=ready(builders.model_pools(service, service.stable), None),
         canary_problem=canary_problem,
+        canary_short=", ".join(short) or None,
+        canary_unschedulable=unschedulable,
     )
 
 
@@ -326,6 +348,8 @@ def reconcile(
     service = _service_from(
         body, spec, images, scaling.replicas() if scaling else None, rollout_state, devices
     )
+    if forecast := rollout.canary_forecast(scaling, rollout_state, spec):
+        service = replace(service, forecast=forecast)
     desired = apply_children(cluster, service, applied)
     keys = frozenset((o["kind"], o["metadata"]["name"]) for o in desired)
     if applied is None or applied.pruned_for != keys:

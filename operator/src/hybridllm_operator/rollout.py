@@ -31,16 +31,16 @@ starts when that time comes, or at once on ``hybridllm rollout start``.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hybridllm_common import crd
 from hybridllm_forecaster import windows
 from hybridllm_operator import analysis, demand
-from hybridllm_operator.autoscaling import tier_of
+from hybridllm_operator.autoscaling import ServiceAutoscaler, tier_of
 
 Phase = crd.RolloutPhase
 ENDED = (Phase.completed, Phase.aborted)  # nothing to drive until a new revision comes
@@ -70,6 +70,10 @@ class Observation:
     action: str | None = None  # a hand command (the annotation's value)
     actions_seen: bool = False  # `action` was read from the object (None: no command)
     canary_problem: str | None = None  # why the canary's pods cannot run (crash, no image)
+    # the canary's pools short of their size for the step: which ("edge 1/2 ready")
+    canary_short: str | None = None
+    # the scheduler's reason a canary replica cannot be placed (no room left in the cluster)
+    canary_unschedulable: str | None = None
     golden: analysis.Verdict | None = None  # the golden prompts on the canary, once all asked
     fleet: FleetView | None = None  # the service's EdgeFleet's rollout (spec.edge.devices)
     # only the spec is new (the reconcile's look): start, restart or abort a rollout on a
@@ -176,9 +180,59 @@ def sizing_weight(state: crd.RolloutStatus, spec: crd.LLMServiceSpec, tier: str)
     return state.weights.get(tier, 0)
 
 
-# (replicas at the target utilisation the forecast P90 asks for, maxReplicas) of a pool
-Need = Callable[[str], tuple[float, int] | None]
+def heading_step(state: crd.RolloutStatus, spec: crd.LLMServiceSpec) -> crd.RolloutStep | None:
+    """The step the rollout's next move of traffic goes to: the current step until every
+    tier it moves has its weight, then the next (None: the promotion is next)."""
+    plan = steps(spec)
+    at = min(state.step, len(plan) - 1)
+    step = plan[at]
+    if any(state.weights.get(t, 0) != step.weight for t in step_tiers(step, spec)):
+        return step
+    return plan[at + 1] if at + 1 < len(plan) else None
+
+
+def sizing_seconds(state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec) -> float:
+    """How long the canary serves the weight it is sized for (`sizing_weight`): that
+    step's pause (0 once promoting), what a forecast of its pools' demand covers beyond
+    their lead time."""
+    if state is None or state.phase not in STEPPING:
+        return 0.0
+    plan = steps(spec)
+    return float(plan[min(state.step, len(plan) - 1)].pause_seconds)
+
+
+def canary_forecast(
+    scaling: ServiceAutoscaler | None, state: crd.RolloutStatus | None, spec: crd.LLMServiceSpec
+) -> dict[str, float]:
+    """What a canary's pools are sized from beyond their share of the replicas now
+    (`canary_size`): each pool's forecast need over its lead time and the step's pause,
+    while a rollout has a canary and the autoscaler applies its decisions."""
+    if scaling is None or not scaling.applies or not has_canary(state):
+        return {}
+    return scaling.forecast_needs(sizing_seconds(state, spec))
+
+
+def canary_size(desired: int, forecast: float | None, max_replicas: int, weight: int) -> int:
+    """A canary pool's replicas for ``weight`` percent of a pool's traffic: that share of
+    what the pool needs, the larger of its replicas now (``desired``, the autoscaler's)
+    and the forecast P90 over the step (``forecast``, in replicas at the target
+    utilisation; up to ``max_replicas``), rounded up, at least one. The replicas beyond
+    the share of ``desired`` are the surge that is up before the traffic moves."""
+    need = desired
+    if forecast is not None:
+        need = max(need, min(math.ceil(forecast - 1e-9), max_replicas))
+    return max(1, -(-need * weight // 100))
+
+
+class Need(Protocol):
+    """(replicas at the target utilisation the forecast P90 asks for, maxReplicas) of a
+    pool over its lead time and ``beyond_s`` more (`ServiceAutoscaler.forecast_need`)."""
+
+    def __call__(self, component: str, *, beyond_s: float) -> tuple[float, int] | None: ...
+
+
 FORECAST_HOLD = "holds for the forecast"  # in the message while a step holds for it
+CAPACITY_HOLD = "holds for room in the cluster"  # while the canary's replicas cannot be placed
 
 
 def forecast_hold(
@@ -186,34 +240,39 @@ def forecast_hold(
 ) -> str | None:
     """Why the rollout's next move of traffic should wait, or None: a pool of a tier that
     move shifts (the current step's tiers; every tier at the last step, whose pass
-    promotes) is forecast to need more replicas than its maximum over its lead time. A
-    canary's cold start, and a rollback if it fails, take capacity the pool will not have
-    then; the move waits until the forecast falls (or `promote --full` by hand)."""
+    promotes) is forecast to need more replicas than its maximum over its lead time and
+    the step's pause (as far as the forecast reaches). A canary's cold start, and a
+    rollback if it fails, take capacity the pool will not have then; the move waits
+    until the forecast falls (or `promote --full` by hand)."""
     if state is None or state.phase not in (Phase.progressing, Phase.inconclusive):
         return None
     plan = steps(spec)
     at = min(state.step, len(plan) - 1)
     tiers = set(enabled_tiers(spec) if at == len(plan) - 1 else step_tiers(plan[at], spec))
+    heading = heading_step(state, spec)
+    beyond = float(heading.pause_seconds) if heading is not None else 0.0
     for component in crd.scaled_pools(spec):
         if tier_of(component) not in tiers:
             continue
-        got = need(component)
+        got = need(component, beyond_s=beyond)
         if got is not None and got[0] > got[1]:
             return (
                 f"the {component} pool is forecast to need {got[0]:.1f} replicas (P90 over "
-                f"its lead time, at its target utilisation), over its maxReplicas {got[1]}"
+                f"its lead time and the step, at its target utilisation), over its "
+                f"maxReplicas {got[1]}"
             )
     return None
 
 
 def _held(
-    state: crd.RolloutStatus, message: str, **update: Any
+    state: crd.RolloutStatus, message: str, marker: str = FORECAST_HOLD
 ) -> tuple[crd.RolloutStatus, list[Event]]:
-    """A step that holds for the forecast; one Event as the hold begins."""
+    """A step that holds (for the forecast, or for room for the canary: ``marker`` is in
+    the message); one Event as the hold begins."""
     events: list[Event] = []
-    if FORECAST_HOLD not in state.message:
+    if marker not in state.message:
         events.append(("Warning", "RolloutHeld", message))
-    return _to(state, state.phase, message, **update), events
+    return _to(state, state.phase, message), events
 
 
 def devices_step(spec: crd.LLMServiceSpec) -> int | None:
@@ -578,9 +637,18 @@ def _step(
             return _abort(state, why), [("Warning", "RolloutAborted", why)]
         return _to(state, Phase.failed, why), [("Warning", "RolloutStepFailed", why)]
     if not obs.canary_ready and state.step_started_at is None:
+        short = f" ({obs.canary_short})" if obs.canary_short else ""
+        if obs.canary_unschedulable is not None:
+            return _held(
+                state, f"{where} {CAPACITY_HOLD}: the pools of {canary} are short of their "
+                f"size for {step.weight}%{short} and the scheduler cannot place a replica: "
+                f"{obs.canary_unschedulable}; the traffic moves once they run",
+                CAPACITY_HOLD,
+            )  # fmt: skip
         return _to(
-            state, state.phase, f"{where}: waiting for the pools of {canary} to be ready"
-        ), []
+            state, state.phase,
+            f"{where}: waiting for the pools of {canary} to be ready for {step.weight}%{short}",
+        ), []  # fmt: skip
     passed: list[Event] = []
     if needs_golden(state, spec):
         verdict = obs.golden
@@ -662,7 +730,10 @@ def _step(
         return _to(state, Phase.inconclusive, f"{where} holds: {verdict.message}", **update), []
     if obs.forecast_hold is not None:
         nxt = "promotion" if state.step + 1 >= len(plan) else f"step {state.step + 2}/{len(plan)}"
-        return _held(state, f"{where} passed; {nxt} {FORECAST_HOLD}: {obs.forecast_hold}", **update)
+        return _held(
+            state.model_copy(update=update),
+            f"{where} passed; {nxt} {FORECAST_HOLD}: {obs.forecast_hold}",
+        )
     return _next_step(state.model_copy(update=update), spec, verdict.message)
 
 
@@ -673,6 +744,8 @@ class Readiness:
     canary_ready: bool = False
     stable_ready: bool = False
     canary_problem: str | None = None
+    canary_short: str | None = None
+    canary_unschedulable: str | None = None
 
 
 class Controller:
@@ -784,6 +857,7 @@ def look(
         now, canary_ready=ready.canary_ready, stable_ready=ready.stable_ready,
         routed=routed(window, state, tiers), verdict=verdict, action=action,
         actions_seen=True, canary_problem=ready.canary_problem, golden=golden, fleet=fleet,
+        canary_short=ready.canary_short, canary_unschedulable=ready.canary_unschedulable,
         forecast_hold=forecast_hold(state, spec, need) if need is not None else None,
     )  # fmt: skip
 

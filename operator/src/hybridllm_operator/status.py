@@ -74,6 +74,7 @@ STUCK_REASONS = frozenset({
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff",
 })  # fmt: skip
 MAX_PROBLEM = 300
+UNSCHEDULABLE = "Unschedulable"  # a pod's problem that is the cluster's room, not the pod's
 
 
 def _last_line(text: str | None) -> str:
@@ -86,7 +87,7 @@ def pod_problem(pod: Mapping[str, Any]) -> str | None:
     status = pod.get("status") or {}
     for cond in status.get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
-            return f"Unschedulable: {cond.get('message') or 'no node fits'}"
+            return f"{UNSCHEDULABLE}: {cond.get('message') or 'no node fits'}"
     containers = [
         *(status.get("initContainerStatuses") or []),
         *(status.get("containerStatuses") or []),

@@ -300,6 +300,7 @@ class Supervisor:
         return builders.Service(
             name=self.plan.name, namespace=plan_mod.NAMESPACE, uid="local", spec=self.spec,
             scaled=scaled, rollout=self.rollouts.state,
+            forecast=rollout.canary_forecast(self.scaling, self.rollouts.state, self.spec),
         )  # fmt: skip
 
     def _ready_urls(self, component: str, track: str | None) -> list[str]:
@@ -692,11 +693,15 @@ class Supervisor:
         """The pools as the rollout controller reads them: the canary's all up at their
         size, the stable ones all on the stable spec and ready, or why the canary's
         replicas cannot run (one that exited before it was ever ready)."""
-        canary_ready = service.canary is not None and all(
-            sum(p.status == "ready" and not p.retiring
-                for p in self._pool_procs(pool.component, builders.CANARY)) >= self._canary_size(pool)
-            for pool in pools if pool.track == builders.CANARY
-        )  # fmt: skip
+        short = []
+        for pool in pools:
+            if pool.track != builders.CANARY:
+                continue
+            procs = self._pool_procs(pool.component, builders.CANARY)
+            have = sum(p.status == "ready" and not p.retiring for p in procs)
+            if have < (want := self._canary_size(pool)):
+                short.append(f"{pool.component} {have}/{want} ready")
+        canary_ready = service.canary is not None and not short
         stable_ready = all(
             p.status == "ready" and p.pending is None and not p.updating
             for p in self.procs
@@ -708,7 +713,7 @@ class Supervisor:
             if p.replica.track and not p.retiring and p.restarts and p.ready_after_s is None:
                 problem = f"{p.replica.name} exited ({p.last_exit}): {_last_line(p.log)}"
                 break
-        return rollout.Readiness(canary_ready, stable_ready, problem)
+        return rollout.Readiness(canary_ready, stable_ready, problem, ", ".join(short) or None)
 
     async def _rollout(self) -> None:
         """The operator's rollout loop for this service: read a new spec and a hand
