@@ -13,6 +13,7 @@ from scipy import stats
 
 from hybridllm_common import crd
 from hybridllm_common.metrics import LATENCY_BUCKETS
+from hybridllm_forecaster import rollouts
 from hybridllm_operator import analysis, builders, reconcile, rollout
 
 Phase = crd.RolloutPhase
@@ -568,6 +569,31 @@ def test_a_rollout_renders_canary_pools_beside_the_stable_ones_and_weights() -> 
     assert builders.LABEL_REVISION not in plain[("Service", "svc-edge")]["spec"]["selector"]
 
 
+def test_the_stable_pools_take_a_promoted_revision_all_at_once_and_other_changes_one_by_one():
+    spec = _spec("v2")
+    state = _started()
+
+    def strategies(state: crd.RolloutStatus | None) -> dict[str, Any]:
+        return {
+            o["metadata"]["name"]: o["spec"]["strategy"]["rollingUpdate"]
+            for o in builders.build_children(_service(state, spec))
+            if o["kind"] == "Deployment"
+        }
+
+    one_by_one = {"maxUnavailable": 0, "maxSurge": 1}
+    stepping = strategies(state)
+    assert stepping == {"svc-edge": one_by_one, "svc-edge-canary": one_by_one,
+                        "svc-gateway": one_by_one}  # fmt: skip
+    promoting = strategies(state.model_copy(update={"phase": Phase.promoting}))
+    # the canary serves every request: the stable pool's pods serve none while it restarts
+    assert promoting["svc-edge"] == {"maxUnavailable": "100%", "maxSurge": 0}
+    assert promoting["svc-edge-canary"] == one_by_one
+    assert promoting["svc-gateway"] == one_by_one
+    finalizing = strategies(state.model_copy(update={"phase": Phase.finalizing}))
+    assert finalizing["svc-edge"] == one_by_one  # traffic comes back to it: never all at once
+    assert all(v == one_by_one for v in strategies(None).values())
+
+
 def test_the_error_rate_test_is_fishers_exact_test() -> None:
     for a, n1, b, n2 in [(3, 50, 2, 450), (10, 200, 5, 1800), (0, 10, 3, 100), (40, 200, 3, 1800)]:
         expected = stats.fisher_exact([[a, n1 - a], [b, n2 - b]], alternative="greater").pvalue
@@ -824,15 +850,15 @@ def test_the_hold_looks_at_the_pools_of_the_tiers_the_next_move_shifts() -> None
 
 def test_a_canary_is_sized_for_its_share_of_the_forecast_beyond_the_replicas_now() -> None:
     # its share of the replicas now, at least one
-    assert rollout.canary_size(8, None, 8, 10) == 1
-    assert rollout.canary_size(0, None, 8, 10) == 1
-    assert rollout.canary_size(4, None, 8, 50) == 2
+    assert rollouts.canary_size(8, None, 8, 10) == 1
+    assert rollouts.canary_size(0, None, 8, 10) == 1
+    assert rollouts.canary_size(4, None, 8, 50) == 2
     # the forecast over the step asks for more: the surge is its share of that
-    assert rollout.canary_size(4, 7.2, 8, 50) == 4
-    assert rollout.canary_size(4, 6.0, 8, 100) == 6
+    assert rollouts.canary_size(4, 7.2, 8, 50) == 4
+    assert rollouts.canary_size(4, 6.0, 8, 100) == 6
     # never its share of more than the pool's maximum; a lower forecast never shrinks it
-    assert rollout.canary_size(4, 30.0, 8, 50) == 4
-    assert rollout.canary_size(6, 2.0, 8, 50) == 3
+    assert rollouts.canary_size(4, 30.0, 8, 50) == 4
+    assert rollouts.canary_size(6, 2.0, 8, 50) == 3
     # rendered: the canary Deployment's replicas, the forecast over the step's pause
     spec = _spec("v2")
     state = _started()

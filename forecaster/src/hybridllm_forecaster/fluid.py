@@ -40,6 +40,7 @@ import numpy as np
 
 from hybridllm_forecaster.capacity import PoolConfig
 from hybridllm_forecaster.policies import Observation, Policy
+from hybridllm_forecaster.rollouts import CanaryRollout, InPlaceRollout
 from hybridllm_forecaster.simresult import SimResult, integrate_changes
 from hybridllm_forecaster.stream import DemandSeries
 
@@ -65,9 +66,12 @@ def simulate_fluid(
     *,
     initial_replicas: int | None = None,
     prompt_sigma: float = 1.0,
+    overlay: CanaryRollout | InPlaceRollout | None = None,
 ) -> SimResult:
     """`prompt_sigma`: log-normal spread of prompt lengths (1.0, the ServeGen sampler's;
-    `evaluate` passes the measured one when the trace has requests)."""
+    `evaluate` passes the measured one when the trace has requests). `overlay`: a
+    rollout beside the pool (its canary's replicas serve and are paid for; it caps the
+    pool to the room it leaves)."""
     dt = pool.control_interval_s
     s = step_series(demand, dt)
     rate, tin, tout, cv = s["req_per_s"], s["input_tok_per_s"], s["output_tok_per_s"], s["cv"]
@@ -104,6 +108,8 @@ def simulate_fluid(
         )  # fmt: skip
         obs = Observation(now, ready, ready + len(starting), last_work, in_flight)
         desired = policy.decide(obs)
+        if overlay is not None:
+            desired = overlay.cap(now, desired)
         provisioned = ready + len(starting)
         if desired > provisioned:
             for _ in range(desired - provisioned):
@@ -115,22 +121,25 @@ def simulate_fluid(
                 drop -= 1
             ready -= min(drop, ready)
         provisioned = ready + len(starting)
-        if provisioned != changes[-1][1]:
-            changes.append((now, provisioned))
+        serving, paid = ready, provisioned
+        if overlay is not None:
+            serving, paid = overlay.step_at(now, ready, provisioned, dt)
+        if paid != changes[-1][1]:
+            changes.append((now, paid))
 
         # the step's demand against the ready replicas
         n = rate[k] * dt
         step_work = work[k] * dt
-        capacity = ready * dt
+        capacity = serving * dt
         total = backlog + step_work
         new_backlog = max(0.0, total - capacity)
-        delay = 0.5 * (backlog + new_backlog) / ready if ready > 0 else math.inf
+        delay = 0.5 * (backlog + new_backlog) / serving if serving > 0 else math.inf
         backlog = new_backlog
         p_ttft, p_tbt = _step_attainment(
-            delay, cv[k], rate[k], tin[k], tout[k], ready, pool, max_batch, do_prefill, do_decode,
-            prompt_sigma,
+            delay, cv[k], rate[k], tin[k], tout[k], serving, pool, max_batch, do_prefill,
+            do_decode, prompt_sigma,
         )  # fmt: skip
-        out_prov[k], out_ready[k], out_att[k] = provisioned, ready, p_ttft * p_tbt
+        out_prov[k], out_ready[k], out_att[k] = paid, serving, p_ttft * p_tbt
         n_total += n
         ok_total += n * p_ttft * p_tbt
         ok_ttft += n * p_ttft

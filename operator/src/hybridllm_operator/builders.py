@@ -27,6 +27,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from hybridllm_common import crd, termination
+from hybridllm_forecaster import rollouts
 from hybridllm_operator import rollout as rollout_mod
 
 MANAGED_BY = "hybridllm-operator"
@@ -136,7 +137,7 @@ class Service:
         return self.spec
 
     def canary_replicas(self, component: str, pool: crd.PoolSpec) -> int | None:
-        """The canary's share of a pool (`rollout.canary_size`): the traffic share of the
+        """The canary's share of a pool (`rollouts.canary_size`): the traffic share of the
         step it is at or heading for, of the replicas the pool has now or the forecast
         asks for over the step, whichever is more."""
         total = self.replicas(component, pool)
@@ -144,9 +145,8 @@ class Service:
             return total
         tier = "edge" if component == "edge" else "cloud"
         weight = rollout_mod.sizing_weight(self.rollout, self.spec, tier)
-        return rollout_mod.canary_size(
-            total, self.forecast.get(component), pool.max_replicas, weight
-        )
+        forecast = self.forecast.get(component)
+        return int(rollouts.canary_size(total, forecast, pool.max_replicas, weight))
 
 
 def child_name(service: Service, component: str, track: str | None = None) -> str:
@@ -503,13 +503,27 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         "spec": {
             **({"replicas": pool.replicas} if pool.replicas is not None else {}),
             "selector": {"matchLabels": selector_labels(service, pool.component, pool.track)},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
-            },
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": _rolling_update(service, pool)},
             "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
         },
     }
+
+
+def _rolling_update(service: Service, pool: Pool) -> dict[str, Any]:
+    """How a pool's Deployment replaces its pods: one new replica ready before an old one
+    goes (a spec change never takes serving capacity). While a rollout promotes, the
+    canary serves all traffic and the stable pools none: they take the new revision all
+    at once, in one cold start instead of one per replica (a hundred-replica pool would
+    otherwise run its full-size canary beside it for a hundred cold starts)."""
+    promoting = (
+        service.rollout is not None
+        and service.rollout.phase == crd.RolloutPhase.promoting
+        and pool.track is None
+        and pool.revisioned
+    )
+    if promoting:
+        return {"maxUnavailable": "100%", "maxSurge": 0}
+    return {"maxUnavailable": 0, "maxSurge": 1}
 
 
 def build_service(service: Service, pool: Pool) -> dict[str, Any]:

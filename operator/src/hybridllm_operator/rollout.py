@@ -31,7 +31,6 @@ starts when that time comes, or at once on ``hybridllm rollout start``.
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -210,18 +209,6 @@ def canary_forecast(
     if scaling is None or not scaling.applies or not has_canary(state):
         return {}
     return scaling.forecast_needs(sizing_seconds(state, spec))
-
-
-def canary_size(desired: int, forecast: float | None, max_replicas: int, weight: int) -> int:
-    """A canary pool's replicas for ``weight`` percent of a pool's traffic: that share of
-    what the pool needs, the larger of its replicas now (``desired``, the autoscaler's)
-    and the forecast P90 over the step (``forecast``, in replicas at the target
-    utilisation; up to ``max_replicas``), rounded up, at least one. The replicas beyond
-    the share of ``desired`` are the surge that is up before the traffic moves."""
-    need = desired
-    if forecast is not None:
-        need = max(need, min(math.ceil(forecast - 1e-9), max_replicas))
-    return max(1, -(-need * weight // 100))
 
 
 class Need(Protocol):
