@@ -106,6 +106,10 @@ def test_no_start_meets_the_window_so_it_starts_at_the_latest_allowed():
     planned = windows.plan_start(now, HOUR, window, profile)
     assert planned.start_s == now + 6 * HOUR
     assert "no start in the next 6 h meets the window" in planned.reason
+    # planned again at every look, the longest wait counts from when it began to wait
+    for waited in (HOUR, 5 * HOUR, 6 * HOUR, 9 * HOUR):
+        again = windows.plan_start(now + waited, HOUR, window, profile, since_s=now)
+        assert again.start_s == max(now + waited, now + 6 * HOUR)
 
 
 @pytest.mark.skipif(not AGGREGATE.exists(), reason="shared traces not present")

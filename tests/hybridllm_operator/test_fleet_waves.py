@@ -39,11 +39,12 @@ class Fleet:
         self.broken: set[str] = set()
         self.events: list[str] = []
 
-    def tick(self, revision: str) -> waves.Plan:
+    def tick(self, revision: str, **kw: Any) -> waves.Plan:
         self.now += 1
         plan = waves.plan(
-            self.status, self.fleet, _content(revision), list(self.devices.values()), self.now
-        )
+            self.status, self.fleet, _content(revision), list(self.devices.values()), self.now,
+            **kw,
+        )  # fmt: skip
         self.status = plan.status
         self.events += [e[1] for e in plan.events]
         for name, (version, wave) in plan.assign.items():
@@ -200,3 +201,111 @@ def test_the_devices_take_the_canary_from_the_step_that_moves_them() -> None:
         assert target(state.model_copy(update={"step": 1})) == at_step1
         aborted = state.model_copy(update={"step": 1, "phase": crd.RolloutPhase.aborted})
         assert target(aborted) == "v1"
+
+
+# --------------------------------------------------------------------------- wave windows
+
+HOUR, DAY = 3600.0, 86_400.0
+
+
+def _history(quiet_from_h: float, quiet_to_h: float, days: int = 2) -> waves.DemandHistory:
+    """A group whose devices are busy (100 requests/s) but for a few quiet hours (5/s),
+    sampled every five minutes for ``days``."""
+    h = waves.DemandHistory(bin_s=600.0)
+    for t in range(0, int(days * DAY), 300):
+        hour = (t % DAY) / HOUR
+        h.add(float(t), 5.0 if quiet_from_h <= hour < quiet_to_h else 100.0)
+    return h
+
+
+def test_each_wave_starts_in_the_quiet_hours_of_its_own_devices() -> None:
+    fleet = _fleet(
+        waves=[{"matchLabels": {"region": "eu"}}, {"matchLabels": {"region": "us"}}],
+        window={"belowPeakPercent": 40},
+    )
+    labels = {"e1": {"region": "eu"}, "e2": {"region": "eu"}, "u1": {"region": "us"}}
+    f = Fleet(fleet, ["e1", "e2", "u1", "x1"], labels)
+    profiles = {
+        "region=eu": _history(2, 5).profile(2 * DAY),  # Europe's devices sleep 02-05 UTC
+        "region=us": _history(8, 11).profile(2 * DAY),  # America's 08-11 UTC
+        "": _history(12, 14).profile(2 * DAY),  # the rest of the fleet
+    }
+    assert set(waves.groups(fleet)) == set(profiles)
+    f.now = 2 * DAY  # midnight UTC
+    f.tick("v1", profiles=profiles)
+    plan = f.tick("v2", profiles=profiles)
+    rollout = f.status.rollout
+    assert rollout is not None
+    assert rollout.wave == 0
+    assert rollout.wave_starts_at == 2 * DAY + 2 * HOUR
+    assert "wave 1/3 starts at 1970-01-03 02:00 UTC" in rollout.message
+    assert "the demand of the devices with region=eu" in rollout.message
+    assert plan.assign == {}
+    assert "FleetWaveScheduled" in f.events
+    for _ in range(5):  # it waits, and says so once
+        assert f.tick("v2", profiles=profiles).assign == {}
+    assert f.events.count("FleetWaveScheduled") == 1
+    f.now = 2 * DAY + 2 * HOUR
+    plan = f.tick("v2", profiles=profiles)
+    assert set(plan.assign) == {"e1", "e2"}  # maxUnavailable 2
+    assert "FleetWaveStarted" in f.events
+    for _ in range(3):
+        f.tick("v2", profiles=profiles)
+    rollout = f.status.rollout
+    assert rollout is not None
+    assert rollout.wave == 1  # Europe passed; America's wave waits for its own night
+    assert rollout.wave_starts_at == 2 * DAY + 8 * HOUR
+    assert f.revisions() == {"e1": "v2", "e2": "v2", "u1": "v1", "x1": "v1"}
+    # by hand: it starts now
+    plan = f.tick("v2", profiles=profiles, start_now=True)
+    assert set(plan.assign) == {"u1"}
+    assert "started by hand" in plan.events[-1][2]
+    for _ in range(3):
+        f.tick("v2", profiles=profiles)
+    rollout = f.status.rollout
+    assert rollout is not None
+    assert rollout.wave == 2  # the rest: planned from the whole fleet's demand
+    assert rollout.wave_starts_at == 2 * DAY + 12 * HOUR
+    # without a day of a group's history the schedule alone decides (none here: at once)
+    plan = f.tick("v2", profiles={})
+    assert set(plan.assign) == {"x1"}
+    for _ in range(3):
+        f.tick("v2")
+    assert f.status.rollout is not None
+    assert f.status.rollout.phase == Phase.Completed
+
+
+def test_a_wave_window_with_a_schedule_and_no_window_at_all() -> None:
+    nightly = _fleet(window={"schedule": ["22:00-02:00"]})
+    f = Fleet(nightly, ["a", "b"])
+    f.now = 10 * HOUR
+    f.tick("v1")
+    f.tick("v2")
+    assert f.status.rollout is not None
+    assert f.status.rollout.wave_starts_at == 22 * HOUR
+    assert "no demand history of a whole day yet" not in f.status.rollout.message
+    plain = Fleet(_fleet(), ["a"])
+    plain.tick("v1")
+    assert set(plain.tick("v2").assign) == {"a"}  # no window: at once, nothing planned
+    assert plain.status.rollout is not None
+    assert plain.status.rollout.wave_starts_at is None
+
+
+def test_a_groups_history_bins_its_samples_for_a_week_and_fills_a_gap() -> None:
+    h = waves.DemandHistory(bin_s=600.0)
+    assert h.profile(0.0) is None
+    h.add(1000.0, 10.0)
+    h.add(1100.0, 30.0)  # the same bin: its mean
+    h.add(2000.0, 7.0)  # two bins on: the one between had no sample
+    assert h.start_s == 600.0
+    assert h.sums == [40.0, 0.0, 7.0]
+    assert h.counts == [2, 0, 1]
+    assert h.profile(3000.0) is None  # less than a day
+    week = waves.DemandHistory(bin_s=600.0)
+    for t in range(0, int(9 * DAY), 600):
+        week.add(float(t), 1.0)
+    assert len(week.sums) == week.max_bins  # a profile's week, no more
+    assert week.start_s == 9 * DAY - 600.0 * week.max_bins
+    profile = week.profile(9 * DAY)
+    assert profile is not None
+    assert profile.days == 7

@@ -24,6 +24,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -328,8 +329,40 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
     assert answer.choices[0].message.content
 
     with Load(gateway, clients=1) as load:
-        # ---- a new revision: wave 1 is the lab device, wave 2 the shops
+        # ---- a new revision: wave 1 is the lab device, wave 2 the shops. The fleet's waves
+        # may start only in a window of the UTC day three hours from now: each wave waits,
+        # its planned start in the status, until `hybridllm fleet start` starts it
+        hour = time.gmtime().tm_hour
+        windowed = json.loads(json.dumps(FLEET))
+        windowed["spec"]["rollout"]["window"] = {
+            "schedule": [f"{(hour + 3) % 24:02d}:00-{(hour + 4) % 24:02d}:00"]
+        }
+        kube.apply(windowed, NAMESPACE)
         kube.apply(_service("v2"), NAMESPACE)
+
+        def waiting(wave: int) -> bool:
+            rollout = fleet().get("rollout") or {}
+            return (
+                rollout.get("wave") == wave
+                and rollout.get("waveStartsAt") is not None
+                and rollout.get("message", "").startswith(f"wave {wave + 1}/2 starts at ")
+            )
+
+        kube.eventually(lambda: waiting(0), timeout=60, what="wave 1 planned for its window")
+        planned = fleet()["rollout"]["waveStartsAt"]
+        assert 2 * 3600 - 60 < planned - time.time() < 4 * 3600, planned - time.time()
+        assert any("wave 1/2 starts at" in m for m in events("FleetWaveScheduled"))
+        assert set(revisions().values()) == {"v1"}  # nothing was sent
+        run("fleet", "start", "shops", "-n", NAMESPACE)
+        kube.eventually(lambda: revisions()["dev-0"] == "v2", timeout=180, what="dev-0 on v2")
+        kube.eventually(lambda: waiting(1), timeout=120, what="wave 2 waiting for its window")
+        assert any("started by hand" in m for m in events("FleetWaveStarted"))
+        annotations = (kube.get("edgefleet", "shops", NAMESPACE) or {})["metadata"].get(
+            "annotations"
+        ) or {}
+        assert "hybridllm.io/rollout-action" not in annotations  # acted on, removed
+        assert revisions()["dev-1"] == "v1"
+        kube.apply(FLEET, NAMESPACE)  # the window removed: the second wave goes at once
         kube.eventually(lambda: set(revisions().values()) == {"v2"} and
                         (fleet().get("rollout") or {}).get("phase") == "Completed",
                         timeout=300, what="v2 on every device")  # fmt: skip

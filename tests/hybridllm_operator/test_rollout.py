@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from typing import Any
 
 import pytest
@@ -733,7 +734,8 @@ def test_the_look_plans_a_scheduled_rollout_from_the_window_and_the_profile() ->
     controller = rollout.Controller()
     controller.advance(_spec("v1", **NIGHTLY), _obs(0.0))
     spec = _spec("v2", **NIGHTLY)
-    controller.advance(spec, _obs(1.0, spec_only=True))
+    asked = time.time()
+    controller.advance(spec, _obs(asked, spec_only=True))
     assert rollout.is_scheduled(controller.state)
     assert rollout.expected_duration_s(spec) == 120 + 2 * spec.autoscaling.scale_up_lead_seconds
 
@@ -755,6 +757,16 @@ def test_the_look_plans_a_scheduled_rollout_from_the_window_and_the_profile() ->
     obs = rollout.look(controller, spec, NoWindows(), None, profile=flat)
     assert obs.planned is not None
     assert obs.planned.reason.startswith("no start in the next 24 h meets the window")
+    assert obs.planned.start_s >= asked + day  # it waits the longest allowed, a day
+    # planned again later, the day counts from when it began to wait: over, it starts now
+    assert controller.state is not None
+    assert controller.state.scheduled_at == asked
+    controller.state = controller.state.model_copy(update={"scheduled_at": asked - 2 * day})
+    obs = rollout.look(controller, spec, NoWindows(), None, profile=flat)
+    assert obs.planned is not None
+    assert obs.planned.start_s <= time.time()
+    controller.advance(spec, obs)
+    assert controller.state.phase == Phase.progressing
 
 
 def test_a_window_with_the_rolling_strategy_is_refused_by_name() -> None:

@@ -971,6 +971,11 @@ class RolloutStatus(_Model):
         "them from it while the new revision is the spec's).",
     )
     started_at: float | None = Field(default=None, description="Unix time the rollout started.")
+    scheduled_at: float | None = Field(
+        default=None,
+        description="Unix time the new revision began to wait for its window (the longest "
+        "wait, maxDelaySeconds, counts from then).",
+    )
     planned_start: float | None = Field(
         default=None,
         description="Unix time a scheduled rollout is planned to start (spec.rollout.window).",
@@ -1067,6 +1072,30 @@ class FleetWave(_Model):
         return self
 
 
+class WaveWindow(RolloutWindow):
+    """When each wave of a fleet rollout may start. The fleet server plans each wave's
+    start from the demand of that wave's own devices (the requests their heartbeats
+    report, by time of day) and the schedule, shows it in status.rollout.waveStartsAt,
+    and starts the wave then (or at once with `hybridllm fleet start`)."""
+
+    below_peak_percent: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Start a wave only where its own devices' forecast demand (each time of "
+        "day's P90 over their reported requests, up to a week) stays under this percent of "
+        "their day's P90 peak for updateTimeoutSeconds. Needs a whole day of their "
+        "history, kept by the fleet server since it started; until then the schedule "
+        "alone decides.",
+    )
+    max_delay_seconds: int = Field(
+        default=86_400,
+        ge=0,
+        le=7 * 86_400,
+        description="The longest a wave waits for its window; then it starts regardless.",
+    )
+
+
 class FleetRollout(_Model):
     """How a new revision reaches the devices: wave by wave, each judged before the next."""
 
@@ -1104,6 +1133,10 @@ class FleetRollout(_Model):
     auto_rollback: bool = Field(
         default=True,
         description="A wave below the threshold sends the previous config back to every device.",
+    )
+    window: WaveWindow | None = Field(
+        default=None,
+        description="When each wave may start (default: as soon as the one before it passed).",
     )
 
 
@@ -1229,6 +1262,11 @@ class FleetRolloutStatus(_Model):
     wave: int = Field(default=0, ge=0, description="Current wave (0-based).")
     waves: int = Field(default=1, ge=1, description="Waves in this rollout.")
     wave_started_at: float | None = Field(default=None, description="Unix time the wave began.")
+    wave_starts_at: float | None = Field(
+        default=None,
+        description="Unix time the current wave is planned to send its first device the new "
+        "config (spec.rollout.window); unset once it did, or without a window.",
+    )
     started_at: float | None = Field(default=None, description="Unix time the rollout began.")
     failed_devices: list[str] = Field(
         default_factory=list, max_length=100, description="Devices that failed the update."

@@ -135,11 +135,14 @@ def plan_start(
     window: Window,
     profile: DayProfile | None,
     step_s: float = 60.0,
+    since_s: float | None = None,
 ) -> Planned:
     """The first start from ``now_s`` that the window allows for a rollout lasting
-    ``duration_s`` (see the module's docstring)."""
+    ``duration_s`` (see the module's docstring). ``since_s``: when the rollout began to
+    wait (default: now); the longest wait counts from then, so a plan made again at
+    every look still ends."""
     step = profile.bin_s if profile is not None else step_s
-    latest = now_s + window.max_delay_s
+    latest = max(now_s, (now_s if since_s is None else since_s) + window.max_delay_s)
     limit = None  # the forecast P90 a rollout must stay under (None: not judged)
     if window.below_peak is not None and profile is not None and profile.peak > 0:
         limit = window.below_peak * profile.peak

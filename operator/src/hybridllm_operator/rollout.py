@@ -124,16 +124,22 @@ def stable_spec(state: crd.RolloutStatus, spec: crd.LLMServiceSpec) -> crd.LLMSe
     return crd.LLMServiceSpec.model_validate(json.loads(state.stable_spec))
 
 
-def window_of(spec: crd.LLMServiceSpec) -> windows.Window | None:
-    """``spec.rollout.window`` as the planner takes it (None: start at once)."""
-    w = spec.rollout.window
-    if w is None or spec.rollout.strategy == crd.RolloutStrategy.rolling:
-        return None
+def window_from(w: crd.RolloutWindow) -> windows.Window:
+    """A window of the spec (an LLMService's rollout, a fleet's waves) as the planner
+    takes it."""
     return windows.Window(
         schedule=tuple(crd.window_range_seconds(r) for r in w.schedule),
         below_peak=w.below_peak_percent / 100 if w.below_peak_percent is not None else None,
         max_delay_s=float(w.max_delay_seconds),
     )
+
+
+def window_of(spec: crd.LLMServiceSpec) -> windows.Window | None:
+    """``spec.rollout.window`` as the planner takes it (None: start at once)."""
+    w = spec.rollout.window
+    if w is None or spec.rollout.strategy == crd.RolloutStrategy.rolling:
+        return None
+    return window_from(w)
 
 
 def expected_duration_s(spec: crd.LLMServiceSpec) -> float:
@@ -369,7 +375,8 @@ def _begin(
         return _start(state, spec, obs.now), [("Normal", "RolloutStarted", why)]
     scheduled = _to(
         state, Phase.scheduled, f"{target} waits for its window (spec.rollout.window): "
-        "planning its start", canary_revision=target, planned_start=None, step=0,
+        "planning its start", canary_revision=target, planned_start=None,
+        scheduled_at=obs.now, step=0,
         steps=len(steps(spec)), weights={}, step_started_at=None, analysis=[], golden=None,
     )  # fmt: skip
     return _scheduled(scheduled, spec, obs, [])
@@ -391,7 +398,9 @@ def _scheduled(
                    planned_start=None, stable_spec=spec_wire(spec))  # fmt: skip
         return done, [*events, ("Normal", "RolloutCalledOff", done.message)]
     if target != state.canary_revision:
-        state = state.model_copy(update={"canary_revision": target, "planned_start": None})
+        state = state.model_copy(
+            update={"canary_revision": target, "planned_start": None, "scheduled_at": obs.now}
+        )
     # While it waits, the stable pools follow every other change of the spec (replicas,
     # resources, routing): only the model stays the stable one's.
     kept = stable_spec(state, spec).model
@@ -825,7 +834,9 @@ def look(
     if state is not None and state.phase == Phase.scheduled:
         window = window_of(spec)
         planned = (
-            windows.plan_start(now, expected_duration_s(spec), window, profile)
+            windows.plan_start(
+                now, expected_duration_s(spec), window, profile, since_s=state.scheduled_at
+            )
             if window is not None
             else None
         )

@@ -49,15 +49,15 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hybridllm fleet serve: {exc}", file=sys.stderr)
         return 2
-    if not args.digest_seconds > 0 or not args.tick_seconds > 0:
-        print("hybridllm fleet serve: --digest-seconds and --tick-seconds must be positive",
-              file=sys.stderr)  # fmt: skip
+    if not args.digest_seconds > 0 or not args.tick_seconds > 0 or not args.demand_bin_seconds > 0:
+        print("hybridllm fleet serve: --digest-seconds, --tick-seconds and "
+              "--demand-bin-seconds must be positive", file=sys.stderr)  # fmt: skip
         return 2
     kube.load_config()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.serve(
             args.namespace, args.host, args.port, tls, args.tick_seconds, lease=args.lease_name,
-            timing=timing, digest_s=args.digest_seconds,
+            timing=timing, digest_s=args.digest_seconds, demand_bin_s=args.demand_bin_seconds,
         ))  # fmt: skip
     return 0
 
@@ -105,6 +105,34 @@ def _token(args: argparse.Namespace) -> int:
             return 1
         raise
     print(token)
+    return 0
+
+
+def _start(args: argparse.Namespace) -> int:
+    import time
+
+    from kubernetes.client.exceptions import ApiException
+
+    from hybridllm_common import crd
+    from hybridllm_operator import rollout
+    from hybridllm_operator.fleet import kube
+
+    kube.load_config()
+    fleets = kube.Kube(args.namespace)
+    try:
+        obj = fleets.custom.get_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, args.namespace, "edgefleets", args.fleet
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            print(f"EdgeFleet {args.namespace}/{args.fleet} not found", file=sys.stderr)
+            return 1
+        raise
+    fleets.annotate_fleet(args.fleet, rollout.ACTION_ANNOTATION, f"start@{time.time():.3f}")
+    status = dict(obj).get("status") or {} if isinstance(obj, dict) else {}
+    message = (status.get("rollout") or {}).get("message", "")
+    print(f"start asked of {args.namespace}/{args.fleet} ({message or 'no rollout'}); "
+          "`kubectl get edgefleet` shows when the fleet server has acted", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -193,6 +221,10 @@ def register_fleet(subparsers: Any) -> None:
                        help="how often a replica that does not lead hands the heartbeats "
                             "it received to the leader (a ConfigMap write, only when a "
                             "device beat to it)")  # fmt: skip
+    serve.add_argument("--demand-bin-seconds", type=float, default=600.0,
+                       help="the bins of each device group's demand history, which plans "
+                            "the waves of a fleet with spec.rollout.window (a profile needs "
+                            "a whole day of them)")  # fmt: skip
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     serve.set_defaults(func=_serve)
     for verb, func, text in (
@@ -203,6 +235,15 @@ def register_fleet(subparsers: Any) -> None:
         p.add_argument("device", help="the EdgeDevice")
         p.add_argument("-n", "--namespace", default="default")
         p.set_defaults(func=func)
+    start = sub.add_parser(
+        "start", help="start the wave that waits for its window (spec.rollout.window) now",
+        description="Start the fleet's next wave now, whatever its window says: writes the "
+        "annotation hybridllm.io/rollout-action=start@TIME, which the fleet server's leader "
+        "acts on at its next tick and removes.",
+    )  # fmt: skip
+    start.add_argument("fleet", help="the EdgeFleet")
+    start.add_argument("-n", "--namespace", default="default")
+    start.set_defaults(func=_start)
     token = sub.add_parser("token", help="make a fleet's bootstrap token Secret, print the token")
     token.add_argument("fleet", help="the EdgeFleet")
     token.add_argument("-n", "--namespace", default="default")

@@ -287,6 +287,14 @@ class Kube:
         self.core.create_namespaced_secret(self.namespace, body)  # type: ignore[arg-type]
         return token
 
+    def annotate_fleet(self, name: str, key: str, value: str | None) -> None:
+        """Set (or, with None, remove) one annotation of an EdgeFleet."""
+        self._count("edgefleet")
+        self.custom.patch_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, self.namespace, "edgefleets", name,
+            {"metadata": {"annotations": {key: value}}},
+        )  # fmt: skip
+
     def patch_device_spec(self, name: str, spec: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object(
             crd.GROUP, crd.VERSION, self.namespace, "edgedevices", name, {"spec": spec}

@@ -60,7 +60,7 @@ from prometheus_client.registry import Collector
 
 from hybridllm_common import crd, signing
 from hybridllm_common import metrics as names
-from hybridllm_operator import builders, leader, reconcile
+from hybridllm_operator import builders, leader, reconcile, rollout
 from hybridllm_operator.fleet import digest as digests
 from hybridllm_operator.fleet import kube as kube_mod
 from hybridllm_operator.fleet import waves
@@ -119,6 +119,10 @@ class Fleet:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     written: dict[str, Any] = field(default_factory=dict)
     written_at: float = 0.0
+    # each device group's request rate in bins (`waves.DemandHistory`): plans the waves
+    demand: dict[str, waves.DemandHistory] = field(default_factory=dict)
+    sampled_at: float = 0.0
+    handled_action: str | None = None  # the hand command acted on (until it is removed)
 
 
 class Metrics:
@@ -201,6 +205,10 @@ class _Writes(Collector):
         yield family
 
 
+DEMAND_BIN_S = 600.0  # the bins of each device group's demand history
+DEMAND_SAMPLE_S = 15.0  # how often a group's request rate is sampled (at most)
+
+
 class FleetServer:
     def __init__(
         self,
@@ -208,8 +216,10 @@ class FleetServer:
         tick_s: float = 1.0,
         identity: str = "",
         digest_s: float = 5.0,
+        demand_bin_s: float = DEMAND_BIN_S,
     ) -> None:
         self.kube, self.tick_s, self.digest_s = kube, tick_s, digest_s
+        self.demand_bin_s = demand_bin_s
         self.identity = identity or leader.default_identity()
         self.leading = False
         self.namespace = kube.namespace
@@ -541,7 +551,17 @@ class FleetServer:
         content, problem = self.content(fleet)
         views = self.views(fleet, now)
         before = fleet.status
-        planned = waves.plan(before, fleet.spec, content, views, now)
+        self._sample_demand(fleet, now)
+        action = self._action(fleet)
+        start_now = action is not None and action.split("@", 1)[0] == "start"
+        profiles = (
+            {k: h.profile(now) for k, h in fleet.demand.items()}
+            if fleet.spec.rollout.window is not None
+            else {}
+        )
+        planned = waves.plan(before, fleet.spec, content, views, now, profiles, start_now)
+        if action is not None:
+            await self._took_action(fleet, action, planned)
         status = planned.status
         status.signing_key_id = signing.key_id(fleet.key)
         for name, (version, wave) in planned.assign.items():
@@ -566,6 +586,51 @@ class FleetServer:
             if d.fleet == fleet.name:
                 self._refresh(fleet, d, now)
         await self._write_fleet(fleet, status, now, problem)
+
+    def _sample_demand(self, fleet: Fleet, now: float) -> None:
+        """Each device group's request rate now (the requests its online members reported
+        over their last heartbeat interval), into its history: what plans the waves."""
+        assert fleet.spec is not None
+        if now - fleet.sampled_at < min(DEMAND_SAMPLE_S, self.demand_bin_s / 4):
+            return
+        fleet.sampled_at = now
+        spec = fleet.spec
+        timeout, interval = spec.heartbeat_timeout_seconds, waves.heartbeat_seconds(spec)
+        online = [
+            d for d in self.devices.values()
+            if d.fleet == fleet.name and d.approved and not d.revoked
+            and d.online(now, timeout) and waves.matches(d.labels, spec.selector)
+        ]  # fmt: skip
+        for key, labels in waves.groups(spec).items():
+            requests = sum(
+                float((d.report.get("kpis") or {}).get("requests", 0.0))
+                for d in online
+                if waves.matches(d.labels, labels)
+            )
+            history = fleet.demand.setdefault(key, waves.DemandHistory(self.demand_bin_s))
+            history.add(now, requests / interval)
+
+    def _action(self, fleet: Fleet) -> str | None:
+        """A hand command on the fleet (the annotation), once."""
+        meta = fleet.obj.get("metadata") or {}
+        action = (meta.get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
+        if not action or action == fleet.handled_action:
+            return None
+        return str(action)
+
+    async def _took_action(self, fleet: Fleet, action: str, planned: waves.Plan) -> None:
+        """Say what a hand command did, and remove it."""
+        fleet.handled_action = action
+        verb = action.split("@", 1)[0]
+        if verb != "start":
+            why = f"unknown action {verb!r} on an EdgeFleet (known: start)"
+            planned.events.append(("Warning", "UnknownRolloutAction", why))
+        elif not any(reason == "FleetWaveStarted" for _, reason, _ in planned.events):
+            why = "start: no wave waits for its window"
+            planned.events.append(("Normal", "RolloutActionIgnored", why))
+        await asyncio.to_thread(
+            self.kube.annotate_fleet, fleet.name, rollout.ACTION_ANNOTATION, None
+        )
 
     def _wake(self, fleet: Fleet) -> None:
         fleet.changed.set()
@@ -1093,13 +1158,14 @@ async def serve(
     timing: leader.Timing | None = None,
     identity: str = "",
     digest_s: float = 5.0,
+    demand_bin_s: float = DEMAND_BIN_S,
 ) -> None:
     if tls is not None:
         from asyncio import sslproto
 
         sslproto.SSLProtocol.max_size = TLS_READ_BUFFER  # this process serves devices only
     kube = kube_mod.Kube(namespace)
-    server = FleetServer(kube, tick_s, identity, digest_s)
+    server = FleetServer(kube, tick_s, identity, digest_s, demand_bin_s)
     server.loop = asyncio.get_running_loop()
     server.start_informers()
     runner = web.AppRunner(server.app(), access_log=None)

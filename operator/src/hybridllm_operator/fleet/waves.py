@@ -19,14 +19,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hybridllm_common import crd, signing
+from hybridllm_forecaster import windows
 from hybridllm_operator import builders, rollout
 
 Phase = crd.FleetRolloutPhase
 Event = tuple[str, str, str]  # type (Normal, Warning), reason, message
+
+
+def heartbeat_seconds(fleet: crd.EdgeFleetSpec) -> int:
+    """How often a device of the fleet beats (its KPIs count over that interval)."""
+    return max(3, fleet.heartbeat_timeout_seconds // 3)
 
 
 def config_content(
@@ -54,7 +61,7 @@ def config_content(
             else None,
         },
         "healthCheck": fleet.health_check.to_wire(),
-        "heartbeatSeconds": max(3, fleet.heartbeat_timeout_seconds // 3),
+        "heartbeatSeconds": heartbeat_seconds(fleet),
         "pollSeconds": fleet.config_poll_seconds,
     }
 
@@ -144,22 +151,53 @@ def summary(status: crd.EdgeFleetStatus) -> str | None:
     return rollout.phase.value
 
 
+def group_key(labels: Mapping[str, str] | None) -> str:
+    """A device group by the labels that pick it: ``k=v,k2=v2`` (sorted); ``""`` is
+    every device of the fleet."""
+    return ",".join(f"{k}={v}" for k, v in sorted((labels or {}).items()))
+
+
+def wave_labels(fleet: crd.EdgeFleetSpec, wave: int) -> dict[str, str] | None:
+    """The labels a wave picks its devices by (None: any device; the last wave)."""
+    return fleet.rollout.waves[wave].match_labels if wave < len(fleet.rollout.waves) else None
+
+
+def groups(fleet: crd.EdgeFleetSpec) -> dict[str, dict[str, str] | None]:
+    """The device groups whose demand plans the waves: each wave's labels, and every
+    device (the last wave, and a wave that names no labels)."""
+    out: dict[str, dict[str, str] | None] = {"": None}
+    for wave in fleet.rollout.waves:
+        out[group_key(wave.match_labels)] = wave.match_labels
+    return out
+
+
+def wave_window(fleet: crd.EdgeFleetSpec) -> windows.Window | None:
+    """``spec.rollout.window`` as the planner takes it (None: each wave starts at once)."""
+    w = fleet.rollout.window
+    return rollout.window_from(w) if w is not None else None
+
+
 def plan(
     status: crd.EdgeFleetStatus,
     fleet: crd.EdgeFleetSpec,
     content: dict[str, Any] | None,
     devices: Sequence[DeviceView],
     now: float,
+    profiles: Mapping[str, windows.DayProfile | None] | None = None,
+    start_now: bool = False,
 ) -> Plan:
     """The fleet's next status and the devices that join a wave now; ``content`` is what
     the service asks devices to run (None: the service is missing or invalid, nothing
-    changes)."""
+    changes). With ``spec.rollout.window``, a wave starts at the time planned for it
+    from ``profiles`` (each device group's demand by time of day, by `group_key`), or
+    at once with ``start_now`` (a hand command)."""
     out = Plan(status.model_copy(deep=True))
     if content is not None:
         _follow(out, content, now)
     st = out.status
     if st.rollout is not None and st.rollout.phase == Phase.Progressing:
-        _advance(out, fleet, sorted(devices, key=lambda d: d.name), now)
+        _advance(out, fleet, sorted(devices, key=lambda d: d.name), now, profiles or {},
+                 start_now)  # fmt: skip
     st.current_revision = st.config.revision if st.config else None
     st.rollout_summary = summary(st)
     return out
@@ -220,7 +258,67 @@ def _roll_back(out: Plan, now: float, why: str) -> None:
     out.events.append(("Warning", "FleetRolledBack", why))
 
 
-def _advance(out: Plan, fleet: crd.EdgeFleetSpec, devices: list[DeviceView], now: float) -> None:
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
+
+
+def _wave_waits(
+    out: Plan,
+    rollout: crd.FleetRolloutStatus,
+    fleet: crd.EdgeFleetSpec,
+    profiles: Mapping[str, windows.DayProfile | None],
+    now: float,
+    start_now: bool,
+) -> tuple[crd.FleetRolloutStatus, bool]:
+    """A wave that has sent no device the new config yet, under a window: (the rollout's
+    status, whether the wave waits). Its start is planned at every look from its own
+    devices' demand by time of day (the longest wait counting from when the wave came
+    up), shown in ``waveStartsAt`` and the message; once that time came (or by hand) the
+    wave goes on and is not planned again."""
+    window = wave_window(fleet)
+    k, waves = rollout.wave, rollout.waves
+    planned_at = rollout.wave_starts_at
+    waiting = f"wave {k + 1}/{waves} starts at "
+    if window is None:
+        return rollout, False
+    if planned_at is not None and now >= planned_at:
+        if rollout.message.startswith(waiting):  # it waited until now: say it goes
+            why = f"wave {k + 1}/{waves}: its planned start came"
+            out.events.append(("Normal", "FleetWaveStarted", why))
+            return rollout.model_copy(update={"message": why}), False
+        return rollout, False
+    labels = wave_labels(fleet, k)
+    who = f"the devices with {group_key(labels)}" if labels else "its devices"
+    if start_now:
+        why = f"wave {k + 1}/{waves} started by hand before its planned start"
+        out.events.append(("Normal", "FleetWaveStarted", why))
+        return rollout.model_copy(update={"wave_starts_at": now, "message": why}), False
+    planned = windows.plan_start(
+        now, float(fleet.rollout.update_timeout_seconds), window,
+        profiles.get(group_key(labels)), since_s=rollout.wave_started_at,
+    )  # fmt: skip
+    if now >= planned.start_s:
+        out.events.append(("Normal", "FleetWaveStarted", f"wave {k + 1}/{waves}: {planned.reason}"))
+        return rollout.model_copy(update={"wave_starts_at": now}), False
+    whose = f"the demand of {who}; " if window.below_peak is not None else ""
+    message = (
+        f"{waiting}{_utc(planned.start_s)}: {planned.reason} ({whose}`hybridllm fleet "
+        "start` starts it now)"
+    )
+    if planned_at is None:
+        out.events.append(("Normal", "FleetWaveScheduled", message))
+    held = rollout.model_copy(update={"wave_starts_at": planned.start_s, "message": message})
+    return held, True
+
+
+def _advance(
+    out: Plan,
+    fleet: crd.EdgeFleetSpec,
+    devices: list[DeviceView],
+    now: float,
+    profiles: Mapping[str, windows.DayProfile | None],
+    start_now: bool,
+) -> None:
     st = out.status
     rollout, config = st.rollout, st.config
     assert rollout is not None
@@ -242,6 +340,11 @@ def _advance(out: Plan, fleet: crd.EdgeFleetSpec, devices: list[DeviceView], now
         size = wave_size(fleet, k, len(members))
         target = len(matching) if size is None else min(size, len(matching))
         in_wave = [d for d in matching if d.assigned_version == config.version]
+        if not in_wave:
+            rollout, waits = _wave_waits(out, rollout, fleet, profiles, now, start_now)
+            if waits:
+                st.rollout = rollout
+                return
         outcome = {d.name: _outcome(d, config.version, policy, now) for d in in_wave}
         # Devices join up to the wave's size, at most maxUnavailable updating at once;
         # an offline device is not sent a config it cannot fetch.
@@ -278,7 +381,9 @@ def _advance(out: Plan, fleet: crd.EdgeFleetSpec, devices: list[DeviceView], now
             return
         out.events.append(("Normal", "FleetWaveCompleted",
                            f"wave {k + 1}/{waves}: {ok} of {judged} devices passed"))  # fmt: skip
-        rollout = rollout.model_copy(update={"wave": k + 1, "wave_started_at": now})
+        rollout = rollout.model_copy(
+            update={"wave": k + 1, "wave_started_at": now, "wave_starts_at": None}
+        )
 
 
 def _outcome(d: DeviceView, version: int, policy: crd.FleetRollout, now: float) -> str:
@@ -316,3 +421,50 @@ def _fail_wave(
         return
     st.rollout = st.rollout.model_copy(update={"phase": Phase.Stopped, "message": why})
     out.events.append(("Warning", "FleetRolloutStopped", why))
+
+
+@dataclasses.dataclass
+class DemandHistory:
+    """One device group's request rate in bins of wall-clock time, up to a profile's
+    week: what its waves are planned from. The fleet server adds the group's rate (the
+    requests its online devices report per heartbeat interval, summed) at every sample;
+    a bin's value is the mean of its samples; a bin with none (no leader was running)
+    takes the bin before it."""
+
+    bin_s: float = 600.0
+    start_s: float | None = None  # when bin 0 began
+    sums: list[float] = dataclasses.field(default_factory=list)
+    counts: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_bins(self) -> int:
+        return int(windows.PROFILE_DAYS * windows.DAY_S / self.bin_s) + 1
+
+    def add(self, t: float, rate: float) -> None:
+        begins = math.floor(t / self.bin_s) * self.bin_s
+        if self.start_s is None:
+            self.start_s = begins
+        i = round((begins - self.start_s) / self.bin_s)
+        if i < 0:
+            return
+        while len(self.sums) <= i:
+            self.sums.append(0.0)
+            self.counts.append(0)
+        self.sums[i] += rate
+        self.counts[i] += 1
+        drop = len(self.sums) - self.max_bins
+        if drop > 0:
+            del self.sums[:drop], self.counts[:drop]
+            self.start_s += drop * self.bin_s
+
+    def profile(self, now: float) -> windows.DayProfile | None:
+        """The group's demand by time of day from the bins complete at ``now`` (None
+        before a whole day of them)."""
+        if self.start_s is None:
+            return None
+        n = min(len(self.sums), int((now - self.start_s) // self.bin_s))
+        values, last = [], 0.0
+        for s, c in zip(self.sums[:n], self.counts[:n], strict=True):
+            last = s / c if c else last
+            values.append(last)
+        return windows.DayProfile.from_history(values, self.bin_s, self.start_s)
