@@ -128,6 +128,14 @@ class Follower:
         while not self.stop.wait(0.3):
             self.sync()
 
+    def shown(self, revision: str) -> list[int]:
+        """The weights the gateway was given for ``revision``, in order, each change once."""
+        out: list[int] = []
+        for w in self.weights():
+            if revision in w and (not out or out[-1] != w[revision]):
+                out.append(w[revision])
+        return out
+
     def weights(self) -> list[dict[str, int]]:
         """The canary weights the gateway was given, table by table."""
         out = []
@@ -277,10 +285,7 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
                 lambda: kube.get("deployment", f"{NAME}-edge-canary", NAMESPACE) is None,
                 what="the canary removed",
             )
-            shown: list[int] = []  # the canary weights the gateway was given, in order
-            for w in follower.weights():
-                if "v2" in w and (not shown or shown[-1] != w["v2"]):
-                    shown.append(w["v2"])
+            shown = follower.shown("v2")  # the canary weights the gateway was given, in order
             assert [w for w in shown if w in (20, 50, 100)][:3] == [20, 50, 100], shown
             assert events("RolloutCompleted"), "no RolloutCompleted Event"
             golden = events("GoldenPromptsPassed")  # read from Prometheus, asked by the gateway
@@ -533,10 +538,7 @@ def test_a_step_moves_traffic_only_once_its_surge_replicas_run_and_holds_while_n
                 and rollout_status().get("stableRevision") == "v2",
                 timeout=180, what="v2 promoted once its replicas ran",
             )  # fmt: skip
-        shown: list[int] = []  # the canary weights the gateway was given, in order
-        for w in follower.weights():
-            if "v2" in w and (not shown or shown[-1] != w["v2"]):
-                shown.append(w["v2"])
+        shown = follower.shown("v2")
         assert [w for w in shown if w in (50, 100)][:2] == [50, 100], shown
         assert events("RolloutAborted") == []
         assert load.failed == [], load.failed[:5]
