@@ -317,3 +317,23 @@ def test_the_cause_of_a_decision_takes_few_values_and_no_numbers(mode):
     assert len(causes) <= 12, causes
     if mode != "off":
         assert len(reasons) > 2 * len(causes), (len(reasons), causes)
+
+
+def test_a_compressed_season_is_learned_when_the_forecast_is_told_its_length():
+    """A 'day' of ten minutes in 20 s bins (quiet, then a rise in its last third), three
+    of them: told the season is ten minutes, the forecast from just before the third
+    rise sees it coming; with the default day for a season it sees only the quiet."""
+    bin_s, per_day = 20.0, 30
+    phase = np.arange(3 * per_day) % per_day
+    work = np.where(phase >= 20, 40.0, 5.0)
+    pool = PoolConfig(min_replicas=1, max_replicas=200, cold_start_s=60.0)
+    before = 2 * per_day + 17  # three bins before the third rise
+    seen = {}
+    for season_s in (per_day * bin_s, forecast.DAY_S):
+        fc = autoscaler.OnlineForecast.for_pool(pool, bin_s, season_s=season_s)
+        assert fc.spec().period == round(season_s / bin_s)
+        fc.update(work[:before], 0.0)
+        now = before * bin_s
+        seen[season_s] = fc.forecast_max(now, now + pool.lead_time_s)
+    assert seen[per_day * bin_s] >= 30.0, seen  # the rise, a lead time ahead
+    assert seen[forecast.DAY_S] < 20.0, seen  # no season: the quiet goes on

@@ -77,6 +77,7 @@ class OnlineForecast:
     model: str = "holt-winters"
     upper_q: float = 0.9
     refit_every: int = 60
+    season_s: float = forecast.DAY_S  # the period the seasonal model learns
     start_s: float = 0.0  # when bin 0 of the history began
     _bins: int = 0
     _fc: forecast.Forecast | None = None
@@ -85,17 +86,21 @@ class OnlineForecast:
 
     @classmethod
     def for_pool(
-        cls, pool: PoolConfig, bin_s: float, model: str = "holt-winters"
+        cls,
+        pool: PoolConfig,
+        bin_s: float,
+        model: str = "holt-winters",
+        season_s: float = forecast.DAY_S,
     ) -> OnlineForecast:
         horizon = max(1, math.ceil(pool.lead_time_s / bin_s)) + 1
-        return cls(bin_s=bin_s, horizon=horizon, model=model)
+        return cls(bin_s=bin_s, horizon=horizon, model=model, season_s=season_s)
 
     def spec(self) -> forecast.ForecastSpec:
         """The same for every history length, so that the forecast from a bin never changes
         as later bins arrive (what the simulator's rolling forecast assumes)."""
         return forecast.ForecastSpec(
             bin_s=self.bin_s, horizon=self.horizon, upper_q=self.upper_q,
-            refit_every=self.refit_every,
+            refit_every=self.refit_every, season_s=self.season_s,
         )  # fmt: skip
 
     def update(self, bins: Sequence[float], start_s: float) -> None:

@@ -56,10 +56,11 @@ class ForecastSpec:
     refit_every: int | None = None  # bins between refits (default: about 12 refits)
     min_train: int = 48  # bins needed before a learned model is first fitted
     start_epoch_s: float | None = None
+    season_s: float = DAY_S  # the demand's repeating period (a day; shorter in a replay)
 
     @property
     def period(self) -> int:
-        return max(1, round(DAY_S / self.bin_s))
+        return max(1, round(self.season_s / self.bin_s))
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ def gbm_features(y: np.ndarray, spec: ForecastSpec, h: int) -> tuple[np.ndarray,
         cols.append(_shifted(ly, p - h) - level)  # same time yesterday
         cols.append(_shifted(ly, p - h) - _shifted(ly, p))  # and its ramp from there
     t = (np.arange(n) + h + 0.5) * spec.bin_s + (spec.start_epoch_s or 0.0)
-    tod = 2 * np.pi * (t % DAY_S) / DAY_S
+    tod = 2 * np.pi * (t % spec.season_s) / spec.season_s
     cols += [np.sin(tod), np.cos(tod), np.full(n, float(h))]
     return np.column_stack(cols), level
 

@@ -87,6 +87,7 @@ class ServiceAutoscaler:
 
     bin_s: float = 60.0
     model: str = "holt-winters"
+    season_s: float = windows.DAY_S  # the demand's repeating period the forecast learns
     mode: str = "off"
     scalers: dict[str, autoscaler.PoolScaler] = field(default_factory=dict)
     desired: dict[str, int] = field(default_factory=dict)  # replicas this autoscaler set
@@ -134,7 +135,9 @@ class ServiceAutoscaler:
             if old is not None and old.pool == config and old.mode == mode:
                 scalers[component] = old
             else:
-                fc = autoscaler.OnlineForecast.for_pool(config, self.bin_s, model=self.model)
+                fc = autoscaler.OnlineForecast.for_pool(
+                    config, self.bin_s, model=self.model, season_s=self.season_s
+                )
                 scaler = autoscaler.PoolScaler(config, mode, fc)
                 if old is not None:
                     scaler.restore(old.state())

@@ -132,6 +132,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     )
     memo.rate_window_s = operator_settings.prometheus_rate_window_seconds
     memo.forecast_bin_s = operator_settings.forecast_bin_seconds
+    memo.forecast_season_s = operator_settings.forecast_season_seconds
     memo.forecast_model = operator_settings.forecast_model
     memo.scalers = {}  # (namespace, name) -> autoscaling.ServiceAutoscaler
     memo.gateways = {}  # (namespace, name) -> {pod name: metrics URL} of Ready gateway pods
@@ -435,8 +436,9 @@ def _scaling(memo: kopf.Memo, key: tuple[str, str], meta: Mapping[str, Any]) -> 
     scaling = memo.scalers.get(key)
     if scaling is None:
         scaling = autoscaling.ServiceAutoscaler(
-            bin_s=memo.forecast_bin_s, model=memo.forecast_model
-        )
+            bin_s=memo.forecast_bin_s, model=memo.forecast_model,
+            season_s=memo.forecast_season_s,
+        )  # fmt: skip
         scaling.restore((meta.get("annotations") or {}).get(autoscaling.STATE_ANNOTATION))
         memo.scalers[key] = scaling
     return scaling

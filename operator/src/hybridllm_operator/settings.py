@@ -74,6 +74,14 @@ class OperatorSettings(BaseSettings):
         le=3600.0,
         description="Width of the demand history's bins that the autoscaler forecasts from.",
     )
+    forecast_season_seconds: float = Field(
+        default=86_400.0,
+        ge=60.0,
+        le=7 * 86_400.0,
+        description="The period over which demand repeats, which the seasonal forecast "
+        "learns: a day. A time-compressed replay (a day played in minutes) sets the "
+        "compressed day.",
+    )
     forecast_model: str = Field(
         default="holt-winters",
         pattern="^(last|seasonal|holt-winters|gbm)$",
