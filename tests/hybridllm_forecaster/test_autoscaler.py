@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,9 +30,11 @@ class Recording(policies.Policy):
         return desired
 
 
-def _scaler(pool: PoolConfig, mode: str, bin_s: float, model: str) -> autoscaler.PoolScaler:
+def _scaler(
+    pool: PoolConfig, mode: str, bin_s: float, model: str, view: Any = policies.live_view
+) -> autoscaler.PoolScaler:
     fc = autoscaler.OnlineForecast.for_pool(pool, bin_s, model=model)
-    return autoscaler.PoolScaler(pool, mode, fc)  # type: ignore[arg-type]
+    return autoscaler.PoolScaler(pool, mode, fc, view)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not AGGREGATE.exists(), reason="shared traces not present")
@@ -42,14 +45,16 @@ def test_online_loop_replays_a_servegen_day_with_the_simulators_decisions(mode, 
     through the online autoscaler on a fake clock, its forecast fed one complete bin at a
     time and its state saved and restored (an operator restart) every simulated hour: the
     same replica count at every control interval once the forecast has its first four
-    bins (5,600 of the day's 5,760)."""
+    bins (5,600 of the day's 5,760). The simulator offers the load as it comes, so here
+    the online policies read it through the simulator's model of the metrics pipeline
+    (online they read a real metric, late already, as it is)."""
     demand, _ = loaders.load_demand(AGGREGATE)
     day = demand.slice(288, 288 + 144)  # the trace's third day, 10-minute bins
     pool = PoolConfig(min_replicas=1, max_replicas=1000, cold_start_s=180.0)
     y = pool.work_series(day)
     bin_s = day.bin_s
     model = "last"
-    online = _scaler(pool, mode, bin_s, model)
+    online = _scaler(pool, mode, bin_s, model, policies.MetricView)
     fc = forecast.run_model(model, y, online.forecast.spec())
     truth = y[np.arange(int(day.duration_s // 15)) * 15 // int(bin_s)]
     sim_policy = Recording(
@@ -76,7 +81,7 @@ def test_online_loop_replays_a_servegen_day_with_the_simulators_decisions(mode, 
     for k, (obs, want) in enumerate(sim_policy.calls):
         if k % 240 == 0 and k:  # an hour: the operator restarts from its saved state
             saved = online.state()
-            online = _scaler(pool, mode, bin_s, model)
+            online = _scaler(pool, mode, bin_s, model, policies.MetricView)
             online.restore(saved)
         complete = int(obs.now_s // bin_s)
         online.forecast.update(y[:complete], 0.0)
@@ -337,3 +342,25 @@ def test_a_compressed_season_is_learned_when_the_forecast_is_told_its_length():
         seen[season_s] = fc.forecast_max(now, now + pool.lead_time_s)
     assert seen[per_day * bin_s] >= 30.0, seen  # the rise, a lead time ahead
     assert seen[forecast.DAY_S] < 20.0, seen  # no season: the quiet goes on
+
+
+@pytest.mark.parametrize("mode", ["reactive", "hybrid"])
+def test_online_a_real_metric_is_read_as_it_is_not_delayed_again(mode):
+    """The operator's demand is a Prometheus rate (or counters it reads itself): already
+    late and averaged. The policies act on the reading at once, where the simulator's
+    model of that pipeline (a 15 s delay, a 30 s window) would answer a step of load
+    only readings later."""
+    pool = PoolConfig(min_replicas=1, max_replicas=100)
+    first_up = {}
+    for name, view in (("live", policies.live_view), ("modelled", policies.MetricView)):
+        scaler = _scaler(pool, mode, 600.0, "last", view)
+        current = 2
+        for k in range(20):
+            now = k * 15.0
+            work = 1.0 if now < 150 else 20.0  # a step of load at 150 s
+            d = scaler.decide(now, current, current, autoscaler.Reading(work))
+            if d.desired > current and name not in first_up:
+                first_up[name] = now
+            current = d.desired
+    assert first_up["live"] == 150.0, first_up
+    assert first_up["modelled"] > 150.0, first_up

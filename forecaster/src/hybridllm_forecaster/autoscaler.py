@@ -25,7 +25,7 @@ clock and compare with the simulator decision by decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -170,23 +170,35 @@ class Decision:
 class PoolScaler:
     """One pool's autoscaler: a policy of the simulator plus the controller's guards."""
 
-    def __init__(self, pool: PoolConfig, mode: Mode, fc: OnlineForecast) -> None:
+    def __init__(
+        self,
+        pool: PoolConfig,
+        mode: Mode,
+        fc: OnlineForecast,
+        view: Callable[[], policies.MetricView] = policies.live_view,
+    ) -> None:
+        """``view``: how the policies read the demand they are given. Online it is a real
+        metric, read as it is (`policies.live_view`); a replay of the simulator's
+        observations passes the simulator's model of the metrics pipeline
+        (`policies.MetricView`) to take the simulator's decisions."""
         if mode not in MODES:
             raise ValueError(f"unknown autoscaling mode {mode!r}; expected one of {MODES}")
         self.pool, self.mode, self.forecast = pool, mode, fc
         target = pool.target_utilisation
         self.policy: policies.Policy | None
         if mode == "reactive":
-            self.policy = policies.Hpa(pool, target, down_window_s=pool.scale_down_stabilisation_s)
+            self.policy = policies.Hpa(
+                pool, target, view(), down_window_s=pool.scale_down_stabilisation_s
+            )
         elif mode == "predictive":
             self.policy = policies.Predictive(
                 pool, fc.forecast_max, target, down_window_s=pool.forecast_down_window_s,
-                metric=policies.MetricView(),
+                metric=view(),
             )  # fmt: skip
         elif mode in ("hybrid", "advisory"):
             self.policy = policies.PredictiveWithFloor(
                 pool, fc.forecast_max, target, down_window_s=pool.forecast_down_window_s,
-                floor_down_window_s=pool.scale_down_stabilisation_s,
+                floor_down_window_s=pool.scale_down_stabilisation_s, view=view,
             )  # fmt: skip
         else:
             self.policy = None

@@ -63,7 +63,13 @@ class Observation:
 
 @dataclass
 class MetricView:
-    """The offered work as a controller reads it: averaged over a window, one delay late."""
+    """The offered work as a controller reads it: averaged over a window, one delay late.
+
+    The simulators feed the policies the load as it is offered, so this models the
+    metrics pipeline between the two. A controller that reads a real metric (the
+    operator: a Prometheus `rate()`, or a gateway's counters) already reads it late and
+    averaged, and uses `live_view` instead.
+    """
 
     delay_s: float = METRIC_DELAY_S
     window_s: float = METRIC_WINDOW_S
@@ -83,6 +89,12 @@ class MetricView:
 
     def restore(self, state: list[list[float]]) -> None:
         self._samples = deque((float(t), float(w)) for t, w in state)
+
+
+def live_view() -> MetricView:
+    """The metric as read, unchanged: for a real metric, which carries its own pipeline's
+    delay and window (a second model of them would make the controller react late twice)."""
+    return MetricView(delay_s=0.0, window_s=0.0)
 
 
 @dataclass
@@ -248,12 +260,13 @@ class PredictiveWithFloor(Policy):
         *,
         down_window_s: float = 0.0,
         floor_down_window_s: float = HPA_DOWN_WINDOW_S,
+        view: Callable[[], MetricView] = MetricView,
     ) -> None:
         target = target_utilisation or pool.target_utilisation
         self.predictive = Predictive(
-            pool, forecast_max, target, down_window_s=down_window_s, metric=MetricView()
+            pool, forecast_max, target, down_window_s=down_window_s, metric=view()
         )
-        self.floor = Hpa(pool, target, down_window_s=floor_down_window_s)
+        self.floor = Hpa(pool, target, view(), down_window_s=floor_down_window_s)
         self.last: tuple[int, int] | None = None  # (predictive, reactive) of the last decision
 
     def decide(self, obs: Observation) -> int:
