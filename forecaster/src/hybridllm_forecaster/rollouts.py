@@ -74,7 +74,6 @@ class CanaryRollout:
     canary_starting: deque[float] = field(default_factory=deque)  # ready-at times
     held_s: float = 0.0  # time a move waited for the forecast
     end_s: float | None = None  # when the canary went (the rollout's end)
-    _stable: int = 0  # the stable pool's replicas (ready + starting), last step
 
     @property
     def canary(self) -> int:
@@ -112,7 +111,6 @@ class CanaryRollout:
         ``ready`` of ``provisioned``."""
         if now_s < self.start_s or not self.active:
             return ready, provisioned
-        self._stable = provisioned
         while self.canary_starting and self.canary_starting[0] <= now_s:
             self.canary_starting.popleft()
             self.canary_ready += 1
