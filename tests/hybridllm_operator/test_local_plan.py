@@ -240,7 +240,9 @@ def test_the_plan_survives_its_file(tmp_path: Path) -> None:
     assert plan_mod.Plan.from_json(json.dumps(earlier)) == plan
 
 
-def _up(tmp_path: Path, manifest: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _up(
+    tmp_path: Path, manifest: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     root = tmp_path / "state"
     return subprocess.run(
         [
@@ -258,6 +260,7 @@ def _up(tmp_path: Path, manifest: Path, *extra: str) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
         timeout=120,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -345,6 +348,28 @@ def test_a_busy_gateway_port_is_refused(tmp_path: Path) -> None:
     assert f"port {port}" in result.stderr
     assert "in use" in result.stderr
     assert not any((tmp_path / "state").glob("*/state.json"))
+
+
+def test_local_autoscaling_takes_the_operators_forecast_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    default = sup.autoscaler_from_env()
+    assert (default.bin_s, default.season_s, default.model) == (60.0, 86_400.0, "holt-winters")
+    monkeypatch.setenv("HYBRIDLLM_OPERATOR_FORECAST_BIN_SECONDS", "10")
+    monkeypatch.setenv("HYBRIDLLM_OPERATOR_FORECAST_SEASON_SECONDS", "600")
+    monkeypatch.setenv("HYBRIDLLM_OPERATOR_FORECAST_MODEL", "seasonal")
+    compressed = sup.autoscaler_from_env()
+    assert (compressed.bin_s, compressed.season_s, compressed.model) == (10.0, 600.0, "seasonal")
+
+
+def test_a_bad_forecast_setting_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    result = _up(
+        tmp_path, _manifest(tmp_path), env={"HYBRIDLLM_OPERATOR_FORECAST_SEASON_SECONDS": "5"}
+    )
+    assert result.returncode == 2, result.stderr
+    assert "HYBRIDLLM_OPERATOR_FORECAST_SEASON_SECONDS" in result.stderr
+    assert "greater than or equal to 60" in result.stderr
+    assert not (tmp_path / "state").exists()
 
 
 def test_status_and_down_without_a_service_say_so(tmp_path: Path) -> None:

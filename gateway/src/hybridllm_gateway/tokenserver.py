@@ -10,6 +10,12 @@ every token when logprobs are asked for (the cascade's confidence signal), and
 ``--fail-status`` makes every completion answer that HTTP status; ``--echo`` answers
 with the prompt it received (to see what the gateway sent upstream).
 
+Two flags make it a replica with a capacity, for the autoscaling benchmark:
+``--max-concurrency N`` answers at most N requests at once and queues the rest in arrival
+order (a runtime's batch slots: the wait shows in the time to first token, and ``/stats``
+counts ``waiting``); ``--startup-s S`` answers 503 ("loading", with Retry-After) on
+``/health`` and the completion routes for S seconds after it starts (a model load).
+
 ``python -m hybridllm_gateway.tokenserver --port 9001 --id a --rate 100``
 """
 
@@ -30,6 +36,8 @@ from hybridllm_common import openai_protocol as oai
 log = logging.getLogger(__name__)
 STATS = web.AppKey("stats", dict)
 OPTS = web.AppKey("opts", argparse.Namespace)
+SLOTS = web.AppKey("slots", object)  # asyncio.Semaphore, or None: no limit
+LOADED_AT = web.AppKey("loaded_at", float)  # time.monotonic() once the "model" is loaded
 
 
 def _error(code: str, message: str, param: str | None = None) -> web.Response:
@@ -54,9 +62,38 @@ def _parse(
     return body, None
 
 
+def _loading(app: web.Application) -> web.Response | None:
+    """503 while the startup delay runs (what a runtime answers while it loads)."""
+    left = app[LOADED_AT] - time.monotonic()
+    if left <= 0:
+        return None
+    resp = _error(oai.MODEL_NOT_READY, f"loading: ready in {left:.1f} s")
+    resp.headers["Retry-After"] = str(max(1, round(left)))
+    return resp
+
+
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     opts, stats = request.app[OPTS], request.app[STATS]
     stats["requests"] += 1
+    loading = _loading(request.app)
+    if loading is not None:
+        return loading
+    slots = request.app[SLOTS]
+    if slots is None:
+        return await _answer(request, chat)
+    stats["waiting"] += 1
+    try:
+        await slots.acquire()
+    finally:
+        stats["waiting"] -= 1
+    try:
+        return await _answer(request, chat)
+    finally:
+        slots.release()
+
+
+async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
+    opts, stats = request.app[OPTS], request.app[STATS]
     body, err = _parse(
         await request.read(), oai.ChatCompletionRequest if chat else oai.CompletionRequest
     )
@@ -164,13 +201,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 def create_app(opts: argparse.Namespace) -> web.Application:
     app = web.Application()
     app[OPTS] = opts
-    app[STATS] = {"requests": 0, "completed": 0, "cancelled": 0, "in_flight": 0}
+    app[STATS] = {"requests": 0, "completed": 0, "cancelled": 0, "in_flight": 0, "waiting": 0}
+    app[SLOTS] = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
+    app[LOADED_AT] = time.monotonic() + opts.startup_s
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({**request.app[STATS], "id": opts.id})
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return _loading(request.app) or web.json_response({"status": "ok"})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response(oai.ModelList(data=[oai.ModelCard(id=opts.model)]).model_dump())
@@ -181,6 +220,13 @@ def create_app(opts: argparse.Namespace) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     return app
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -197,6 +243,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-logprob", type=float, default=-0.1)
     p.add_argument("--fail-status", type=int, default=0)
     p.add_argument("--echo", action="store_true", help="answer with the prompt (non-streaming)")
+    p.add_argument(
+        "--max-concurrency", type=_non_negative_int, default=0,
+        help="answer at most this many requests at once, queue the rest (0: no limit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--startup-s", type=float, default=0.0,
+        help="answer 503 (loading) for this long after starting, as a runtime loading a model",
+    )  # fmt: skip
     return p
 
 

@@ -16,10 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pydantic
+
 from hybridllm_operator import reconcile
 from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local import supervisor as sup
 from hybridllm_operator.observability import metrics as observed
+from hybridllm_operator.settings import OperatorSettings
 
 EXIT_INVALID = 2
 
@@ -82,6 +85,12 @@ def _up(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"error: {manifest.path}: {problem}", file=sys.stderr)
         return EXIT_INVALID
+    try:  # the forecast settings the supervisor's autoscaler reads, refused now if bad
+        OperatorSettings()
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = "HYBRIDLLM_OPERATOR_" + "_".join(str(x) for x in first["loc"]).upper()
+        return _error(f"{field}: {first['msg']}", EXIT_INVALID)
     service_dir = _root(args) / manifest.name
     running = running_state(service_dir)
     if running:
@@ -191,6 +200,12 @@ def _apply(args: argparse.Namespace) -> int:
         manifest = plan_mod.load_manifest(Path(args.file), args.name)
     except plan_mod.ManifestError as exc:
         return _error(str(exc), EXIT_INVALID)
+    try:  # the forecast settings the supervisor's autoscaler reads, refused now if bad
+        OperatorSettings()
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        field = "HYBRIDLLM_OPERATOR_" + "_".join(str(x) for x in first["loc"]).upper()
+        return _error(f"{field}: {first['msg']}", EXIT_INVALID)
     service_dir = _root(args) / manifest.name
     running = running_state(service_dir)
     if running is None:

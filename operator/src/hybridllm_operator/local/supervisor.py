@@ -58,6 +58,7 @@ from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local.plan import LOOPBACK, Plan, Replica, local_scaled_pools
 from hybridllm_operator.observability import metrics as observed
 from hybridllm_operator.observability import page
+from hybridllm_operator.settings import OperatorSettings
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -484,13 +485,14 @@ class Supervisor:
         local = local_scaled_pools(spec)
         for pool in local.values():  # nothing here wakes a stopped pool: keep one
             pool.min_replicas = max(pool.min_replicas, 1)
-        scaling = autoscaling.ServiceAutoscaler()
+        scaling = autoscaler_from_env()
         scaling.configure(spec)
         self.scaling = scaling
         metrics = f"{self.plan.gateway_url}/metrics"
         gateway = [p for p in self.procs if p.replica.component == "gateway"]
         source = demand.GatewayScrape(
-            lambda: [metrics] if any(p.status == "ready" for p in gateway) else []
+            lambda: [metrics] if any(p.status == "ready" for p in gateway) else [],
+            bin_s=scaling.bin_s,
         )
         loop = asyncio.get_running_loop()
         interval = float(spec.autoscaling.interval_seconds)
@@ -872,6 +874,16 @@ class Supervisor:
             path.unlink(missing_ok=True)
         self.say(f"{self.plan.name} stopped")
         return 0
+
+
+def autoscaler_from_env() -> autoscaling.ServiceAutoscaler:
+    """An autoscaler with the operator's forecast settings (``HYBRIDLLM_OPERATOR_FORECAST_*``
+    in the environment), as the operator makes one in a cluster."""
+    settings = OperatorSettings()
+    return autoscaling.ServiceAutoscaler(
+        bin_s=settings.forecast_bin_seconds, model=settings.forecast_model,
+        season_s=settings.forecast_season_seconds,
+    )  # fmt: skip
 
 
 def write_spec(state_dir: Path, spec: crd.LLMServiceSpec) -> None:
