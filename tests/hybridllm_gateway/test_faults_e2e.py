@@ -27,6 +27,15 @@ def test_killed_replica_is_retried_and_ejected(procs, table, ask) -> None:
     r = ask(gw.url, "hi")
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_unavailable"
+    # no backend left: once both are ejected /health says so, but the gateway itself stays
+    # ready (its pods keep answering, and the autoscaler keeps reading the demand)
+    for _ in range(3):
+        assert ask(gw.url, "hi").status_code == 502
+    assert httpx.get(gw.url + "/health").status_code == 503
+    ready = httpx.get(gw.url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["healthy_replicas"] == {"cloud": 0}
+    assert 'hybridllm_gateway_requests_total{' in httpx.get(gw.url + "/metrics").text
 
 
 def test_5xx_before_first_byte_is_retried_on_another_replica(procs, table, ask) -> None:

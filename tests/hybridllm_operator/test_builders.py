@@ -169,6 +169,16 @@ def test_gateway_mounts_routing_config_and_keys() -> None:
     assert "--api-keys-file" in pod["containers"][0]["args"]
 
 
+def test_the_gateway_is_ready_once_it_listens_a_runtime_once_its_model_is_loaded() -> None:
+    deployments = by_kind(builders.build_children(make()), "Deployment")
+    probes = {
+        name: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"]
+        for name, d in deployments.items()
+    }
+    # a gateway with no healthy backend still answers (and reports demand): not /health
+    assert probes == {"demo-gateway": "/readyz", "demo-edge": "/health", "demo-monolithic": "/health"}
+
+
 def test_served_name_and_context_length_reach_the_runtime() -> None:
     service = make()
     service = builders.Service(

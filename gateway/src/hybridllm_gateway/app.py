@@ -294,6 +294,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "healthy_replicas": healthy})
 
 
+async def readyz(request: web.Request) -> web.Response:
+    """The gateway's own readiness (its pods' readiness probe): it takes requests whatever
+    its backends' state, answering 503 with Retry-After when none is healthy or holding a
+    request for a pool that scales from zero, and its /metrics keep the demand the
+    autoscaler needs most then. A probe on /health would take the gateway out of its
+    Service exactly when its backends are overloaded or at zero."""
+    state = request.app[STATE]
+    healthy = {t: len(p.healthy()) for t, p in state.balancer.tiers.items()}
+    return web.json_response({"status": "ok", "healthy_replicas": healthy})
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.metrics.serve_revisions(state.balancer.tiers)  # ejections change between reloads
@@ -358,6 +369,7 @@ def create_app(settings: config_mod.GatewaySettings) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_spec)
     return app

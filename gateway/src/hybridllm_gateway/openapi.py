@@ -82,11 +82,17 @@ def spec() -> dict[str, Any]:
             },
             "/health": {
                 "get": {
-                    "summary": "Readiness",
+                    "summary": "Whether some backend replica is healthy",
                     "responses": {
                         "200": {"description": "ok"},
                         "503": _error("No healthy backend."),
                     },
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "Readiness: the gateway takes requests (whatever its backends)",
+                    "responses": {"200": {"description": "ok"}},
                 }
             },
         },

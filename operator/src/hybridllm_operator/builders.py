@@ -404,6 +404,11 @@ def _resources(resources: crd.Resources) -> dict[str, Any]:
     return {"requests": amounts, "limits": limits}
 
 
+def ready_path(component: str) -> str:
+    """The HTTP path that says a pool's server is ready to take requests."""
+    return "/readyz" if component == "gateway" else "/health"
+
+
 def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "server",
@@ -436,9 +441,12 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         # A container that exits with an error leaves its last log lines as its termination
         # message: the status names the cause (a missing model, a bad flag) from there.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        # /health is 503 until the model is loaded: readiness, not liveness, waits for it.
+        # A runtime's /health is 503 until the model is loaded: readiness, not liveness,
+        # waits for it. A gateway is ready once it listens (/readyz): with no healthy
+        # backend it still answers (503 and Retry-After, or a hold for scale from zero)
+        # and reports the demand the autoscaler reads.
         "readinessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": ready_path(pool.component), "port": "http"},
             "periodSeconds": 5,
             "failureThreshold": 3,
         },

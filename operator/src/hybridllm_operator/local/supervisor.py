@@ -378,7 +378,8 @@ class Supervisor:
 
     async def _probe_once(self, session: aiohttp.ClientSession, proc: Proc) -> bool:
         try:
-            async with session.get(f"{proc.replica.url}/health") as resp:
+            path = builders.ready_path(proc.replica.component)
+            async with session.get(f"{proc.replica.url}{path}") as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
@@ -404,7 +405,8 @@ class Supervisor:
                 else:
                     failures += 1
                     if proc.status == "ready" and failures >= UNREADY_AFTER_FAILURES:
-                        self.say(f"{proc.replica.name:<14} not ready: /health failed {failures}x")
+                        path = builders.ready_path(proc.replica.component)
+                        self.say(f"{proc.replica.name:<14} not ready: {path} failed {failures}x")
                         self._set_status(proc, "unready")
                 ready = proc.status == "ready"
                 await asyncio.sleep(PROBE_READY_S if ready else PROBE_STARTING_S)
