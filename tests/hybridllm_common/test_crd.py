@@ -96,6 +96,28 @@ def test_semantic_errors_name_the_field(overrides: dict[str, object], field: str
     assert [e.field for e in errors] == [field]
 
 
+def test_a_gpu_budget_must_fit_the_minimums_and_bound_some_gpu_pool() -> None:
+    def errors(budget: int, **cloud: object) -> list[str]:
+        parsed = crd.LLMServiceSpec.model_validate(
+            spec(cloud={"monolithic": {"minReplicas": 2, "replicas": 2, "resources": {"gpu": 2}},
+                        **cloud},
+                 autoscaling={"gpuBudget": budget})
+        )  # fmt: skip
+        return [f"{e.field}: {e.message}" for e in crd.semantic_errors("svc", parsed)]
+
+    assert errors(4) == []
+    assert errors(3) == [
+        "spec.autoscaling.gpuBudget: is 3, but the pools' minReplicas already take 4 GPUs"
+    ]
+    cpu = {"dtype": "float32", "monolithic": {"resources": {"gpu": 0}}}
+    assert errors(4, **cpu) == [
+        "spec.autoscaling.gpuBudget: no autoscaled pool uses GPUs (resources.gpu), so a GPU "
+        "budget bounds nothing; leave it out"
+    ]
+    with pytest.raises(ValidationError, match="gpuBudget"):
+        crd.LLMServiceSpec.model_validate(spec(autoscaling={"gpuBudget": 0}))
+
+
 def test_valid_spec_has_no_semantic_errors() -> None:
     parsed = crd.LLMServiceSpec.model_validate(
         spec(cloud={"dtype": "float32", "monolithic": {"resources": {"gpu": 0}}})

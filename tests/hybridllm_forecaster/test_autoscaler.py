@@ -364,3 +364,37 @@ def test_online_a_real_metric_is_read_as_it_is_not_delayed_again(mode):
             current = d.desired
     assert first_up["live"] == 150.0, first_up
     assert first_up["modelled"] > 150.0, first_up
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pools=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # GPUs per replica
+            st.integers(0, 4),  # minReplicas
+            st.integers(0, 12),  # current above the minimum
+            st.integers(0, 12),  # wanted above the minimum
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    slack=st.integers(0, 40),
+)
+def test_fit_budget_stays_within_it_keeps_every_cut_and_wastes_no_gpu(pools, slack) -> None:
+    names = [f"p{i}" for i in range(len(pools))]
+    gpus = {n: g for n, (g, _, _, _) in zip(names, pools, strict=True)}
+    low = {n: m for n, (_, m, _, _) in zip(names, pools, strict=True)}
+    current = {n: m + c for n, (_, m, c, _) in zip(names, pools, strict=True)}
+    want = {n: m + w for n, (_, m, _, w) in zip(names, pools, strict=True)}
+    budget = sum(low[n] * gpus[n] for n in names) + slack  # the minimums fit (validated)
+    fit = autoscaler.fit_budget(want, current, low, gpus, budget)
+    used = sum(fit[n] * gpus[n] for n in names)
+    assert used <= budget
+    for n in names:
+        assert low[n] <= fit[n] <= want[n]
+        if gpus[n] == 0:
+            assert fit[n] == want[n]  # a pool without GPUs is never held back
+        if sum(min(want[m], current[m]) * gpus[m] for m in names) <= budget:
+            assert fit[n] >= min(want[n], current[n])  # within budget, no pool loses replicas
+        if fit[n] < want[n]:
+            assert gpus[n] > budget - used  # its next replica would not fit

@@ -35,7 +35,7 @@ def test_killed_replica_is_retried_and_ejected(procs, table, ask) -> None:
     ready = httpx.get(gw.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["healthy_replicas"] == {"cloud": 0}
-    assert 'hybridllm_gateway_requests_total{' in httpx.get(gw.url + "/metrics").text
+    assert "hybridllm_gateway_requests_total{" in httpx.get(gw.url + "/metrics").text
 
 
 def test_5xx_before_first_byte_is_retried_on_another_replica(procs, table, ask) -> None:

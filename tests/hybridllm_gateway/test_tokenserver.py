@@ -79,7 +79,8 @@ def test_startup_answers_loading_with_retry_after_then_serves(tmp_path: Any) -> 
             return True
 
         _wait(answers, "the server to listen")
-        assert health is not None and health.status_code == 503, health
+        assert health is not None
+        assert health.status_code == 503, health.text
         assert 1 <= int(health.headers["Retry-After"]) <= 8
         answer = httpx.post(
             url + "/v1/chat/completions",
@@ -94,7 +95,8 @@ def test_startup_answers_loading_with_retry_after_then_serves(tmp_path: Any) -> 
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
-        assert reply.usage is not None and reply.usage.completion_tokens == 2
+        assert reply.usage is not None
+        assert reply.usage.completion_tokens == 2
     finally:
         proc.terminate()
         proc.wait(timeout=10)

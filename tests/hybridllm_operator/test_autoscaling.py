@@ -213,3 +213,62 @@ def test_a_pools_forecast_need_is_its_p90_over_the_lead_time_against_its_maximum
     need, most = scaler.forecast_need("edge", now)
     assert need > most, need
     assert scaler.forecast_need("prefill", now) is None  # not a pool of this service
+
+
+def test_a_gpu_budget_cuts_the_rises_and_shares_the_gpus_by_what_each_pool_wants():
+    pool = {"replicas": 1, "minReplicas": 1, "maxReplicas": 30, "capacity": CAPACITY,
+            "resources": {"gpu": 1}}  # fmt: skip
+    service = spec("predictive", mode="disaggregated", prefill=pool, decode=pool)
+    service.autoscaling.gpu_budget = 12
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(service)
+    observed = {c: autoscaling.Observed(1, 1) for c in ("edge", "prefill", "decode")}
+    # prefill: 7 replicas of work -> 10 at 0.7; decode: 14 -> 20; edge (no GPU): 3 -> 5
+    cloud = TierDemand(prompt_tok_s=7000, completion_tok_s=1400)
+    edge = TierDemand(prompt_tok_s=2000, completion_tok_s=100)
+    changed = scaler.step(0.0, snapshot(edge, cloud), observed)
+    prefill, decode = scaler.decisions["prefill"], scaler.decisions["decode"]
+    assert (prefill.recommended, decode.recommended) == (10, 20)
+    assert scaler.desired["prefill"] + scaler.desired["decode"] == 12  # every GPU, no more
+    assert (scaler.desired["prefill"], scaler.desired["decode"]) == (4, 8)  # 40% of each
+    assert scaler.desired["edge"] == 5  # a pool without GPUs is not held back
+    assert changed == {"edge": (1, 5), "prefill": (1, 4), "decode": (1, 8)}
+    assert prefill.budget_bound
+    assert decode.budget_bound
+    assert not scaler.decisions["edge"].budget_bound
+    assert decode.reason.startswith("budget-bound: spec.autoscaling.gpuBudget is 12 GPUs")
+    assert "wanted 20" in decode.reason
+    assert decode.cause == "scale up: budget-bound"
+    assert autoscaling.summary(scaler) == "predictive:budget-bound"
+    assert autoscaling.pool_fields(decode)["budget_bound"] is True
+    # the load falls: once the forecast's window (one lead time, 180 s) has passed, the
+    # pools shrink freely, and nothing is bound any more
+    observed = {"edge": autoscaling.Observed(5, 5), "prefill": autoscaling.Observed(4, 4),
+                "decode": autoscaling.Observed(8, 8)}  # fmt: skip
+    quiet = TierDemand(prompt_tok_s=700, completion_tok_s=140)
+    for t in range(15, 15 * 14, 15):
+        scaler.step(float(t), snapshot(edge, quiet), observed)
+    assert (scaler.desired["prefill"], scaler.desired["decode"]) == (1, 2)
+    assert autoscaling.summary(scaler) == "predictive"
+
+
+def test_a_replica_the_forecast_raised_is_kept_for_one_lead_time():
+    """A forecast that moves by a replica from bin to bin must not start a replica and
+    retire it before it could serve: the forecast's part shrinks only once its lower
+    recommendation has held for scaleUpLeadSeconds."""
+    service = spec("predictive")
+    service.autoscaling.scale_up_lead_seconds = 60
+    assert autoscaling.pool_config("edge", service.edge.pool, service).forecast_down_window_s == 60
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(service)
+    busy = TierDemand(prompt_tok_s=2000, completion_tok_s=100)  # 3 replicas of work: 5
+    quiet = TierDemand(prompt_tok_s=500, completion_tok_s=25)  # 0.75: 2
+    scaler.step(0.0, snapshot(busy, busy), OBSERVED)
+    assert scaler.desired["edge"] == 5
+    held = []
+    for t in range(15, 121, 15):
+        scaler.step(float(t), snapshot(quiet, quiet), OBSERVED)
+        held.append(scaler.desired["edge"])
+    assert held[:3] == [5, 5, 5]  # 15, 30, 45 s: within the lead time, kept
+    assert held[-1] == 2  # then down to what the forecast and the load need
+    assert held == sorted(held, reverse=True)  # and never back up

@@ -527,6 +527,16 @@ class AutoscalingSpec(_Model):
         le=86_400,
         description="The reactive policy's stabilisation window before removing replicas.",
     )
+    gpu_budget: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="The most GPUs the autoscaled pools hold at once (each pool's replicas "
+        "times its resources.gpu, summed). A scale-up that would pass it is cut to what "
+        "fits, the GPUs going first to the pool furthest below what it wants; unset: no "
+        "budget. A rollout's canary replicas are outside it (maxReplicas and the cluster's "
+        "room bound them).",
+    )
 
 
 class RolloutStrategy(StrEnum):
@@ -899,6 +909,11 @@ class PoolStatus(_Model):
     )
     capacity_bound: bool | None = Field(
         default=None, description="New pods cannot be scheduled: not scaled further up."
+    )
+    budget_bound: bool | None = Field(
+        default=None,
+        description="spec.autoscaling.gpuBudget cut this pool's scale-up: it runs fewer "
+        "replicas than its policy wants.",
     )
     scaling_reason: str | None = Field(
         default=None, max_length=1024, description="Why the autoscaler decided what it did."
@@ -1463,6 +1478,25 @@ def semantic_errors(name: str, spec: LLMServiceSpec) -> list[FieldError]:
                 ),
             )
         )
+    budget = spec.autoscaling.gpu_budget
+    if budget is not None:
+        pools = scaled_pools(spec)
+        minimum = sum(p.min_replicas * p.resources.gpu for p in pools.values())
+        if not any(p.resources.gpu for p in pools.values()):
+            errors.append(
+                FieldError(
+                    field="spec.autoscaling.gpuBudget",
+                    message="no autoscaled pool uses GPUs (resources.gpu), so a GPU budget "
+                    "bounds nothing; leave it out",
+                )
+            )
+        elif minimum > budget:
+            errors.append(
+                FieldError(
+                    field="spec.autoscaling.gpuBudget",
+                    message=f"is {budget}, but the pools' minReplicas already take {minimum} GPUs",
+                )
+            )
     if spec.rollout.window is not None and spec.rollout.strategy == RolloutStrategy.rolling:
         errors.append(
             FieldError(

@@ -25,7 +25,7 @@ clock and compare with the simulator decision by decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -161,10 +161,44 @@ class Decision:
     reason: str
     metrics_available: bool
     capacity_bound: bool = False
+    budget_bound: bool = False  # the service's GPU budget cut its scale-up
     # The reason in a few fixed words, without its numbers (e.g. "scale up: forecast"):
     # a metric label whose values stay few, where the reason would make a new series at
     # every decision.
     cause: str = "hold"
+
+
+def fit_budget(
+    want: Mapping[str, int],
+    current: Mapping[str, int],
+    low: Mapping[str, int],
+    gpus: Mapping[str, int],
+    budget: int,
+) -> dict[str, int]:
+    """Replicas per pool within a GPU budget (each pool's replicas times its ``gpus``,
+    summed). Every cut a pool wants is kept; its rise is granted one replica at a time to
+    the pool furthest below what it wants (as a share of it), while the next replica's
+    GPUs fit. Pools above the budget already (it was lowered) give back replicas, the pool
+    holding most GPUs first, down to ``low``. A pool without GPUs gets what it wants."""
+    alloc = {c: min(want[c], current.get(c, want[c])) for c in want}
+
+    def used() -> int:
+        return sum(alloc[c] * gpus.get(c, 0) for c in alloc)
+
+    while used() > budget:
+        over = [c for c in alloc if gpus.get(c, 0) and alloc[c] > low.get(c, 0)]
+        if not over:
+            break
+        alloc[max(over, key=lambda c: (alloc[c] * gpus[c], c))] -= 1
+    while True:
+        room = budget - used()
+        short = [
+            c for c in alloc
+            if alloc[c] < want[c] and (not gpus.get(c, 0) or gpus[c] <= room)
+        ]  # fmt: skip
+        if not short:
+            return alloc
+        alloc[min(short, key=lambda c: (alloc[c] / want[c], c))] += 1
 
 
 class PoolScaler:

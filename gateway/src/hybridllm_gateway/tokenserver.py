@@ -73,7 +73,7 @@ def _loading(app: web.Application) -> web.Response | None:
 
 
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
-    opts, stats = request.app[OPTS], request.app[STATS]
+    stats = request.app[STATS]
     stats["requests"] += 1
     loading = _loading(request.app)
     if loading is not None:

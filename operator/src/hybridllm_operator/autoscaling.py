@@ -22,6 +22,7 @@ unless the load needs more).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -69,6 +70,13 @@ def pool_config(component: str, pool: crd.PoolSpec, spec: crd.LLMServiceSpec) ->
         max_replicas=pool.max_replicas,
         target_utilisation=scaling.target_utilization,
         scale_down_stabilisation_s=float(scaling.scale_down_delay_seconds),
+        # The forecast's part shrinks once its recommendation has stayed lower for one
+        # lead time: a replica it raised is kept at least as long as one takes to start.
+        # With no window a forecast that moves by one replica from bin to bin (noise)
+        # starts a replica and retires it before it ever serves (the closed-loop replay,
+        # bench/results/autoscaling-replay.md); the offline evaluation also chose a window
+        # over none on the ServeGen trace (bench/results/forecaster.md).
+        forecast_down_window_s=float(scaling.scale_up_lead_seconds),
     )
 
 
@@ -233,6 +241,7 @@ class ServiceAutoscaler:
         self, now_s: float, snapshot: Snapshot, observed: Mapping[str, Observed]
     ) -> dict[str, tuple[int, int]]:
         changed: dict[str, tuple[int, int]] = {}
+        currents: dict[str, int] = {}  # the replicas of each pool decided now, before
         desired, decisions = dict(self.desired), dict(self.decisions)
         loads, events = dict(self.demand), dict(self.scale_events)
         seconds = dict(self.replica_seconds)
@@ -255,6 +264,7 @@ class ServiceAutoscaler:
             y = [float(scaler.pool.work_per_s(p, c)) for p, c in history]
             scaler.forecast.update(y, snapshot.bins_start_s)
             current = desired.get(component, seen.replicas)
+            currents[component] = current
             decision = scaler.decide(
                 now_s,
                 min(seen.ready, current),
@@ -276,6 +286,10 @@ class ServiceAutoscaler:
                 seconds[component] = seconds.get(component, 0.0) + seen.replicas * (
                     now_s - self.last_step_s
                 )
+        if self.applies and self.spec is not None and self.spec.autoscaling.gpu_budget:
+            self._fit_budget(self.spec, decisions, currents, desired)
+        for component, current in currents.items():
+            decision = decisions[component]
             if self.applies:
                 if decision.desired != current:
                     changed[component] = (current, decision.desired)
@@ -288,6 +302,40 @@ class ServiceAutoscaler:
         self.observed = dict(observed)  # local mode has no reconcile to record it
         self.last_step_s = now_s
         return changed
+
+    def _fit_budget(
+        self,
+        spec: crd.LLMServiceSpec,
+        decisions: dict[str, autoscaler.Decision],
+        currents: Mapping[str, int],
+        desired: Mapping[str, int],
+    ) -> None:
+        """Cut the rises of this interval's decisions to ``spec.autoscaling.gpuBudget``;
+        a pool not decided now (no Deployment yet) keeps the GPUs it holds."""
+        budget = spec.autoscaling.gpu_budget
+        assert budget is not None
+        pools = crd.scaled_pools(spec)
+        gpus = {c: p.resources.gpu for c, p in pools.items()}
+        low = {c: p.min_replicas for c, p in pools.items()}
+        want = {c: decisions[c].desired for c in currents}
+        now = dict(currents)
+        for c in pools:  # held, not decided: counted at what they run
+            if c not in want and c in desired:
+                want[c] = now[c] = desired[c]
+        fit = autoscaler.fit_budget(want, now, low, gpus, budget)
+        used = sum(fit[c] * gpus[c] for c in fit)
+        for c in currents:
+            if fit[c] >= want[c]:
+                continue
+            cut = decisions[c]
+            up = fit[c] > currents[c]
+            decisions[c] = dataclasses.replace(
+                cut, desired=fit[c], budget_bound=True,
+                cause="scale up: budget-bound" if up else "hold: budget-bound",
+                reason=f"budget-bound: spec.autoscaling.gpuBudget is {budget} GPUs and the "
+                f"pools would take {used} with this one at {fit[c]} replicas "
+                f"({gpus[c]} GPU(s) each; wanted {want[c]}: {cut.reason})",
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ state
 
@@ -351,7 +399,8 @@ def summary_key(scaler: ServiceAutoscaler) -> tuple[str, tuple[bool, str, str] |
 
 def summary(scaler: ServiceAutoscaler) -> str:
     """The printer column (one word): the mode, and what holds it back if anything does
-    (``hybrid:no-metrics``: holding, no demand metric; ``hybrid:capacity-bound``)."""
+    (``hybrid:no-metrics``: holding, no demand metric; ``hybrid:capacity-bound``;
+    ``hybrid:budget-bound``)."""
     mode = scaler.mode
     if mode not in autoscaler.DECIDING:
         return mode
@@ -359,6 +408,8 @@ def summary(scaler: ServiceAutoscaler) -> str:
         return f"{mode}:no-metrics"
     if any(d.capacity_bound for d in scaler.decisions.values()):
         return f"{mode}:capacity-bound"
+    if any(d.budget_bound for d in scaler.decisions.values()):
+        return f"{mode}:budget-bound"
     return mode
 
 
@@ -378,5 +429,6 @@ def pool_fields(decision: autoscaler.Decision) -> dict[str, Any]:
         if decision.forecast_error is None
         else f"{100 * decision.forecast_error:.0f}%",
         "capacity_bound": decision.capacity_bound or None,
+        "budget_bound": decision.budget_bound or None,
         "scaling_reason": decision.reason[:1024],
     }
