@@ -1,0 +1,126 @@
+"""The closed-loop autoscaling replay's harness (bench/autoscaling/replay.py): the load it
+offers follows the compressed trace, every mode gets the same arrivals, its numbers are
+the arithmetic they claim, and its replicas stay token servers under the supervisor."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import yaml
+
+from hybridllm_operator.local import plan as plan_mod
+
+REPLAY = Path(__file__).resolve().parents[2] / "bench" / "autoscaling" / "replay.py"
+
+
+@pytest.fixture(scope="module")
+def replay() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_autoscaling_replay", REPLAY)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_compressed_day_keeps_its_shape_and_is_scaled_to_the_peak(replay: ModuleType) -> None:
+    window_s = 600.0
+    day = np.arange(144, dtype=float) + 1.0  # a rising day
+    rates = np.concatenate([day * 10, day * 20, day * 30])
+    t, rate = replay.compressed_rate(rates, window_s, 60.0, start_day=1, days=2, peak=5.0)
+    assert len(t) == 288
+    assert t[0] == pytest.approx(60.0 / 144 / 2)
+    assert t[-1] < 120.0
+    assert rate.max() == pytest.approx(5.0)
+    assert rate[143] / rate[0] == pytest.approx(144.0)  # the shape, not just the peak
+    with pytest.raises(ValueError, match="no 3 days from day 1"):
+        replay.compressed_rate(rates, window_s, 60.0, start_day=1, days=3, peak=5.0)
+
+
+def test_arrivals_follow_the_rate_and_are_the_same_for_a_seed(replay: ModuleType) -> None:
+    t = np.array([0.0, 100.0, 200.0])
+    rate = np.array([10.0, 50.0, 10.0])
+    a = replay.arrivals(t, rate, 200.0, seed=3)
+    assert np.array_equal(a, replay.arrivals(t, rate, 200.0, seed=3))
+    assert not np.array_equal(a, replay.arrivals(t, rate, 200.0, seed=4))
+    assert np.all(np.diff(a) >= 0)
+    assert a[0] >= 0
+    assert a[-1] < 200.0
+    expected = 0.5 * (10 + 50) * 200  # the integral of the rate
+    assert abs(len(a) - expected) < 4 * np.sqrt(expected)
+    # more arrivals in the middle, where the rate peaks, than at the ends
+    middle = np.count_nonzero((a > 75) & (a < 125))
+    ends = np.count_nonzero(a < 25) + np.count_nonzero(a > 175)
+    assert middle > 1.5 * ends
+
+
+def test_lead_lag_finds_the_shift_between_replicas_and_load(replay: ModuleType) -> None:
+    t = np.arange(0.0, 600.0, 1.0)
+    need = 3 + 2 * np.sin(2 * np.pi * t / 300)
+    early = np.interp(t + 12, t, need)  # replicas move 12 s before the load
+    late = np.interp(t - 20, t, need)  # 20 s after it
+    assert replay.lead_lag_s(t, early, need, 60.0, 1.0) == pytest.approx(12.0, abs=1.0)
+    assert replay.lead_lag_s(t, late, need, 60.0, 1.0) == pytest.approx(-20.0, abs=1.0)
+
+
+def test_the_summary_counts_failures_as_misses_and_integrates_replicas(
+    replay: ModuleType,
+) -> None:
+    R = replay.Result
+    results = [
+        R(1.0, 200, 0.3, 0.5), R(2.0, 200, 1.5, 1.8),  # met, late
+        R(3.0, 503, None, None, "busy"), R(4.0, 0, None, None, "ClientError: reset"),
+        R(50.0, 200, 0.1, 0.2),  # outside the window
+    ]  # fmt: skip
+    # (t, running, ready, desired): 2 replicas for 5 s, then 4 (one loading) for 5 s
+    samples = [(float(i), 2, 2, 2) for i in range(5)] + [(float(i), 4, 3, 4) for i in range(5, 10)]
+    out = replay.summarise(
+        results, samples, (0.0, 10.0), np.array([0.0, 10.0]), np.array([5.0, 5.0]),
+        per_replica_rps=2.0, slo_s=1.0,
+    )  # fmt: skip
+    assert out["requests"] == 4
+    assert out["failed"] == 2
+    assert out["slo_attainment"] == pytest.approx(0.25)
+    assert out["errors"] == {"503": 1, "ClientError": 1}
+    assert out["replica_seconds"] == pytest.approx(2 * 5 + 4 * 5)
+    assert out["ready_replica_seconds"] == pytest.approx(2 * 5 + 3 * 5)
+    assert out["under_provisioned_s"] == pytest.approx(5.0)  # 2 ready x 2 rps < 5 rps
+    assert out["scale_changes"] == 1
+
+
+def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_renders(
+    replay: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor re-renders every replica from the spec and restarts one that
+    differs: its placement must give the same token server, or it would swap the runtime
+    back in (what the first version of the replay did)."""
+    monkeypatch.setattr(plan_mod, "place", plan_mod.place)  # restored after the test
+    args = replay.main.__globals__["argparse"].Namespace(
+        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10
+    )
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump(replay.manifest("hybrid", args)))
+    replay.place_token_servers(2, 5.0)
+    manifest = plan_mod.load_manifest(path)
+    plan = plan_mod.make_plan(manifest, tmp_path, gateway_port=plan_mod.free_ports(1)[0])
+    runtime = [r for r in plan.replicas if r.component != "gateway"]
+    assert len(runtime) == 3
+    assert [r.standby for r in runtime] == [False, True, True]
+    for r in runtime:
+        assert r.command[1:3] == ["-m", "hybridllm_gateway.tokenserver"]
+        assert r.command[r.command.index("--port") + 1] == str(r.port)
+        assert r.command[r.command.index("--max-concurrency") + 1] == "2"
+        assert r.command[r.command.index("--startup-s") + 1] == "5.0"
+        pool = next(p for p in plan_mod.builders.pools(plan.service()) if p.component == "edge")
+        assert plan_mod.place(pool, r.index, r.port, standby=r.standby) == r
+    # the capacity the autoscaler is told is the token server's: 2 slots / 0.35 s
+    capacity = manifest.spec.edge.pool.capacity
+    assert capacity is not None
+    per_request = 100 / capacity.prefill_tokens_per_second + 4 / capacity.decode_tokens_per_second
+    assert 1 / per_request == pytest.approx(2 / replay.service_s(), rel=0.02)
