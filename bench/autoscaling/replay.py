@@ -59,7 +59,14 @@ MODES = ("reactive", "hybrid", "predictive")
 PROMPT_CHARS = 400  # the gateway counts (chars + 3) // 4 = 100 prompt tokens
 MAX_TOKENS = 4
 TTFT_S, TOKEN_RATE = 0.2, 20.0  # a replica's answer: 0.2 s to the first token, 20 tokens/s
-RESULTS = ROOT / "bench" / "results" / "autoscaling-replay"
+RESULTS = ROOT / "bench" / "results"
+
+
+def results_path(shape: str) -> Path:
+    """One current results file per experiment: the trace, and the step days."""
+    return RESULTS / ("autoscaling-replay" if shape == "servegen" else "autoscaling-replay-step")
+
+
 RUNNING = {"pending", "starting", "ready", "unready", "backoff", "draining", "updating"}
 
 
@@ -86,6 +93,26 @@ def compressed_rate(
     return t, seg / seg.max() * peak
 
 
+STEP = {"low": 0.25, "rise_at": 0.4, "high_for": 0.3, "ramp": 0.01}  # shares of the peak, of a day
+
+
+def step_rate(days: int, day_s: float, peak: float) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """(t, requests/s, rise times) of days that repeat exactly: a quarter of the peak,
+    then at 40% of each day a rise to the peak within 1% of a day, held for 30% of it
+    (a business opening at the same hour every day: the rise a forecast can learn)."""
+    t: list[float] = []
+    r: list[float] = []
+    rises = []
+    low, ramp = STEP["low"] * peak, STEP["ramp"] * day_s
+    for d in range(days):
+        up = (d + STEP["rise_at"]) * day_s
+        down = up + STEP["high_for"] * day_s
+        t += [d * day_s, up, up + ramp, down, down + ramp]
+        r += [low, low, peak, peak, low]
+        rises.append(up)
+    return np.array([*t, days * day_s]), np.array([*r, low]), rises
+
+
 def arrivals(t: np.ndarray, rate: np.ndarray, duration_s: float, seed: int) -> np.ndarray:
     """Arrival times of a Poisson process of rate ``interp(t, rate)`` over
     [0, duration_s), by thinning (seeded: every mode gets the same ones)."""
@@ -94,7 +121,7 @@ def arrivals(t: np.ndarray, rate: np.ndarray, duration_s: float, seed: int) -> n
     n = rng.poisson(top * duration_s)
     cand = np.sort(rng.uniform(0.0, duration_s, n))
     keep = rng.uniform(0.0, top, n) < np.interp(cand, t, rate)
-    return cand[keep]
+    return np.asarray(cand[keep])
 
 
 @dataclasses.dataclass
@@ -379,6 +406,32 @@ def summarise(
     }
 
 
+def rise_response(
+    results: list[Result],
+    samples: list[Any],
+    rise_s: float,
+    peak: float,
+    per_replica_rps: float,
+    slo_s: float,
+    ramp_s: float,
+) -> dict[str, Any]:
+    """Around one rise: when the ready replicas first carried the peak (seconds from the
+    start of the rise; negative: before it), and the SLO attainment of the requests sent
+    from the rise to one minute after it."""
+    covered = next(
+        (x[0] - rise_s for x in samples
+         if rise_s - 120 <= x[0] <= rise_s + 120 and x[2] * per_replica_rps >= peak),
+        None,
+    )  # fmt: skip
+    during = [r for r in results if rise_s <= r.sent_s < rise_s + ramp_s + 60]
+    met = sum(r.status == 200 and r.ttft_s is not None and r.ttft_s <= slo_s for r in during)
+    return {
+        "peak_carried_at_s": covered,
+        "requests": len(during),
+        "slo_attainment": met / max(len(during), 1),
+    }
+
+
 def forecast_calibration(
     times: np.ndarray, rate_t: np.ndarray, rate: np.ndarray, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -434,15 +487,31 @@ def plot(out: dict[str, Any], samples: dict[str, list[Any]], path: Path) -> None
     ax.set_xlabel(f"seconds into the measured day (a day is {out['day_seconds']} s)")
     ax.set_ylabel("replicas")
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("Closed-loop replay of a compressed ServeGen day: ready replicas per mode")
+    what = "a compressed ServeGen day" if out["shape"] == "servegen" else "a day with a sharp rise"
+    ax.set_title(f"Closed-loop replay of {what}: ready replicas per mode")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write(out: dict[str, Any], argv: list[str]) -> None:
-    RESULTS.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
+def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
+    path.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
     m, a = out["measured"], out["args"]
+    first_day = a["start_day"] if out["shape"] == "servegen" else 1
+    if out["shape"] == "step":
+        load = (
+            f"Load: {a['days']} identical days, each played in {a['day_seconds']} s: "
+            f"{STEP['low']:.0%} of the peak ({a['peak_rps']} requests/s), then at "
+            f"{STEP['rise_at']:.0%} of the day a rise to the peak within "
+            f"{STEP['ramp'] * a['day_seconds']:.0f} s, held for {STEP['high_for']:.0%} of the "
+            "day (a rise the forecast can learn)"
+        )
+    else:
+        load = (
+            f"Trace: the ServeGen aggregate (`{out['trace']}`), days {a['start_day']} to "
+            f"{a['start_day'] + a['days'] - 1}, a day played in {a['day_seconds']} s "
+            f"({86_400 / a['day_seconds']:.0f}x faster), peak {a['peak_rps']} requests/s"
+        )
     lines = [
         "# Autoscaling, closed loop: reactive, hybrid and predictive on real processes",
         "",
@@ -452,10 +521,7 @@ def write(out: dict[str, Any], argv: list[str]) -> None:
         f"Machine: {out['machine']}; load average {out['load_before']} before, "
         f"{out['load_after']} after.",
         "",
-        f"Trace: the ServeGen aggregate (`{out['trace']}`), days {a['start_day']} to "
-        f"{a['start_day'] + a['days'] - 1}, a day played in {a['day_seconds']} s "
-        f"({86_400 / a['day_seconds']:.0f}x faster), peak {a['peak_rps']} requests/s; "
-        f"{out['arrivals']:,} arrivals (seed {a['seed']}), each sent to all three services at "
+        f"{load}; {out['arrivals']:,} arrivals (seed {a['seed']}), each sent to all three services at "
         f"the same moment. Each service: local mode (its own supervisor and gateway), one "
         f"edge pool of 1 to {a['max_replicas']} replicas; a replica is a token server with "
         f"{a['slots']} slots, {TTFT_S} s to the first token and {MAX_TOKENS} tokens at "
@@ -466,7 +532,7 @@ def write(out: dict[str, Any], argv: list[str]) -> None:
         f"{a['bin_s']} s bins with a season of {a['day_seconds']} s. SLO: the first token "
         f"within {a['slo_ttft_s']} s.",
         "",
-        f"## The measured day (day {a['start_day'] + a['days'] - 1}, after "
+        f"## The measured day (day {first_day + a['days'] - 1}, after "
         f"{a['days'] - 1} days of history)",
         "",
         "| mode | SLO attainment | TTFT p50 / p95 / p99 (s) | failed | replica-seconds (vs reactive) | mean / max replicas | under-provisioned (s) | scale changes | replicas lead (+) / lag (-) the load (s) |",
@@ -483,19 +549,38 @@ def write(out: dict[str, Any], argv: list[str]) -> None:
             f"{r['replica_seconds']:,.0f}{rel} | {r['mean_replicas']:.2f} / {r['max_replicas']} | "
             f"{r['under_provisioned_s']:.0f} | {r['scale_changes']} | {lead} |"
         )
+    if out["rises"]:
+        lines += [
+            "",
+            "## The rise of each day",
+            "",
+            "When the ready replicas first carried the peak, in seconds from the start of the "
+            "rise (negative: before it; '-': not within 120 s), and the SLO attainment of the "
+            "requests sent from the rise to a minute after it.",
+            "",
+            "| day | " + " | ".join(out["modes"]) + " |",
+            "|---|" + "---|" * len(out["modes"]),
+        ]
+        for d, per in enumerate(out["rises"]):
+            cells = []
+            for mode in out["modes"]:
+                r = per[mode]
+                at = "-" if r["peak_carried_at_s"] is None else f"{r['peak_carried_at_s']:+.0f} s"
+                cells.append(f"{at}, {r['slo_attainment']:.1%}")
+            lines.append(f"| {first_day + d} | " + " | ".join(cells) + " |")
     lines += ["", "## Every day", "", "| day | mode | SLO attainment | replica-seconds | failed |",
               "|---|---|---|---|---|"]  # fmt: skip
     for d, per in enumerate(out["days"]):
         for mode in out["modes"]:
             r = per[mode]
             lines.append(
-                f"| {a['start_day'] + d} | {mode} | {r['slo_attainment']:.2%} | "
+                f"| {first_day + d} | {mode} | {r['slo_attainment']:.2%} | "
                 f"{r['replica_seconds']:,.0f} | {r['failed']} |"
             )
     c = out["forecast_calibration"]
     lines += [
         "",
-        "![ready replicas per mode over the measured day](autoscaling-replay.png)",
+        f"![ready replicas per mode over the measured day]({path.name}.png)",
         "",
         "## How to read it",
         "",
@@ -509,22 +594,26 @@ def write(out: dict[str, Any], argv: list[str]) -> None:
         "scale-up rate limits, a stabilisation window for scale-down) on the pool's measured "
         "load, what a user gets from an HPA on this metric; `predictive` and `hybrid` are "
         "the operator's forecast modes (docs/autoscaling.md).",
-        f"- The forecast on the compressed trace: its P90 is {c['p90_over_true_median']:.2f}x "
+        f"- The forecast on this compressed load: its P90 is {c['p90_over_true_median']:.2f}x "
         f"the true rate at the median bin of the measured day ({c['p90_over_true_p90']:.2f}x "
-        f"at the 90th percentile; it covers {c['coverage']:.0%} of bins). On the uncompressed "
-        "trace (60 s bins of a real day, the operator's defaults) the same arithmetic gives "
-        "about 1.04x: a compressed day has fewer, coarser bins (each spans "
-        f"{a['bin_s'] * 86_400 / a['day_seconds'] / 60:.0f} minutes of the real day) with far "
+        f"at the 90th percentile; it covers {c['coverage']:.0%} of bins). On the ServeGen "
+        "trace uncompressed (60 s bins of a real day, the operator's defaults) the same "
+        "arithmetic gives about 1.04x: a compressed day has fewer, coarser bins (each spans "
+        f"{a['bin_s'] * 86_400 / a['day_seconds'] / 60:.0f} minutes of a real day) with far "
         "fewer requests in each (Poisson noise), so the forecast's band is wider here than "
         "in a cluster, and the predictive modes pay for it in replica-seconds. The offline "
         "evaluation at full scale is bench/results/forecaster.md.",
         "",
     ]
-    RESULTS.with_suffix(".md").write_text(portable("\n".join(lines)))
+    path.with_suffix(".md").write_text(portable("\n".join(lines)))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--shape", choices=("servegen", "step"), default="servegen",
+        help="servegen: the trace's days; step: days that repeat a sharp rise exactly",
+    )  # fmt: skip
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--start-day", type=int, default=7)
     p.add_argument("--days", type=int, default=3)
@@ -550,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         from hybridllm_operator.local import supervisor
 
         place_token_servers(args.slots, args.cold_start_s)
-        return supervisor.run_detached(args.supervise, 30.0)
+        return int(supervisor.run_detached(args.supervise, 30.0))
     argv = sys.argv[1:] if argv is None else argv
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if bad := [m for m in modes if m not in MODES]:
@@ -560,12 +649,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import pandas as pd
 
-    table = pd.read_csv(args.trace)
-    window_s = float(table.iloc[1, 0] - table.iloc[0, 0])
-    rate_t, rate = compressed_rate(
-        table.iloc[:, 1].to_numpy() / 60.0, window_s, args.day_seconds, args.start_day,
-        args.days, args.peak_rps,
-    )  # fmt: skip
+    rises: list[float] = []
+    if args.shape == "step":
+        rate_t, rate, rises = step_rate(args.days, args.day_seconds, args.peak_rps)
+    else:
+        table = pd.read_csv(args.trace)
+        window_s = float(table.iloc[1, 0] - table.iloc[0, 0])
+        rate_t, rate = compressed_rate(
+            table.iloc[:, 1].to_numpy() / 60.0, window_s, args.day_seconds, args.start_day,
+            args.days, args.peak_rps,
+        )  # fmt: skip
     duration = float(args.days * args.day_seconds)
     times = arrivals(rate_t, rate, duration, args.seed)
     per_replica_rps = args.slots / service_s()
@@ -605,13 +698,21 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes
         }  # fmt: skip
 
+    def rise(results: list[Result], samples: list[Any], at: float) -> dict[str, Any]:
+        ramp = STEP["ramp"] * args.day_seconds
+        return rise_response(
+            results, samples, at, args.peak_rps, per_replica_rps, args.slo_ttft_s, ramp
+        )
+
     out = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
         "load_before": load_before,
         "load_after": load_average(),
         "wall_s": time.monotonic() - started,
-        "trace": os.path.relpath(args.trace.resolve(), ROOT),
+        "shape": args.shape,
+        "trace": os.path.relpath(args.trace.resolve(), ROOT) if args.shape == "servegen" else None,
+        "rises": [{mode: rise(answers[mode], samples[mode], at) for mode in modes} for at in rises],
         "args": {k: v for k, v in vars(args).items() if not isinstance(v, Path)},
         "modes": modes,
         "arrivals": len(times),
@@ -625,9 +726,10 @@ def main(argv: list[str] | None = None) -> int:
         "rate": rate.tolist(),
         "samples": samples,
     }
-    write(out, argv)
-    plot(out, samples, RESULTS.with_suffix(".png"))
-    print(RESULTS.with_suffix(".md").read_text())
+    results = results_path(args.shape)
+    write(out, argv, results)
+    plot(out, samples, results.with_suffix(".png"))
+    print(results.with_suffix(".md").read_text())
     return 0
 
 

@@ -124,3 +124,26 @@ def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_r
     assert capacity is not None
     per_request = 100 / capacity.prefill_tokens_per_second + 4 / capacity.decode_tokens_per_second
     assert 1 / per_request == pytest.approx(2 / replay.service_s(), rel=0.02)
+
+
+def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
+    replay: ModuleType,
+) -> None:
+    t, rate, rises = replay.step_rate(3, 100.0, 20.0)
+    assert rises == [40.0, 140.0, 240.0]
+    assert np.all(np.diff(t) >= 0)
+    assert t[-1] == 300.0
+    at = np.array([10.0, 39.0, 41.5, 60.0, 75.0, 110.0, 141.5])
+    assert np.interp(at, t, rate).tolist() == pytest.approx([5, 5, 20, 20, 5, 5, 20], abs=0.01)
+    R = replay.Result
+    results = [R(39.0, 200, 0.2, 0.3), R(40.5, 200, 0.2, 0.3), R(45.0, 200, 2.0, 2.2),
+               R(50.0, 503, None, None, "busy"), R(110.0, 200, 0.2, 0.3)]  # fmt: skip
+    # 4 replicas of 2 rps carry 8 of the 20; 10 ready from 35 s on: 5 s before the rise
+    samples = [(float(x), 10, 4, 10) for x in range(30, 35)]
+    samples += [(float(x), 10, 10, 10) for x in range(35, 60)]
+    out = replay.rise_response(results, samples, 40.0, 20.0, 2.0, 1.0, 1.0)
+    assert out["peak_carried_at_s"] == pytest.approx(-5.0)
+    assert out["requests"] == 3  # sent from the rise to a minute after it
+    assert out["slo_attainment"] == pytest.approx(1 / 3)
+    never = replay.rise_response(results, samples[:5], 40.0, 20.0, 2.0, 1.0, 1.0)
+    assert never["peak_carried_at_s"] is None

@@ -176,7 +176,11 @@ def test_the_gateway_is_ready_once_it_listens_a_runtime_once_its_model_is_loaded
         for name, d in deployments.items()
     }
     # a gateway with no healthy backend still answers (and reports demand): not /health
-    assert probes == {"demo-gateway": "/readyz", "demo-edge": "/health", "demo-monolithic": "/health"}
+    assert probes == {
+        "demo-gateway": "/readyz",
+        "demo-edge": "/health",
+        "demo-monolithic": "/health",
+    }
 
 
 def test_served_name_and_context_length_reach_the_runtime() -> None:
