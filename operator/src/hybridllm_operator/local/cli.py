@@ -200,12 +200,6 @@ def _apply(args: argparse.Namespace) -> int:
         manifest = plan_mod.load_manifest(Path(args.file), args.name)
     except plan_mod.ManifestError as exc:
         return _error(str(exc), EXIT_INVALID)
-    try:  # the forecast settings the supervisor's autoscaler reads, refused now if bad
-        OperatorSettings()
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        field = "HYBRIDLLM_OPERATOR_" + "_".join(str(x) for x in first["loc"]).upper()
-        return _error(f"{field}: {first['msg']}", EXIT_INVALID)
     service_dir = _root(args) / manifest.name
     running = running_state(service_dir)
     if running is None:
