@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -494,8 +495,19 @@ def plot(out: dict[str, Any], samples: dict[str, list[Any]], path: Path) -> None
     plt.close(fig)
 
 
+def dump_json(out: dict[str, Any]) -> str:
+    """Indented, with every innermost list of numbers on one line (a sample per line)."""
+    text = json.dumps(out, indent=1)
+    flat = re.sub(
+        r"\[\s*((?:-?[0-9.eE+-]+|null)(?:,\s*(?:-?[0-9.eE+-]+|null))*)\s*\]",
+        lambda m: "[" + ",".join(x.strip() for x in m.group(1).split(",")) + "]",
+        text,
+    )
+    return flat + "\n"
+
+
 def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
-    path.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
+    path.with_suffix(".json").write_text(dump_json(out))
     m, a = out["measured"], out["args"]
     first_day = a["start_day"] if out["shape"] == "servegen" else 1
     if out["shape"] == "step":
