@@ -4,8 +4,13 @@ are exact: tokens counted between two reads over the seconds between them."""
 
 from __future__ import annotations
 
-import pytest
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridllm_common import metrics as names
 from hybridllm_operator import demand
 
 
@@ -50,6 +55,59 @@ def test_demand_series_exist_at_zero_and_count_what_each_tier_answered(procs, ta
     bins, start = busy.bins["edge"], busy.bins_start_s
     assert start == 1000.0
     assert bins == [(0.0, 0.0), (pytest.approx(after.prompt["edge"] / 10), pytest.approx(3.0))]
+
+
+def _answered(gw_url: str) -> dict[str, float]:
+    """Completion tokens answered, by tier (the served counter, not the offered one)."""
+    text = demand._http_get(gw_url + "/metrics")
+    return {
+        s.labels["tier"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == names.GATEWAY_COMPLETION_TOKENS_TOTAL
+    }
+
+
+def _until(what: str, ok, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_offered_demand_counts_requests_on_arrival_not_on_answer(procs, table, ask):
+    """A queued request, or one its tier never answers, is offered load all the same; its
+    completion tokens are the tier's mean answer, capped by its max_tokens."""
+    edge = procs.tokenserver("edge-a", "--max-concurrency", "2", "--rate", "20")
+    gw = procs.gateway(table(edge=[edge.url]))
+    content = "x" * 40  # 10 prompt tokens by the gateway's estimate
+    long = {"headers": {"x-hybridllm-tier": "edge"}, "max_tokens": 2000}  # 100 s to answer
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(ask, gw.url, content, **long)
+        _until("the first request upstream", lambda: edge.stats()["requests"] == 1)
+        offered = _tokens(gw.url)
+        assert offered.prompt["edge"] == 10.0  # counted on arrival
+        assert offered.completion["edge"] == 0.0  # no answer yet: no mean to estimate by
+
+        # an answer of 3 tokens gives the mean: both requests so far are counted by it
+        assert ask(gw.url, content, headers={"x-hybridllm-tier": "edge"}, max_tokens=3).is_success
+        assert _tokens(gw.url).completion["edge"] == 6.0
+        assert _answered(gw.url)["edge"] == 3.0
+
+        # two more long ones (one queued behind the full slots) and one capped at 1 token
+        rest = [pool.submit(ask, gw.url, content, **long) for _ in range(2)]
+        _until("one request queued", lambda: edge.stats()["waiting"] == 1)
+        rest.append(pool.submit(ask, gw.url, content, headers=long["headers"], max_tokens=1))
+        _until("two requests queued", lambda: edge.stats()["waiting"] == 2)
+        offered = _tokens(gw.url)
+        assert offered.prompt["edge"] == 50.0
+        assert offered.completion["edge"] == 6.0 + 3.0 + 3.0 + 1.0
+        assert _answered(gw.url)["edge"] == 3.0  # the pool answered none of them yet
+
+        edge.kill()  # the tier fails them: they stay offered demand, and no answer counts
+        assert all(f.result().status_code >= 500 for f in [first, *rest])
+    assert _tokens(gw.url).completion["edge"] == 13.0
+    assert _answered(gw.url)["edge"] == 3.0
 
 
 def test_a_gateway_that_does_not_answer_holds_the_tier_and_a_restart_is_not_a_drop(
@@ -108,3 +166,36 @@ def test_scrapes_keep_one_connection_per_gateway_and_a_refusal_is_an_error(procs
     gw.kill()
     with pytest.raises(OSError, match="refused"):  # the kept connection is gone; no new one
         demand.scrape(url)
+
+
+def test_offered_completion_estimate_is_the_recent_mean_capped_by_max_tokens_times_n():
+    from prometheus_client import CollectorRegistry, Counter
+
+    from hybridllm_gateway.metrics import OfferedDemand, completion_cap
+
+    r = CollectorRegistry()
+    offered = OfferedDemand(
+        Counter("p", "p", ["tier"], registry=r), Counter("c", "c", ["tier"], registry=r), window=4
+    )
+
+    def completion() -> float:
+        return r.get_sample_value("c_total", {"tier": "cloud"}) or 0.0
+
+    offered.offer("cloud", 5, None)
+    offered.offer("cloud", 5, 2)
+    assert completion() == 0.0  # no answer yet: held until one gives the mean
+    offered.answered("cloud", 10)
+    assert completion() == 10.0 + 2.0  # mean 10; the second capped at 2
+    for tokens in (20, 20, 20, 20):  # the window keeps the last four: the 10 drops out
+        offered.answered("cloud", tokens)
+    offered.offer("cloud", 5, None)
+    assert completion() == 12.0 + 20.0
+    offered.answered("edge", 7)  # another tier's answers are not this tier's mean
+    offered.offer("cloud", 5, 64)
+    assert completion() == 52.0
+    assert r.get_sample_value("p_total", {"tier": "cloud"}) == 20.0
+
+    assert completion_cap({"max_tokens": 8, "n": 3}) == 24
+    assert completion_cap({"max_completion_tokens": 8, "max_tokens": 100}) == 8
+    assert completion_cap({"n": 3}) is None
+    assert completion_cap({"max_tokens": True}) is None

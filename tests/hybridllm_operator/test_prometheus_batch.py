@@ -31,8 +31,8 @@ def prometheus(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     for i, (namespace, name) in enumerate(SERVICES):
         metrics = GatewayMetrics()
         for tier in ("edge", "cloud"):
-            metrics.prompt_tokens.labels(tier).inc(1000 * (i + 1))
-            metrics.completion_tokens.labels(tier).inc(100 * (i + 1))
+            metrics.offered.prompt.labels(tier).inc(1000 * (i + 1))
+            metrics.offered.completion.labels(tier).inc(100 * (i + 1))
             metrics.outstanding.labels(tier).set(i + 1)
             metrics.held.labels(tier).set(0)
             metrics.cold.labels(tier).inc(0)
@@ -46,8 +46,8 @@ def prometheus(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     def traffic() -> None:  # each service answers tokens at its own rate
         while not stop.wait(0.1):
             for i, (_, metrics) in enumerate(servers):
-                metrics.prompt_tokens.labels("edge").inc(10 * (i + 1))
-                metrics.completion_tokens.labels("cloud").inc(i + 1)
+                metrics.offered.prompt.labels("edge").inc(10 * (i + 1))
+                metrics.offered.completion.labels("cloud").inc(i + 1)
 
     threading.Thread(target=traffic, daemon=True).start()
     url = testenv.prometheus_up(state)

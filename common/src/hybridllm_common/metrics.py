@@ -68,11 +68,17 @@ GATEWAY_EJECTIONS_TOTAL = "hybridllm_gateway_ejections_total"  # label: tier
 GATEWAY_CONFIG_RELOADS_TOTAL = "hybridllm_gateway_config_reloads_total"
 GATEWAY_OUTSTANDING_REQUESTS = "hybridllm_gateway_outstanding_requests"  # gauge; label: tier
 GATEWAY_CASCADES_TOTAL = "hybridllm_gateway_cascades_total"
-# The demand each tier served, which the autoscaler sizes its pools by (label: tier).
-# Prompt tokens are the gateway's estimate (characters / 4, as its router counts them);
-# completion tokens come from the answer's usage, or one per streamed chunk.
+# The tokens each tier answered (label: tier). Prompt tokens are the gateway's estimate
+# (characters / 4, as its router counts them); completion tokens come from the answer's
+# usage, or one per streamed chunk.
 GATEWAY_PROMPT_TOKENS_TOTAL = "hybridllm_gateway_prompt_tokens_total"
 GATEWAY_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_completion_tokens_total"
+# The demand offered to each tier, which the autoscaler sizes its pools by (label: tier):
+# counted when a request is routed, before it is answered, so a pool that answers late
+# or not at all does not hide its load. Completion tokens are estimated at arrival: the
+# mean of the tier's recent answers, capped by the request's max_tokens x n.
+GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL = "hybridllm_gateway_offered_prompt_tokens_total"
+GATEWAY_OFFERED_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_offered_completion_tokens_total"
 # Requests waiting for a replica of a tier scaled to zero (gauge), and those that found
 # none (counter): what wakes a pool at zero (label: tier).
 GATEWAY_HELD_REQUESTS = "hybridllm_gateway_held_requests"

@@ -223,12 +223,15 @@ async def _handle(
     request[router.ROUTE_REASON] = route.reason
     request[router.ROUTE_TIER] = route.tiers[0]
     state.metrics.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
+    cap = metrics_mod.completion_cap(body)
+    state.metrics.offered.offer(route.tiers[0], features.prompt_tokens, cap)
     key = _affinity_key(state, request, body)
     stream = bool(body.get("stream"))
     assert state.forwarder is not None
     if not stream and routing.cascade.enabled and route.tiers[0] == "edge":
         outcome = await cascade_mod.run(state.forwarder, state.metrics, request, path, body,
-                                        route, key, t_start, routing.cascade.min_mean_logprob)  # fmt: skip
+                                        route, key, t_start, routing.cascade.min_mean_logprob,
+                                        features.prompt_tokens)  # fmt: skip
         response: web.StreamResponse | None = None
     else:
         payload = json.dumps(body).encode() if changed else raw
@@ -260,6 +263,7 @@ async def _handle(
     if outcome.status < 500 and not outcome.broken:
         m.revision_attempts.labels(tier=outcome.tier, revision=outcome.revision, result="ok").inc()
     if 200 <= outcome.status < 300 and not outcome.broken:
+        m.offered.answered(outcome.tier, tokens)
         m.revision_ttft.labels(tier=outcome.tier, revision=outcome.revision).observe(outcome.ttft_s)
         if stream and tokens >= 2:  # a whole answer at once says nothing of token times
             m.revision_tpot.labels(tier=outcome.tier, revision=outcome.revision).observe(

@@ -64,6 +64,7 @@ async def run(
     key: str | None,
     t_start: float,
     threshold: float,
+    prompt_tokens: int,
 ) -> proxy.Outcome:
     chat = path.endswith("chat/completions")
     asked = body.get("logprobs")
@@ -82,6 +83,7 @@ async def run(
         metrics.cascades.inc()
         request[router.ROUTE_REASON] = "cascade"
         metrics.decisions.labels(tier="cloud", reason="cascade").inc()
+        metrics.offered.offer("cloud", prompt_tokens, metrics_mod.completion_cap(body))
         _, cloud = await forwarder.forward(
             request, path, json.dumps(body).encode(), ("cloud",), key, False, t_start
         )

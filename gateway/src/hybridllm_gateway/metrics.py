@@ -9,6 +9,8 @@ time between the first upstream byte and its write to the client. Its buckets st
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -81,6 +83,19 @@ class GatewayMetrics:
             names.GATEWAY_COMPLETION_TOKENS_TOTAL, "Completion tokens answered, by tier.",
             ["tier"], registry=r,
         )  # fmt: skip
+        self.offered = OfferedDemand(
+            Counter(
+                names.GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL,
+                "Prompt tokens (estimated) routed to each tier, counted on arrival.",
+                ["tier"], registry=r,
+            ),
+            Counter(
+                names.GATEWAY_OFFERED_COMPLETION_TOKENS_TOTAL,
+                "Completion tokens routed to each tier, estimated on arrival from the tier's "
+                "recent answers (capped by max_tokens x n).",
+                ["tier"], registry=r,
+            ),
+        )  # fmt: skip
 
         self.held = Gauge(
             names.GATEWAY_HELD_REQUESTS, "Requests waiting for a replica of a tier at zero.",
@@ -148,7 +163,70 @@ class GatewayMetrics:
         for tier in tiers:
             self.prompt_tokens.labels(tier=tier)
             self.completion_tokens.labels(tier=tier)
+            self.offered.prompt.labels(tier=tier)
+            self.offered.completion.labels(tier=tier)
             self.outstanding.labels(tier=tier)
             self.ttft.labels(tier=tier)
             self.held.labels(tier=tier)
             self.cold.labels(tier=tier)
+
+
+OFFERED_WINDOW = 256  # a tier's answers whose mean length estimates a new request's
+
+
+class OfferedDemand:
+    """The demand offered to each tier, counted when a request is routed to it.
+
+    What a tier answered lags what it was asked whenever it is short of replicas (queued
+    requests are answered later, a saturated pool answers at its capacity, a refused one
+    not at all); an autoscaler fed the answers learns a rise only as fast as the pool met
+    it. So the gateway also counts each request on arrival: its prompt tokens (the
+    router's estimate) and its completion tokens, which are not known yet, estimated by
+    the mean of the tier's last `OFFERED_WINDOW` answers and capped by the request's
+    ``max_tokens`` x ``n``. A request that arrives before its tier has answered any is
+    counted when the first answer gives the mean.
+    """
+
+    def __init__(self, prompt: Counter, completion: Counter, window: int = OFFERED_WINDOW):
+        self.prompt, self.completion = prompt, completion
+        self.window = window
+        self.recent: dict[str, deque[int]] = {}
+        self.sums: dict[str, int] = {}
+        self.pending: dict[str, Tally[int | None]] = {}  # tier -> {cap: requests}
+
+    def mean(self, tier: str) -> float | None:
+        recent = self.recent.get(tier)
+        return self.sums[tier] / len(recent) if recent else None
+
+    def offer(self, tier: str, prompt_tokens: int, cap: int | None) -> None:
+        """A request routed to ``tier``; ``cap`` bounds its completion tokens (None: none)."""
+        self.prompt.labels(tier=tier).inc(prompt_tokens)
+        mean = self.mean(tier)
+        if mean is None:
+            self.pending.setdefault(tier, Tally())[cap] += 1
+        else:
+            self.completion.labels(tier=tier).inc(mean if cap is None else min(mean, cap))
+
+    def answered(self, tier: str, completion_tokens: int) -> None:
+        """A whole answer of ``tier`` (2xx) with its completion tokens."""
+        recent = self.recent.setdefault(tier, deque())
+        recent.append(completion_tokens)
+        self.sums[tier] = self.sums.get(tier, 0) + completion_tokens
+        if len(recent) > self.window:
+            self.sums[tier] -= recent.popleft()
+        pending = self.pending.pop(tier, None)
+        if pending:
+            mean = self.sums[tier] / len(recent)
+            self.completion.labels(tier=tier).inc(
+                sum(n * (mean if cap is None else min(mean, cap)) for cap, n in pending.items())
+            )
+
+
+def completion_cap(body: Mapping[str, Any]) -> int | None:
+    """The most completion tokens a request can be answered with (max_tokens x n), or
+    None when it sets no max_tokens."""
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        return None
+    n = body.get("n")
+    return max_tokens * (n if isinstance(n, int) and n > 1 else 1)

@@ -1,10 +1,13 @@
 """Each tier's demand as the autoscaler reads it: from Prometheus, or from the gateways.
 
-The gateway counts what every tier answered (``hybridllm_gateway_prompt_tokens_total``,
-``hybridllm_gateway_completion_tokens_total``, by ``tier``), the requests in flight to
-each tier and the time to first token. Those are the demand: pods that are not Ready get
-no traffic from the gateway, so nothing a starting replica reports (its model load, its
-warm-up) is ever counted as load.
+The gateway counts the demand offered to every tier, on each request's arrival
+(``hybridllm_gateway_offered_prompt_tokens_total``,
+``hybridllm_gateway_offered_completion_tokens_total``, by ``tier``; completion tokens
+estimated from the tier's recent answers), the requests in flight to each tier and the
+time to first token. Those are the demand: pods that are not Ready get no traffic from
+the gateway, so nothing a starting replica reports (its model load, its warm-up) is ever
+counted as load. Offered, not answered: a pool short of replicas answers late, or at its
+capacity, and a history of answers would teach the forecast yesterday's lag.
 
 Two sources give the same `Snapshot`:
 
@@ -46,6 +49,8 @@ log = logging.getLogger(__name__)
 TIERS = ("edge", "cloud")
 TTFT_QUANTILE = 0.95
 HTTP_TIMEOUT_S = 2.0
+OFFERED_PROMPT = names.GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL
+OFFERED_COMPLETION = names.GATEWAY_OFFERED_COMPLETION_TOKENS_TOTAL
 MAX_RANGE_POINTS = 10_000  # Prometheus refuses range queries of more than 11,000 points
 
 
@@ -159,9 +164,9 @@ def parse_gateway_metrics(text: str, t: float) -> _Sample:
             tier = s.labels.get("tier")
             if tier is None:
                 continue
-            if s.name == names.GATEWAY_PROMPT_TOKENS_TOTAL:
+            if s.name == names.GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL:
                 sample.prompt[tier] = s.value
-            elif s.name == names.GATEWAY_COMPLETION_TOKENS_TOTAL:
+            elif s.name == names.GATEWAY_OFFERED_COMPLETION_TOKENS_TOTAL:
                 sample.completion[tier] = s.value
             elif s.name == names.GATEWAY_OUTSTANDING_REQUESTS:
                 sample.in_flight[tier] = s.value
@@ -419,10 +424,8 @@ class PrometheusDemand(DemandSource):
         """The instant queries, over the series ``sel`` selects, summed by ``by`` tier."""
         w = f"{int(self.rate_window_s)}s"
         return {
-            "prompt": f"sum by ({by}tier) (rate({names.GATEWAY_PROMPT_TOKENS_TOTAL}{{{sel}}}[{w}]))",
-            "completion": (
-                f"sum by ({by}tier) (rate({names.GATEWAY_COMPLETION_TOKENS_TOTAL}{{{sel}}}[{w}]))"
-            ),
+            "prompt": f"sum by ({by}tier) (rate({OFFERED_PROMPT}{{{sel}}}[{w}]))",
+            "completion": f"sum by ({by}tier) (rate({OFFERED_COMPLETION}{{{sel}}}[{w}]))",
             "in_flight": f"sum by ({by}tier) ({names.GATEWAY_OUTSTANDING_REQUESTS}{{{sel}}})",
             "waiting": (
                 f"sum by ({by}tier) ({names.GATEWAY_HELD_REQUESTS}{{{sel}}}) + sum by ({by}tier) "
@@ -468,7 +471,7 @@ class PrometheusDemand(DemandSource):
             p, c = prompt.get(tier), completion.get(tier)
             if p is None or c is None:
                 problems[tier] = (
-                    f"Prometheus has no series of {names.GATEWAY_PROMPT_TOKENS_TOTAL}"
+                    f"Prometheus has no series of {OFFERED_PROMPT}"
                     f'{{{sel},tier="{tier}"}} over the last {w} (is it scraping the gateway '
                     "with the labels namespace and llmservice?)"
                 )
@@ -502,8 +505,8 @@ class PrometheusDemand(DemandSource):
         b = f"{int(self.bin_s)}s"
         series: dict[str, dict[str, dict[float, float]]] = {}
         for key, metric in (
-            ("prompt", names.GATEWAY_PROMPT_TOKENS_TOTAL),
-            ("completion", names.GATEWAY_COMPLETION_TOKENS_TOTAL),
+            ("prompt", OFFERED_PROMPT),
+            ("completion", OFFERED_COMPLETION),
         ):
             rows = self._get(
                 "/api/v1/query_range",
@@ -550,9 +553,7 @@ class PrometheusDemand(DemandSource):
         assert self.batch is not None
         b = f"{int(self.bin_s)}s"
         out: dict[str, list[float]] = {}
-        for i, metric in enumerate(
-            (names.GATEWAY_PROMPT_TOKENS_TOTAL, names.GATEWAY_COMPLETION_TOKENS_TOTAL)
-        ):
+        for i, metric in enumerate((OFFERED_PROMPT, OFFERED_COMPLETION)):
             rows = self.batch.rows(
                 f"bin:{metric}:{b}",
                 "/api/v1/query",

@@ -100,7 +100,9 @@ SERVICE = Dashboard(
         ),
         Panel(
             "Tokens per second by tier",
-            "Prompt tokens (the gateway's estimate) and completion tokens answered.",
+            "Prompt tokens (the gateway's estimate) and completion tokens answered, and "
+            "the completion tokens offered (estimated on arrival: what the autoscaler sizes "
+            "pools by; above the answered line, a tier is short of replicas).",
             (
                 _q(
                     f"sum by (tier) (rate({n.GATEWAY_PROMPT_TOKENS_TOTAL}{{sel}}[{RATE}]))",
@@ -109,6 +111,11 @@ SERVICE = Dashboard(
                 _q(
                     f"sum by (tier) (rate({n.GATEWAY_COMPLETION_TOKENS_TOTAL}{{sel}}[{RATE}]))",
                     "{{tier}} completion",
+                ),
+                _q(
+                    f"sum by (tier) (rate({n.GATEWAY_OFFERED_COMPLETION_TOKENS_TOTAL}{{sel}}"
+                    f"[{RATE}]))",
+                    "{{tier}} completion offered",
                 ),
             ),
         ),
@@ -184,7 +191,7 @@ AUTOSCALING = Dashboard(
     panels=(
         Panel(
             "Demand and forecast (replicas at target)",
-            "The load the pool carried, and the forecast's P50-P90 band over the scale-up "
+            "The load offered to the pool, and the forecast's P50-P90 band over the scale-up "
             "lead time, in replicas at the target utilisation.",
             (
                 _q(f"sum ({n.AUTOSCALER_DEMAND_REPLICAS}{{sel}})", "demand", POOL_SEL),
