@@ -199,9 +199,11 @@ async def drive(urls: dict[str, str], model: str, times: np.ndarray) -> dict[str
 
 def manifest(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     per_request = 1.0 / (args.slots / service_s())  # replica-seconds of work per request
-    # a replica's capacity, split evenly between its prompt and its output tokens
+    # a replica's capacity, split evenly between its prompt and its output tokens; the
+    # gateway counts a streamed answer's output by its chunks: the tokens, the finish
+    # chunk and [DONE]
     prefill = (PROMPT_CHARS // 4) / (per_request / 2)
-    decode = MAX_TOKENS / (per_request / 2)
+    decode = (MAX_TOKENS + 2) / (per_request / 2)
     return {
         "apiVersion": "hybridllm.io/v1alpha1",
         "kind": "LLMService",
@@ -315,7 +317,9 @@ def wait_ready(stacks: list[Stack], timeout_s: float = 120.0) -> None:
 
 
 async def sample(stacks: list[Stack], stop: asyncio.Event, t0: float) -> dict[str, list[Any]]:
-    """Every second: each pool's running and ready replicas and its autoscaler's desired."""
+    """Every second: each pool's running and ready replicas, its autoscaler's desired, the
+    reactive and predictive parts of that decision, and the forecast's P90 over the lead
+    time (replicas at target; None where the mode has no such part)."""
     out: dict[str, list[Any]] = {s.mode: [] for s in stacks}
     loop = asyncio.get_running_loop()
     while not stop.is_set():
@@ -327,6 +331,7 @@ async def sample(stacks: list[Stack], stop: asyncio.Event, t0: float) -> dict[st
             out[s.mode].append((
                 now, sum(p["status"] in RUNNING for p in procs),
                 sum(p["status"] == "ready" for p in procs), desired.get("desired"),
+                desired.get("reactive"), desired.get("predictive"), desired.get("predictedP90"),
             ))  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
@@ -416,18 +421,24 @@ def rise_response(
     slo_s: float,
     ramp_s: float,
 ) -> dict[str, Any]:
-    """Around one rise: when the ready replicas first carried the peak (seconds from the
-    start of the rise; negative: before it), and the SLO attainment of the requests sent
-    from the rise to one minute after it."""
-    covered = next(
-        (x[0] - rise_s for x in samples
-         if rise_s - 120 <= x[0] <= rise_s + 120 and x[2] * per_replica_rps >= peak),
-        None,
-    )  # fmt: skip
+    """Around one rise: when the autoscaler first asked for replicas that carry the peak
+    and when the ready replicas first did (seconds from the start of the rise; negative:
+    before it), and the SLO attainment of the requests sent from the rise to one minute
+    after it."""
+
+    def first(column: int) -> float | None:
+        return next(
+            (x[0] - rise_s for x in samples
+             if rise_s - 120 <= x[0] <= rise_s + 120 and x[column] is not None
+             and x[column] * per_replica_rps >= peak),
+            None,
+        )  # fmt: skip
+
     during = [r for r in results if rise_s <= r.sent_s < rise_s + ramp_s + 60]
     met = sum(r.status == 200 and r.ttft_s is not None and r.ttft_s <= slo_s for r in during)
     return {
-        "peak_carried_at_s": covered,
+        "peak_asked_at_s": first(3),
+        "peak_carried_at_s": first(2),
         "requests": len(during),
         "slo_attainment": met / max(len(during), 1),
     }
@@ -566,9 +577,10 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
             "",
             "## The rise of each day",
             "",
-            "When the ready replicas first carried the peak, in seconds from the start of the "
-            "rise (negative: before it; '-': not within 120 s), and the SLO attainment of the "
-            "requests sent from the rise to a minute after it.",
+            "When the autoscaler first asked for replicas that carry the peak, and when the "
+            "ready replicas first did, in seconds from the start of the rise (negative: "
+            "before it; '-': not within 120 s); and the SLO attainment of the requests sent "
+            "from the rise to a minute after it.",
             "",
             "| day | " + " | ".join(out["modes"]) + " |",
             "|---|" + "---|" * len(out["modes"]),
@@ -577,8 +589,11 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
             cells = []
             for mode in out["modes"]:
                 r = per[mode]
-                at = "-" if r["peak_carried_at_s"] is None else f"{r['peak_carried_at_s']:+.0f} s"
-                cells.append(f"{at}, {r['slo_attainment']:.1%}")
+                asked, ready = (
+                    "-" if r.get(k) is None else f"{r[k]:+.0f} s"
+                    for k in ("peak_asked_at_s", "peak_carried_at_s")
+                )
+                cells.append(f"asked {asked}, ready {ready}, {r['slo_attainment']:.1%}")
             lines.append(f"| {first_day + d} | " + " | ".join(cells) + " |")
     lines += ["", "## Every day", "", "| day | mode | SLO attainment | replica-seconds | failed |",
               "|---|---|---|---|---|"]  # fmt: skip

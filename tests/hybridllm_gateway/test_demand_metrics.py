@@ -199,3 +199,31 @@ def test_offered_completion_estimate_is_the_recent_mean_capped_by_max_tokens_tim
     assert completion_cap({"max_completion_tokens": 8, "max_tokens": 100}) == 8
     assert completion_cap({"n": 3}) is None
     assert completion_cap({"max_tokens": True}) is None
+
+
+def test_the_history_starts_where_the_tiers_bins_start_and_a_late_tier_is_padded():
+    """One start for every tier's bins: an edge-only service's history starts at its first
+    read (not at 0 s, where a forecast would reach nothing); a tier first exported later
+    is zero before it."""
+    pages = {"edge": 'hybridllm_gateway_offered_prompt_tokens_total{tier="edge"} %s\n'}
+    clock = [0.0]
+
+    def page(_: str) -> str:
+        text = pages["edge"] % (100.0 * clock[0])
+        if clock[0] >= 1020.0:  # the cloud tier appears (enabled in the spec)
+            text += 'hybridllm_gateway_offered_prompt_tokens_total{tier="cloud"} %s\n' % (
+                10.0 * (clock[0] - 1020.0)
+            )
+        return text
+
+    scrape = demand.GatewayScrape(lambda: ["gw"], bin_s=10.0, fetch=page)
+    for clock[0] in (1000.0, 1010.0, 1020.0):
+        snap = scrape.read(clock[0])
+    assert snap.bins_start_s == 1000.0
+    assert snap.bins["edge"] == [(100.0, 0.0), (100.0, 0.0)]
+    assert snap.bins["cloud"] == []
+    for clock[0] in (1030.0, 1040.0):
+        snap = scrape.read(clock[0])
+    assert snap.bins_start_s == 1000.0
+    assert len(snap.bins["edge"]) == len(snap.bins["cloud"]) == 4
+    assert snap.bins["cloud"] == [(0.0, 0.0), (0.0, 0.0), (10.0, 0.0), (10.0, 0.0)]

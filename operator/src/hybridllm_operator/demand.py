@@ -270,10 +270,23 @@ class GatewayScrape(DemandSource):
                     histogram_quantile(TTFT_QUANTILE, buckets[tier]),
                     waiting[tier],
                 )
-        bins, start = {}, 0.0
-        for tier in TIERS:
-            bins[tier], start = self.bins[tier].complete(now_s)
+        bins, start = self._aligned_bins(now_s)
         return Snapshot(tiers, bins, start, problems)
+
+    def _aligned_bins(self, now_s: float) -> tuple[dict[str, list[tuple[float, float]]], float]:
+        """Every tier's complete bins from one start (the snapshot has one): the earliest
+        tier's; a tier first seen later is zero before (no series, no demand). A tier
+        never seen has none (an edge-only service has no cloud series)."""
+        done = {tier: self.bins[tier].complete(now_s) for tier in TIERS}
+        starts = [start for rates, start in done.values() if rates]
+        if not starts:
+            return {tier: [] for tier in TIERS}, 0.0
+        first = min(starts)
+        bins = {}
+        for tier, (rates, start) in done.items():
+            pad = round((start - first) / self.bins[tier].bin_s) if rates else 0
+            bins[tier] = [(0.0, 0.0)] * pad + rates
+        return bins, first
 
 
 def _http_get(url: str) -> str:

@@ -52,7 +52,7 @@ from typing import Any, TextIO
 import aiohttp
 
 from hybridllm_common import crd
-from hybridllm_forecaster.autoscaler import DECIDING
+from hybridllm_forecaster.autoscaler import DECIDING, Decision
 from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
 from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local.plan import LOOPBACK, Plan, Replica, local_scaled_pools
@@ -226,9 +226,8 @@ class Supervisor:
         if self.scaling is not None:
             state["autoscaling"] = {
                 "mode": self.scaling.mode,
-                "pools": {c: {"desired": d.desired, "reason": d.reason}
-                          for c, d in self.scaling.decisions.items()},
-            }  # fmt: skip
+                "pools": {c: _decision_state(d) for c, d in self.scaling.decisions.items()},
+            }
         if self.rollouts.state is not None:
             state["revision"] = self.spec.model.revision
             state["rollout"] = self.rollouts.state.to_wire()
@@ -876,6 +875,17 @@ class Supervisor:
             path.unlink(missing_ok=True)
         self.say(f"{self.plan.name} stopped")
         return 0
+
+
+def _decision_state(d: Decision) -> dict[str, Any]:
+    """One pool's last decision in the state file: the replicas, each policy's part and
+    the forecast over the lead time (replicas at target), as the operator's status has."""
+    out = {"desired": d.desired, "reason": d.reason, "reactive": d.reactive,
+           "predictive": d.predictive}  # fmt: skip
+    for key, value in (("predictedP50", d.predicted_p50), ("predictedP90", d.predicted_p90)):
+        if value is not None:
+            out[key] = round(value, 3)
+    return out
 
 
 def autoscaler_from_env() -> autoscaling.ServiceAutoscaler:
