@@ -46,6 +46,37 @@ def test_5xx_before_first_byte_is_retried_on_another_replica(procs, table, ask) 
     assert all(r.status_code == 200 for r in answers)
 
 
+def test_a_busy_replica_is_skipped_not_ejected_and_all_busy_is_503_with_retry_after(
+    procs, table, ask
+) -> None:
+    """A 503 with Retry-After (a full queue, a model still loading) is a healthy replica
+    that is busy: the request goes to another, and the replica is not ejected (that would
+    take capacity away when it is short). When every replica is busy the client gets 503
+    server_overloaded with the Retry-After."""
+    busy = procs.tokenserver("cloud-busy", "--fail-status", "503", "--retry-after", "7")
+    good = procs.tokenserver("cloud-good")
+    gw = procs.gateway(table(cloud=[busy.url, good.url]))
+    answers = [
+        ask(gw.url, "hi", stream=i % 2 == 0, headers={"x-session-id": f"s{i}"}) for i in range(40)
+    ]
+    assert [r.status_code for r in answers] == [200] * 40
+    # about half the sessions hash to the busy replica first: it is asked each time, past
+    # the 3 consecutive failures that would eject it for 5 s (longer than this loop)
+    assert busy.stats()["requests"] > 3
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert "hybridllm_gateway_ejections_total{" not in metrics
+    busy_line = 'hybridllm_gateway_upstream_errors_total{kind="busy",tier="cloud"} '
+    assert f"{busy_line}{float(busy.stats()['requests'])}" in metrics
+
+    only_busy = procs.gateway(table(cloud=[busy.url]), name="busy.json")
+    for stream in (False, True):
+        r = ask(only_busy.url, "hi", stream=stream)
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "server_overloaded"
+        assert r.headers["retry-after"] == "7"
+    assert "is busy" in r.json()["error"]["message"]
+
+
 def test_reload_under_load_drops_no_request(procs, table, tmp_path) -> None:
     old, new = procs.tokenservers(["old", "new"], "--rate", "200")
     gw = procs.gateway(table(edge=[old.url]))

@@ -55,6 +55,8 @@ class Outcome:
     unsent: bool = False  # the last attempt could not connect: the request never left
     revision: str = ""  # model revision of the replica that answered (the last attempt)
     broken: bool = False  # the answer started and then broke (counted as a failed attempt)
+    busy: int = 0  # attempts a replica refused as full (503 with Retry-After)
+    retry_after: str = ""  # the last such refusal's Retry-After
 
 
 @dataclass
@@ -80,6 +82,21 @@ class Forwarder:
         if self.balancer.record_failure(replica):
             self.metrics.ejections.labels(tier=replica.tier).inc()
             log.warning("ejected %s (%s tier) after repeated failures", replica.url, replica.tier)
+
+    def _refused(
+        self, replica: balancer_mod.Replica, status: int, retry_after: str | None, outcome: Outcome
+    ) -> None:
+        """A retryable error answer. A 503 with Retry-After is a replica that is full
+        (its queue at its limit) or still loading: healthy, so not a failure towards its
+        ejection (ejecting replicas for being busy would take capacity away exactly when
+        it is short) nor against its model revision; the request goes to another one."""
+        outcome.status = status
+        if status == 503 and retry_after:
+            outcome.busy += 1
+            outcome.retry_after = retry_after
+            self.metrics.upstream_errors.labels(tier=replica.tier, kind="busy").inc()
+            return
+        self._fail(replica, f"http_{status}")
 
     async def forward(
         self,
@@ -139,6 +156,13 @@ class Forwarder:
                 held = True
                 tried.difference_update(r.url for r in pool.replicas)
                 limit = len(outcome.attempts) + self.max_attempts
+        if outcome.attempts and outcome.busy == len(outcome.attempts):
+            raise APIError(
+                oai.SERVER_OVERLOADED,
+                f"every replica of tier(s) {'/'.join(tiers)} asked is busy "
+                f"({len(outcome.attempts)} attempt(s)): {last_error}",
+                headers={"Retry-After": outcome.retry_after},
+            )
         raise APIError(
             oai.UPSTREAM_UNAVAILABLE,
             f"no replica of tier(s) {'/'.join(tiers)} answered after {len(outcome.attempts)} "
@@ -269,8 +293,7 @@ class Forwarder:
         try:
             if resp.status in RETRYABLE_STATUS:
                 text = await resp.text(errors="replace")
-                self._fail(replica, f"http_{resp.status}")
-                outcome.status = resp.status
+                self._refused(replica, resp.status, resp.headers.get("Retry-After"), outcome)
                 resp.close()
                 return None, f"{url}: HTTP {resp.status}: {text[:200]}"
             if not stream or resp.status != 200:
@@ -396,8 +419,8 @@ class Forwarder:
                         await conn.wait()
                 body = conn.payload()
                 if head.status in RETRYABLE_STATUS:
-                    self._fail(replica, f"http_{head.status}")
-                    outcome.status = head.status
+                    retry_after = head.headers.get("retry-after")
+                    self._refused(replica, head.status, retry_after, outcome)
                     conn.abort()
                     return None, f"{url}: HTTP {head.status}: {body[:200].decode(errors='replace')}"
                 self.balancer.record_success(replica)

@@ -7,7 +7,8 @@ models, ``max_tokens`` tokens (default 16) sent ``1/rate`` seconds apart after
 which replica answered), and ``/stats`` counts requests, completed and cancelled streams
 (a client that disconnects shows up as cancelled). ``--mean-logprob`` sets the logprob of
 every token when logprobs are asked for (the cascade's confidence signal), and
-``--fail-status`` makes every completion answer that HTTP status; ``--echo`` answers
+``--fail-status`` makes every completion answer that HTTP status (with ``--retry-after``
+S, a Retry-After header: a runtime whose queue is full); ``--echo`` answers
 with the prompt it received (to see what the gateway sent upstream).
 
 Two flags make it a replica with a capacity, for the autoscaling benchmark:
@@ -101,10 +102,13 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
         return err
     assert body is not None
     if opts.fail_status:
-        return _error(
+        resp = _error(
             oai.SERVER_OVERLOADED if opts.fail_status == 503 else oai.INTERNAL_ERROR,
             "injected failure",
         )
+        if opts.retry_after:
+            resp.headers["Retry-After"] = str(opts.retry_after)
+        return resp
     n = body.get("max_completion_tokens") or body.get("max_tokens") or opts.default_tokens
     n = min(int(n), opts.max_tokens)
     model = body.get("model") or opts.model
@@ -242,6 +246,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=" tok")
     p.add_argument("--mean-logprob", type=float, default=-0.1)
     p.add_argument("--fail-status", type=int, default=0)
+    p.add_argument(
+        "--retry-after", type=_non_negative_int, default=0,
+        help="with --fail-status: send this Retry-After (a runtime whose queue is full)",
+    )  # fmt: skip
     p.add_argument("--echo", action="store_true", help="answer with the prompt (non-streaming)")
     p.add_argument(
         "--max-concurrency", type=_non_negative_int, default=0,
