@@ -215,8 +215,8 @@ class OfferedDemand:
         if len(recent) > self.window:
             self.sums[tier] -= recent.popleft()
         pending = self.pending.pop(tier, None)
-        if pending:
-            mean = self.sums[tier] / len(recent)
+        mean = self.mean(tier)
+        if pending and mean is not None:
             self.completion.labels(tier=tier).inc(
                 sum(n * (mean if cap is None else min(mean, cap)) for cap, n in pending.items())
             )

@@ -164,9 +164,9 @@ def parse_gateway_metrics(text: str, t: float) -> _Sample:
             tier = s.labels.get("tier")
             if tier is None:
                 continue
-            if s.name == names.GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL:
+            if s.name == OFFERED_PROMPT:
                 sample.prompt[tier] = s.value
-            elif s.name == names.GATEWAY_OFFERED_COMPLETION_TOKENS_TOTAL:
+            elif s.name == OFFERED_COMPLETION:
                 sample.completion[tier] = s.value
             elif s.name == names.GATEWAY_OUTSTANDING_REQUESTS:
                 sample.in_flight[tier] = s.value
