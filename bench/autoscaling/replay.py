@@ -199,11 +199,10 @@ async def drive(urls: dict[str, str], model: str, times: np.ndarray) -> dict[str
 
 def manifest(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     per_request = 1.0 / (args.slots / service_s())  # replica-seconds of work per request
-    # a replica's capacity, split evenly between its prompt and its output tokens; the
-    # gateway counts a streamed answer's output by its chunks: the tokens, the finish
-    # chunk and [DONE]
+    # a replica's capacity, split evenly between its prompt and its output tokens (the
+    # gateway counts a streamed answer's tokens, not its finish chunk nor [DONE])
     prefill = (PROMPT_CHARS // 4) / (per_request / 2)
-    decode = (MAX_TOKENS + 2) / (per_request / 2)
+    decode = MAX_TOKENS / (per_request / 2)
     return {
         "apiVersion": "hybridllm.io/v1alpha1",
         "kind": "LLMService",

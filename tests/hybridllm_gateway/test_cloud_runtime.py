@@ -41,6 +41,17 @@ def test_openai_client_reaches_the_cloud_runtime_through_the_gateway(procs, tabl
             model="smollm2:cloud", messages=question, max_tokens=16, temperature=0, stream=True
         )
         assert "Paris" in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        # a streamed answer counts its tokens, not its events (the role, the finish, the
+        # usage chunk and [DONE] carry none): the gateway's count is the runtime's usage
+        chunks = list(client.chat.completions.create(
+            model="smollm2:cloud", messages=question, max_tokens=16, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        ))  # fmt: skip
+        used = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+        parsed = answer.parse().usage
+        assert parsed is not None
+        assert len(used) == 1
+        assert _answered_tokens(gw.url)["cloud"] == parsed.completion_tokens * 2 + used[0]
         # the runtime's own errors pass through in their shape
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="smollm2:cloud", prompt="x " * 3000, max_tokens=4)
@@ -48,6 +59,21 @@ def test_openai_client_reaches_the_cloud_runtime_through_the_gateway(procs, tabl
     finally:
         cloud_proc.terminate()
         cloud_proc.wait(timeout=30)
+
+
+def _answered_tokens(gw_url: str) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridllm_common import metrics as names
+
+    text = httpx.get(gw_url + "/metrics").text
+    return {
+        s.labels["tier"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == names.GATEWAY_COMPLETION_TOKENS_TOTAL
+    }
 
 
 def _wait_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:

@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from hybridllm_common import metrics as names
+
 MODEL = "smollm2"
 
 
@@ -33,6 +35,16 @@ def test_openai_client_streams_and_completes_through_the_gateway(procs, table) -
 
     legacy = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4)
     assert legacy.choices[0].text == " tok" * 4
+    streamed = client.completions.create(model=MODEL, prompt="Once", max_tokens=2, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == " tok" * 2
+    # a streamed answer counts its tokens, not its finish chunk nor [DONE]
+    served = httpx.get(gw.url + "/metrics").text
+    counted = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in served.splitlines()
+        if line.startswith(names.GATEWAY_COMPLETION_TOKENS_TOTAL + "{")
+    )
+    assert counted == 3 + 5 + 4 + 2
     assert sorted(m.id for m in client.models.list()) == [MODEL, f"{MODEL}:cloud", f"{MODEL}:edge"]
 
     with pytest.raises(openai.NotFoundError) as info:

@@ -70,7 +70,8 @@ GATEWAY_OUTSTANDING_REQUESTS = "hybridllm_gateway_outstanding_requests"  # gauge
 GATEWAY_CASCADES_TOTAL = "hybridllm_gateway_cascades_total"
 # The tokens each tier answered (label: tier). Prompt tokens are the gateway's estimate
 # (characters / 4, as its router counts them); completion tokens come from the answer's
-# usage, or one per streamed chunk.
+# usage, or one per streamed event that carries a token (not the finish chunk, the
+# usage chunk nor [DONE]).
 GATEWAY_PROMPT_TOKENS_TOTAL = "hybridllm_gateway_prompt_tokens_total"
 GATEWAY_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_completion_tokens_total"
 # The demand offered to each tier, which the autoscaler sizes its pools by (label: tier):

@@ -40,13 +40,31 @@ HOLD_POLL_S = 0.5  # how often a tier at zero is asked whether a replica is up
 SERVICE_RETRY_S = 0.25  # the pause before trying a Service address again, times attempts
 
 
+# Events of a stream that carry no token: the end, the usage chunk (stream_options), a
+# finish chunk with an empty delta (OpenAI's), and a first chunk that only names the role
+# (vLLM's); in the compact and the spaced JSON layouts. A chunk whose text is empty is a
+# token all the same: the runtimes here stream the stop token, which their usage counts,
+# and a token that ends mid-character, that way. Counted on the raw bytes, unparsed.
+_NO_TOKEN = (
+    b"data: [DONE]", b'"choices": []', b'"choices":[]', b'"delta": {}', b'"delta":{}',
+    b'"delta": {"role": "assistant", "content": ""}', b'"delta":{"role":"assistant","content":""}',
+)  # fmt: skip
+
+
+def token_events(data: bytes) -> int:
+    """The SSE events in ``data`` that carry a token: the runtimes stream one token per
+    event, so this is the answer's completion tokens, as their usage counts them."""
+    n = data.count(b"data: ")
+    return n - sum(data.count(p) for p in _NO_TOKEN) if n else 0
+
+
 @dataclass
 class Outcome:
     """What the forwarding did, for metrics, the token bucket and the cascade."""
 
     tier: str = ""
     status: int = 0
-    num_chunks: int = 0
+    num_chunks: int = 0  # a streamed answer's token events (see token_events)
     body: bytes | None = None  # non-streaming answers only
     headers: dict[str, str] = field(default_factory=dict)
     added_s: float = 0.0
@@ -340,9 +358,9 @@ class Forwarder:
             await out.write(first)
             outcome.ttft_s = time.perf_counter() - t_start
             outcome.added_s = pre_s + (time.perf_counter() - t_first)
-            outcome.num_chunks = first.count(b"data: ")
+            outcome.num_chunks = token_events(first)
             async for chunk in resp.content.iter_any():
-                outcome.num_chunks += chunk.count(b"data: ")
+                outcome.num_chunks += token_events(chunk)
                 await out.write(chunk)
             completed = True
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -480,7 +498,7 @@ class Forwarder:
                     conn.abort()
                     conn.complete = True
                     return
-                outcome.num_chunks += data.count(b"data: ")
+                outcome.num_chunks += token_events(data)
                 down.write(data if framed else b"%x\r\n%b\r\n" % (len(data), data))
                 if down.get_write_buffer_size() > high:
                     conn.pause()

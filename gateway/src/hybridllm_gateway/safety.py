@@ -10,9 +10,9 @@ Rate limits are token buckets per key, refilled continuously: one for requests (
 and refill ``requestsPerMinute``) and one for tokens (``tokensPerMinute``). A request is
 admitted when both buckets are positive; the request bucket is charged 1 and the token
 bucket the estimated prompt tokens at admission, and the completion tokens when the answer
-is done (the usage field, or one token per streamed chunk). The token bucket may go
-negative, and the next request is refused with 429 and ``Retry-After`` = the seconds until
-it is positive again. Buckets live in each gateway process: with N gateway replicas a key
+is done (the usage field, or one per streamed event that carries a token). The token
+bucket may go negative, and the next request is refused with 429 and ``Retry-After`` = the
+seconds until it is positive again. Buckets live in each gateway process: with N gateway replicas a key
 gets up to N times the limit, the usual trade for a gateway with no shared store.
 
 The content filter scans the prompt for built-in PII patterns (email, credit card numbers

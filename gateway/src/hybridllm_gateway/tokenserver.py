@@ -167,8 +167,10 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
         tok = json.dumps(
             {**head, "choices": [{"index": 0, "text": opts.token, "finish_reason": None}]}
         )
+        # a completion stream's last token carries the finish (as vLLM's and ours do); a
+        # chat stream ends with OpenAI's empty-delta finish chunk
         last = json.dumps(
-            {**head, "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+            {**head, "choices": [{"index": 0, "text": opts.token, "finish_reason": "length"}]}
         )
     tok_b, last_b = f"data: {tok}\n\n".encode(), f"data: {last}\n\ndata: [DONE]\n\n".encode()
     resp = web.StreamResponse(
@@ -180,10 +182,12 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
         await asyncio.sleep(opts.ttft_s)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        for i in range(n):
+        for i in range(n if chat else n - 1):
             if i:
                 await asyncio.sleep(max(0.0, t0 + i * interval - loop.time()))
             await resp.write(tok_b)
+        if not chat and n > 1:
+            await asyncio.sleep(max(0.0, t0 + (n - 1) * interval - loop.time()))
         await resp.write(last_b)
         stats["completed"] += 1
     except (asyncio.CancelledError, ConnectionResetError, RuntimeError):
