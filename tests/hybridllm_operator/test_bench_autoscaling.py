@@ -120,11 +120,32 @@ def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_r
         pool = next(p for p in plan_mod.builders.pools(plan.service()) if p.component == "edge")
         assert plan_mod.place(pool, r.index, r.port, standby=r.standby) == r
     # the capacity the autoscaler is told is the token server's: 2 slots / 0.35 s, for a
-    # request as the gateway counts it (100 prompt tokens; 4 tokens streamed in 6 chunks)
+    # request as the gateway counts it (100 prompt tokens, 4 streamed)
     capacity = manifest.spec.edge.pool.capacity
     assert capacity is not None
-    per_request = 100 / capacity.prefill_tokens_per_second + 6 / capacity.decode_tokens_per_second
+    per_request = 100 / capacity.prefill_tokens_per_second + 4 / capacity.decode_tokens_per_second
     assert 1 / per_request == pytest.approx(2 / replay.service_s(), rel=0.02)
+    assert manifest.spec.autoscaling.target_utilization == 0.7  # the default
+
+
+def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
+    replay: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = replay.main.__globals__["argparse"].Namespace(
+        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10
+    )
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump(replay.manifest("reactive@0.5", args)))
+    manifest = plan_mod.load_manifest(path)
+    assert manifest.name == replay.service_name("reactive@0.5") == "replay-reactive-u050"
+    assert manifest.spec.autoscaling.mode == "reactive"
+    assert manifest.spec.autoscaling.target_utilization == 0.5
+    assert replay.service_name("hybrid") == "replay-hybrid"
+    for bad, says in [("reactive@x", "not a number"), ("moon", "not one of"),
+                      ("hybrid@1.5", "within 0.05 to 1")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            replay.main(["--modes", f"hybrid,{bad}"])
+        assert says in capsys.readouterr().err
 
 
 def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
