@@ -78,6 +78,22 @@ def variant(label: str) -> tuple[str, float | None]:
     return mode, float(u) if u else None
 
 
+def modes_problem(labels: list[str]) -> str | None:
+    """What is wrong with a list of service labels (``--modes``), or None."""
+    if not labels:
+        return "name at least one mode"
+    for label in labels:
+        try:
+            mode, u = variant(label)
+        except ValueError:
+            return f"{label}: the utilisation after @ is not a number"
+        if mode not in MODES:
+            return f"{label}: {mode} is not one of {', '.join(MODES)}"
+        if u is not None and not 0.05 <= u <= 1.0:
+            return f"{label}: the target utilisation must be within 0.05 to 1"
+    return None
+
+
 def service_name(label: str) -> str:
     """The LLMService (and state directory) name of a label: ``reactive@0.5`` ->
     ``replay-reactive-u050``."""
@@ -430,6 +446,24 @@ def summarise(
     }
 
 
+def first_carrying(
+    samples: list[Any], column: int, rise_s: float, peak: float, per_replica_rps: float
+) -> float | None:
+    """When the replicas in ``column`` reached the peak's (they carry it at 100%) and held
+    it into the rise: the start of the unbroken run of such samples that holds the first
+    one at or after ``rise_s``, in seconds from ``rise_s`` (negative: before it; None: no
+    such sample within 120 s after it). A brief excursion earlier, that fell back before
+    the rise, is not the pool being ready for it."""
+    window = [x for x in samples if rise_s - 120 <= x[0] <= rise_s + 120]
+    carries = [x[column] is not None and x[column] * per_replica_rps >= peak for x in window]
+    j = next((k for k, x in enumerate(window) if x[0] >= rise_s and carries[k]), None)
+    if j is None:
+        return None
+    while j > 0 and carries[j - 1]:
+        j -= 1
+    return float(window[j][0] - rise_s)
+
+
 def rise_response(
     results: list[Result],
     samples: list[Any],
@@ -444,19 +478,11 @@ def rise_response(
     before it), and the SLO attainment of the requests sent from the rise to one minute
     after it."""
 
-    def first(column: int) -> float | None:
-        return next(
-            (x[0] - rise_s for x in samples
-             if rise_s - 120 <= x[0] <= rise_s + 120 and x[column] is not None
-             and x[column] * per_replica_rps >= peak),
-            None,
-        )  # fmt: skip
-
     during = [r for r in results if rise_s <= r.sent_s < rise_s + ramp_s + 60]
     met = sum(r.status == 200 and r.ttft_s is not None and r.ttft_s <= slo_s for r in during)
     return {
-        "peak_asked_at_s": first(3),
-        "peak_carried_at_s": first(2),
+        "peak_asked_at_s": first_carrying(samples, 3, rise_s, peak, per_replica_rps),
+        "peak_carried_at_s": first_carrying(samples, 2, rise_s, peak, per_replica_rps),
         "requests": len(during),
         "slo_attainment": met / max(len(during), 1),
     }
@@ -693,15 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(supervisor.run_detached(args.supervise, 30.0))
     argv = sys.argv[1:] if argv is None else argv
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        try:
-            mode, u = variant(m)
-        except ValueError:
-            p.error(f"--modes: {m}: the utilisation after @ is not a number")
-        if mode not in MODES:
-            p.error(f"--modes: {m}: {mode} is not one of {', '.join(MODES)}")
-        if u is not None and not 0.05 <= u <= 1.0:
-            p.error(f"--modes: {m}: the target utilisation must be within 0.05 to 1")
+    if problem := modes_problem(modes):
+        p.error(f"--modes: {problem}")
 
     import tempfile
 

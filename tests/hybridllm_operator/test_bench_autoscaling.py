@@ -170,3 +170,52 @@ def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
     assert out["slo_attainment"] == pytest.approx(1 / 3)
     never = replay.rise_response(results, samples[:5], 40.0, 20.0, 2.0, 1.0, 1.0)
     assert never["peak_carried_at_s"] is None
+
+
+@pytest.fixture(scope="module")
+def operator_replay() -> ModuleType:
+    path = REPLAY.with_name("operator_replay.py")
+    spec = importlib.util.spec_from_file_location("bench_autoscaling_operator_replay", path)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_cluster_replay_applies_the_replays_service_and_measures_what_the_operator_set(
+    operator_replay: ModuleType,
+) -> None:
+    from hybridllm_common import crd
+
+    args = operator_replay.main.__globals__["argparse"].Namespace(
+        max_replicas=10, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10
+    )
+    doc = operator_replay.service_manifest("reactive@0.5", args)
+    assert doc["metadata"] == {"name": "replay-reactive-u050", "namespace": "replay"}
+    spec = crd.LLMServiceSpec.model_validate(doc["spec"])
+    assert spec.autoscaling.target_utilization == 0.5
+    assert spec.edge.pool.max_replicas == 10
+    assert spec.edge.pool.resources.cpu == "250m"  # 3 modes x 10 replicas fit a kwok node
+
+    # samples: (t, pods, ready, replicas set, ...); 2 rps a replica; the load steps from
+    # 4 to 20 rps at t = 40 s; the operator sets 10 at 35 s, ready at 37 s
+    rate_t, rate = np.array([0.0, 39.5, 40.0, 100.0]), np.array([4.0, 4.0, 20.0, 20.0])
+    samples = [(float(t), 2, 2, 2) for t in range(35)]
+    samples += [(float(t), 10, 2 if t < 37 else 10, 10) for t in range(35, 100)]
+    rise = operator_replay.rise_times(samples, 40.0, 20.0, 2.0)
+    assert rise == {"set_s": -5.0, "ready_s": -3.0}
+    day = operator_replay.day_summary(samples, (0.0, 100.0), rate_t, rate, 2.0, 10)
+    assert day["replica_seconds"] == pytest.approx(35 * 2 + 65 * 10)
+    assert day["max_replicas_set"] == 10
+    assert day["within_max"]
+    assert day["scale_changes"] == 1
+    assert day["under_provisioned_s"] == 0.0  # ready before the rise
+    late = [(t, p, r if t < 45 else s, s) for t, p, r, s in samples]
+    assert operator_replay.day_summary(late, (0.0, 100.0), rate_t, rate, 2.0, 10)[
+        "under_provisioned_s"
+    ] == pytest.approx(5.0)  # 40 s to 45 s: 2 ready replicas carry 4 of the 20 rps
+    assert not operator_replay.day_summary(samples, (0.0, 100.0), rate_t, rate, 2.0, 8)[
+        "within_max"
+    ]
