@@ -206,13 +206,16 @@ def test_the_cluster_replay_applies_the_replays_service_and_measures_what_the_op
     samples += [(float(t), 10, 2 if t < 37 else 10, 10) for t in range(35, 100)]
     rise = operator_replay.rise_times(samples, 40.0, 20.0, 2.0)
     assert rise == {"set_s": -5.0, "ready_s": -3.0}
+    # a flare to the peak's replicas that fell back before the rise is not readiness for it
+    flare = [(t, 10, 10, 10) if 10 <= t < 15 else x for x in samples for t in [x[0]]]
+    assert operator_replay.rise_times(flare, 40.0, 20.0, 2.0) == rise
     day = operator_replay.day_summary(samples, (0.0, 100.0), rate_t, rate, 2.0, 10)
     assert day["replica_seconds"] == pytest.approx(35 * 2 + 65 * 10)
     assert day["max_replicas_set"] == 10
     assert day["within_max"]
     assert day["scale_changes"] == 1
     assert day["under_provisioned_s"] == 0.0  # ready before the rise
-    late = [(t, p, r if t < 45 else s, s) for t, p, r, s in samples]
+    late = [(t, p, 2 if t < 45 else s, s) for t, p, _, s in samples]
     assert operator_replay.day_summary(late, (0.0, 100.0), rate_t, rate, 2.0, 10)[
         "under_provisioned_s"
     ] == pytest.approx(5.0)  # 40 s to 45 s: 2 ready replicas carry 4 of the 20 rps
