@@ -296,7 +296,7 @@ def run(args: argparse.Namespace, labels: list[str], work: Path) -> dict[str, An
             return ready == len(labels)
 
         wait_for("every service reading its demand from Prometheus", metrics_available, 180)
-        rate_t, rate, rises = load_shape(args)
+        rate_t, rate, rises = replay.load_shape(args)
         duration = float(args.days * args.day_seconds)
         times = replay.arrivals(rate_t, rate, duration, args.seed)
         print(
@@ -358,20 +358,6 @@ def run(args: argparse.Namespace, labels: list[str], work: Path) -> dict[str, An
         "rate": rate.tolist(),
         "samples": samples,
     }
-
-
-def load_shape(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, list[float]]:
-    if args.shape == "step":
-        return replay.step_rate(args.days, args.day_seconds, args.peak_rps)
-    import pandas as pd
-
-    table = pd.read_csv(args.trace)
-    window_s = float(table.iloc[1, 0] - table.iloc[0, 0])
-    t, rate = replay.compressed_rate(
-        table.iloc[:, 1].to_numpy() / 60.0, window_s, args.day_seconds, args.start_day,
-        args.days, args.peak_rps,
-    )  # fmt: skip
-    return t, rate, []
 
 
 def write(out: dict[str, Any], argv: list[str]) -> None:
@@ -524,24 +510,8 @@ def plot(out: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=("step", "servegen"), default="step")
-    p.add_argument("--trace", type=Path, default=replay.TRACE)
-    p.add_argument("--start-day", type=int, default=7)
-    p.add_argument("--days", type=int, default=3)
-    p.add_argument("--day-seconds", type=int, default=300)
-    p.add_argument("--peak-rps", type=float, default=30.0)
-    p.add_argument("--slots", type=int, default=2)
-    p.add_argument("--max-replicas", type=int, default=10)
-    p.add_argument("--interval-s", type=int, default=5)
-    p.add_argument("--lead-s", type=int, default=10)
-    p.add_argument("--scale-down-delay-s", type=int, default=10)
-    p.add_argument("--bin-s", type=float, default=5.0)
-    p.add_argument("--forecast-model", default="holt-winters")
-    p.add_argument("--slo-ttft-s", type=float, default=1.0)
+    replay.add_load_arguments(p, day_seconds=300, bin_s=5.0)
     p.add_argument("--modes", default=MODES, help="a mode, or mode@u for a target utilisation u")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--work-dir", type=Path, default=None, help="state and logs (default: a temp dir)"
-    )
     args = p.parse_args(argv)
     labels = [m.strip() for m in args.modes.split(",") if m.strip()]
     if problem := replay.modes_problem(labels):

@@ -682,34 +682,55 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
     path.with_suffix(".md").write_text(portable("\n".join(lines)))
 
 
+def add_load_arguments(p: argparse.ArgumentParser, day_seconds: int, bin_s: float) -> None:
+    """The load, the pools and the autoscaling of a replay (this one and
+    operator_replay.py's)."""
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--start-day", type=int, default=7)
+    p.add_argument("--days", type=int, default=3)
+    p.add_argument("--day-seconds", type=int, default=day_seconds)
+    p.add_argument("--peak-rps", type=float, default=30.0)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--max-replicas", type=int, default=10)
+    p.add_argument("--interval-s", type=int, default=5)
+    p.add_argument("--lead-s", type=int, default=10)
+    p.add_argument("--scale-down-delay-s", type=int, default=10)
+    p.add_argument("--bin-s", type=float, default=bin_s)
+    p.add_argument("--forecast-model", default="holt-winters")
+    p.add_argument("--slo-ttft-s", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--work-dir", type=Path, default=None, help="state and logs (default: a temp dir)"
+    )
+
+
+def load_shape(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """(t, requests/s, rise times) of the replay's load: step days, or the trace's."""
+    if args.shape == "step":
+        return step_rate(args.days, args.day_seconds, args.peak_rps)
+    import pandas as pd
+
+    table = pd.read_csv(args.trace)
+    window_s = float(table.iloc[1, 0] - table.iloc[0, 0])
+    t, rate = compressed_rate(
+        table.iloc[:, 1].to_numpy() / 60.0, window_s, args.day_seconds, args.start_day,
+        args.days, args.peak_rps,
+    )  # fmt: skip
+    return t, rate, []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--shape", choices=("servegen", "step"), default="servegen",
         help="servegen: the trace's days; step: days that repeat a sharp rise exactly",
     )  # fmt: skip
-    p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--start-day", type=int, default=7)
-    p.add_argument("--days", type=int, default=3)
-    p.add_argument("--day-seconds", type=int, default=600)
-    p.add_argument("--peak-rps", type=float, default=30.0)
-    p.add_argument("--slots", type=int, default=2)
-    p.add_argument("--max-replicas", type=int, default=10)
+    add_load_arguments(p, day_seconds=600, bin_s=10.0)
     p.add_argument("--cold-start-s", type=float, default=5.0)
-    p.add_argument("--interval-s", type=int, default=5)
-    p.add_argument("--lead-s", type=int, default=10)
-    p.add_argument("--scale-down-delay-s", type=int, default=10)
-    p.add_argument("--bin-s", type=float, default=10.0)
-    p.add_argument("--forecast-model", default="holt-winters")
-    p.add_argument("--slo-ttft-s", type=float, default=1.0)
     p.add_argument(
         "--modes", default=DEFAULT_MODES,
         help="services to run side by side: a mode, or mode@u for a target utilisation u",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--work-dir", type=Path, default=None, help="state and logs (default: a temp dir)"
-    )
     p.add_argument("--supervise", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.supervise is not None:  # one service's supervisor (start_stack runs it)
@@ -724,18 +745,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
-    import pandas as pd
-
-    rises: list[float] = []
-    if args.shape == "step":
-        rate_t, rate, rises = step_rate(args.days, args.day_seconds, args.peak_rps)
-    else:
-        table = pd.read_csv(args.trace)
-        window_s = float(table.iloc[1, 0] - table.iloc[0, 0])
-        rate_t, rate = compressed_rate(
-            table.iloc[:, 1].to_numpy() / 60.0, window_s, args.day_seconds, args.start_day,
-            args.days, args.peak_rps,
-        )  # fmt: skip
+    rate_t, rate, rises = load_shape(args)
     duration = float(args.days * args.day_seconds)
     times = arrivals(rate_t, rate, duration, args.seed)
     per_replica_rps = args.slots / service_s()

@@ -18,15 +18,19 @@ from hybridllm_operator.local import plan as plan_mod
 REPLAY = Path(__file__).resolve().parents[2] / "bench" / "autoscaling" / "replay.py"
 
 
-@pytest.fixture(scope="module")
-def replay() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_autoscaling_replay", REPLAY)
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
     assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def replay() -> ModuleType:
+    return _load(REPLAY, "bench_autoscaling_replay")
 
 
 def test_a_compressed_day_keeps_its_shape_and_is_scaled_to_the_peak(replay: ModuleType) -> None:
@@ -174,14 +178,7 @@ def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
 
 @pytest.fixture(scope="module")
 def operator_replay() -> ModuleType:
-    path = REPLAY.with_name("operator_replay.py")
-    spec = importlib.util.spec_from_file_location("bench_autoscaling_operator_replay", path)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _load(REPLAY.with_name("operator_replay.py"), "bench_autoscaling_operator_replay")
 
 
 def test_the_cluster_replay_applies_the_replays_service_and_measures_what_the_operator_set(
