@@ -130,15 +130,23 @@ def test_cancelled_stream_frees_its_slot(llamacpp_server) -> None:
         assert "chat.completion.chunk" in first
         assert engine.num_running == 1
     assert engine.wait_idle(timeout=120)
-    # Read llama.cpp's own KV: every slot must be empty once the engine is idle. Polled
-    # within a deadline, because the check runs on this thread while the engine thread owns
-    # the context; a real leak still fails.
+    # Read llama.cpp's own KV: once the engine is idle, every slot holds exactly what the
+    # engine keeps for its prompt cache (finished requests' tokens), and the cancelled
+    # request's tokens are gone. Polled within a deadline, because the check runs on this
+    # thread while the engine thread owns the context; a real leak still fails.
+    slots = range(engine.info.num_slots)
+
+    def kv() -> tuple[list[int], list[int]]:
+        return [engine.backend.slot_length(s) for s in slots], [
+            engine.cached_length(s) for s in slots
+        ]
+
     deadline = time.monotonic() + 30
-    lengths = [engine.backend.slot_length(s) for s in range(engine.info.num_slots)]
-    while lengths != [0] * 4 and time.monotonic() < deadline:
+    held, kept = kv()
+    while held != kept and time.monotonic() < deadline:
         engine.wait_idle(timeout=1)
-        lengths = [engine.backend.slot_length(s) for s in range(engine.info.num_slots)]
-    assert lengths == [0] * 4
+        held, kept = kv()
+    assert held == kept
     assert _ask(llamacpp_server.client(), "What is 2 + 2?")  # the server still answers
 
 
@@ -202,3 +210,42 @@ def test_penalties_reach_the_sampler(llamacpp_server) -> None:
     penalized = ask(frequency_penalty=2.0, presence_penalty=1.0)
     assert penalized != plain
     assert len(set(penalized)) > len(set(plain))
+
+
+SYSTEM = (
+    "You are a careful assistant for a travel agency. Answer in one short sentence, name "
+    "the city or country the customer asks about, and never invent prices or dates. If a "
+    "question is not about travel, say that you can only help with travel."
+)
+
+
+def test_a_shared_system_prompt_is_served_from_the_prompt_cache_with_the_same_answer(
+    llamacpp_server,
+) -> None:
+    """An agent's calls share a long system prompt: a slot that held it keeps its KV, the
+    next call prefills only what differs (usage.prompt_tokens_details.cached_tokens), and
+    the greedy answer is the one computed from scratch."""
+    client = llamacpp_server.client()
+
+    def ask(question: str) -> tuple[str, int, int]:
+        resp = client.chat.completions.create(
+            model="",
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            max_tokens=12,
+            temperature=0,
+            extra_headers=BYPASS,
+        )
+        usage = resp.usage
+        assert usage is not None
+        assert usage.prompt_tokens_details is not None
+        cached = usage.prompt_tokens_details.cached_tokens or 0
+        return resp.choices[0].message.content or "", cached, usage.prompt_tokens
+
+    first, cached, prompt = ask("Where is the Eiffel Tower?")
+    assert cached == 0  # no other test sends this system prompt
+    other, cached, _ = ask("What is the capital of Japan?")
+    assert other
+    assert 40 <= cached < prompt  # the system prompt came from the cache, the question did not
+    again, cached, prompt = ask("Where is the Eiffel Tower?")
+    assert cached >= 40
+    assert again == first  # the cached prefix gives the answer computed from scratch

@@ -90,7 +90,9 @@ def test_onnx_int8_backend_decodes() -> None:
         )
         assert done.wait(timeout=120)
         assert eng.wait_idle(timeout=60)
-        assert backend.slot_length(0) == 0  # released when finished
+        # finished: the slot keeps the KV of what it computed (the prompt cache), all the
+        # prompt and every sampled token but the last, which was never fed back
+        assert backend.slot_length(0) == eng.cached_length(0) == len(prompt) + len(outputs) - 1
     finally:
         eng.shutdown()
     assert outputs[-1].num_output_tokens == len(outputs) <= 6

@@ -7,14 +7,23 @@ its slots:
 
 1. drain the inbox: queue new requests, drop aborted ones (their slot's KV is released
    at once, so a cancelled request frees its memory before the next step);
-2. give free slots to waiting requests, first come first served, the lowest free slot
-   first: running slots stay a run of consecutive ids, which llama.cpp decodes in one
-   micro-batch (a gap splits the step in two, see ``backends/llamacpp.py``);
+2. give free slots to waiting requests, first come first served: the free slot whose KV
+   still holds the longest prefix of the request's prompt, when that prefix is at least
+   ``MIN_PREFIX_TOKENS`` (the prompt cache: the slot keeps it and only the rest is
+   prefilled), otherwise the lowest free slot: running slots stay a run of consecutive
+   ids, which llama.cpp decodes in one micro-batch (a gap splits the step in two, see
+   ``backends/llamacpp.py``);
 3. build one batch under a token budget: every decoding slot's last sampled token first
    (decode is never starved by a long prompt), then prompt chunks of prefilling slots with
    what budget is left (chunked prefill);
 4. one ``backend.forward``; sample for every slot that asked for logits, detokenize,
-   check stop conditions, emit an output; finished requests release their slots.
+   check stop conditions, emit an output; finished requests free their slots and leave
+   their tokens in the slot's KV for a later request that shares a prefix with them (a
+   cancelled or failed request's KV is dropped at once).
+
+The prompt cache is llama.cpp's server's (``cache_prompt`` with its slot selection by
+prompt similarity): an agent's calls, each carrying the same long system prompt and the
+conversation so far, prefill only what is new since a slot last held it.
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ from hybridllm_edge.backends import Backend, SlotWork
 
 log = logging.getLogger(__name__)
 
+# The shortest prefix worth a slot out of order (and the micro-batch split it may cost):
+# below it, the lowest free slot is taken and its KV dropped.
+MIN_PREFIX_TOKENS = 16
+
 
 @dataclass
 class Output:
@@ -48,6 +61,7 @@ class Output:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the slot's KV already held (the prompt cache)
     mean_logprob: float | None = None
     text: str = ""  # the whole completion so far, set when finished
 
@@ -65,6 +79,7 @@ class EngineRequest:
     # --- engine-owned state below ---
     slot: int = -1
     num_cached: int = 0  # tokens already in the slot's KV
+    num_prompt_cached: int = 0  # of the prompt, found in the slot's KV on admission
     output_ids: list[int] = field(default_factory=list)
     logprob_sum: float = 0.0
     text: str = ""  # decoded completion text
@@ -103,6 +118,8 @@ class Engine:
         self._waiting: collections.deque[EngineRequest] = collections.deque()
         self._running: list[EngineRequest] = []
         self._free_slots = list(range(self.info.num_slots))  # a heap: lowest slot first
+        # the tokens whose KV each free slot still holds (the prompt cache)
+        self._slot_tokens: list[list[int]] = [[] for _ in range(self.info.num_slots)]
         self._num_waiting = 0  # in the inbox, not yet seen by the engine; under _count_lock
         self._count_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -139,6 +156,10 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    def cached_length(self, slot: int) -> int:
+        """Tokens a free slot keeps for the prompt cache (0 while a request runs in it)."""
+        return len(self._slot_tokens[slot])
 
     def wait_idle(self, timeout: float) -> bool:
         """True once no request is queued or running (tests, graceful shutdown)."""
@@ -182,15 +203,34 @@ class Engine:
                 self._waiting.remove(req)
         for req in list(self._running):
             if req.request_id == request_id:
-                self._finish(req)
+                self._finish(req, keep=False)
 
     def _admit(self) -> None:
         while self._free_slots and self._waiting:
             req = self._waiting.popleft()
-            req.slot = heapq.heappop(self._free_slots)
+            slot, prefix = self._pick_slot(req.prompt_ids)
+            self._free_slots.remove(slot)
+            heapq.heapify(self._free_slots)
+            req.slot = slot
+            req.num_cached = req.num_prompt_cached = self.backend.truncate(slot, prefix)
+            self._slot_tokens[slot] = []
             if req.params.temperature > 0:
                 req.rng = np.random.default_rng(req.params.seed)
             self._running.append(req)
+
+    def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """The free slot for a prompt and the prefix of it to keep: the slot holding the
+        longest prefix (the lowest such slot), if it reaches ``MIN_PREFIX_TOKENS``; else
+        the lowest free slot, emptied. The last prompt token is always computed again:
+        its logits are the first sample's."""
+        best, best_len = self._free_slots[0], 0
+        for slot in sorted(self._free_slots):
+            n = common_prefix(self._slot_tokens[slot], prompt, len(prompt) - 1)
+            if n > best_len:
+                best, best_len = slot, n
+        if best_len < MIN_PREFIX_TOKENS:
+            return self._free_slots[0], 0
+        return best, best_len
 
     def _step(self) -> None:
         work: list[SlotWork] = []
@@ -214,7 +254,7 @@ class Engine:
             log.exception("backend step failed; failing its %d requests", len(work))
             for req in [r for r in self._running if any(w.slot == r.slot for w in work)]:
                 req.emit(exc)
-                self._finish(req)
+                self._finish(req, keep=False)
             return
         for item in work:
             req = next(r for r in self._running if r.slot == item.slot)
@@ -272,6 +312,7 @@ class Engine:
                 finish_reason=reason,
                 num_prompt_tokens=len(req.prompt_ids),
                 num_output_tokens=n_out,
+                num_cached_tokens=req.num_prompt_cached,
                 mean_logprob=req.logprob_sum / n_out,
                 text=req.text if reason is not None else "",
             )
@@ -279,8 +320,23 @@ class Engine:
         if reason is not None:
             self._finish(req)
 
-    def _finish(self, req: EngineRequest) -> None:
+    def _finish(self, req: EngineRequest, keep: bool = True) -> None:
+        """Free the request's slot; ``keep``: its KV stays, as the prompt cache, for the
+        tokens it computed (a cancelled or failed request's is dropped)."""
         self._running.remove(req)
-        self.backend.release(req.slot)
+        if keep:
+            self._slot_tokens[req.slot] = req.tokens[: req.num_cached]
+        else:
+            self.backend.release(req.slot)
+            self._slot_tokens[req.slot] = []
         heapq.heappush(self._free_slots, req.slot)
         req.slot = -1
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the common prefix of two token lists, at most ``limit``."""
+    n = min(len(a), len(b), max(limit, 0))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n

@@ -4,7 +4,7 @@ A backend owns the model and its KV state for ``num_slots`` sequences (slots). T
 (one thread) calls ``forward`` with a step's worth of work: for each slot, the next tokens
 to append at a position, and whether it wants the logits of the last one. A decoding slot
 sends one token; a prefilling slot sends a chunk of its prompt. ``release`` drops a slot's
-KV so the slot can serve the next request. Sampling, detokenization, stop strings and
+KV; ``truncate`` keeps a prefix of it for a next request that shares it (the prompt cache). Sampling, detokenization, stop strings and
 scheduling live in the engine, so both backends behave the same to the server.
 """
 
@@ -55,7 +55,13 @@ class Backend(Protocol):
         ...
 
     def release(self, slot: int) -> None:
-        """Forget the slot's KV (cancellation, finish)."""
+        """Forget the slot's KV (cancellation, a failed step)."""
+        ...
+
+    def truncate(self, slot: int, keep: int) -> int:
+        """Keep the KV of the slot's first ``keep`` positions and forget the rest (a new
+        request that shares that prefix with what the slot held); returns the positions
+        kept (0 where the backend cannot cut the KV, which is then emptied)."""
         ...
 
     def slot_length(self, slot: int) -> int:

@@ -149,6 +149,13 @@ class LlamaCppBackend:
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._lengths[slot] = 0
 
+    def truncate(self, slot: int, keep: int) -> int:
+        if keep <= 0 or not llama_cpp.llama_memory_seq_rm(self._mem, slot, keep, -1):
+            self.release(slot)  # a memory that cannot cut a sequence (recurrent) empties it
+            return 0
+        self._lengths[slot] = keep
+        return keep
+
     def slot_length(self, slot: int) -> int:
         """Cells the KV holds for the slot, read from llama.cpp itself (not our bookkeeping)."""
         pos_max = llama_cpp.llama_memory_seq_pos_max(self._mem, slot)

@@ -177,6 +177,15 @@ class OnnxBackend:
     def release(self, slot: int) -> None:
         self._pasts[slot] = None
 
+    def truncate(self, slot: int, keep: int) -> int:
+        past = self._pasts[slot]
+        if past is None or keep <= 0:
+            self._pasts[slot] = None
+            return 0
+        keep = min(keep, int(past[0].shape[2]))
+        self._pasts[slot] = [np.ascontiguousarray(p[:, :, :keep, :]) for p in past]
+        return keep
+
     def slot_length(self, slot: int) -> int:
         past = self._pasts[slot]
         return 0 if past is None else int(past[0].shape[2])

@@ -19,6 +19,7 @@ class ChoiceState:
     finish_reason: str | None = None
     num_tokens: int = 0
     logprob_sum: float = 0.0
+    cached_tokens: int = 0  # prompt tokens found in the slot's KV (the prompt cache)
 
 
 class ResponseShapes:
@@ -36,6 +37,9 @@ class ResponseShapes:
             prompt_tokens=len(prompt),
             completion_tokens=completion,
             total_tokens=len(prompt) + completion,
+            # OpenAI's field: of the prompt, the tokens served from the prompt cache (every
+            # choice's, when n > 1 ran each in a slot of its own)
+            prompt_tokens_details={"cached_tokens": min(c.cached_tokens for c in choices)},
             mean_logprob=total_lp / completion if completion else None,
         )
 

@@ -201,6 +201,7 @@ class Serving(responses.ResponseShapes):
                 c.pieces.append(out.new_text)
             c.logprobs.extend(zip(out.new_token_ids, out.new_logprobs, strict=True))
             c.num_tokens = out.num_output_tokens
+            c.cached_tokens = out.num_cached_tokens
             c.logprob_sum += sum(lp.logprob for lp in out.new_logprobs)
             if out.finished:
                 c.finish_reason = out.finish_reason
