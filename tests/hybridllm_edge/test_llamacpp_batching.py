@@ -97,3 +97,62 @@ def test_engine_hands_out_the_lowest_free_slot(backend: Backend) -> None:
     assert (reqs[4].slot, reqs[5].slot) == (0, 2)
     for r in (reqs[1], reqs[3], reqs[4], reqs[5]):
         eng._finish(r)
+
+
+def test_a_prefix_copied_from_another_slot_continues_as_if_computed_there(
+    backend: Backend,
+) -> None:
+    """The prompt cache across slots: slot 1 gets slot 0's KV, cut to a prefix, and the
+    rest of the prompt computed on it gives the logits of the whole prompt computed alone
+    (an empty or stale copy would not)."""
+    _release_all(backend)
+    ids = backend.encode(
+        "Once upon a time, in a kingdom by the sea, there lived a", add_special=True
+    )
+    other = backend.encode("A recipe for bread: flour, water, salt and", add_special=True)
+    whole = backend.forward([SlotWork(0, ids, 0, True)])[0]
+    backend.forward([SlotWork(1, other, 0, False)])  # slot 1 held something else
+    keep = len(ids) - 4
+    backend.copy(0, 1)
+    assert backend.truncate(1, keep) == keep
+    assert backend.slot_length(1) == keep
+    assert backend.slot_length(0) == len(ids)  # the source is untouched
+    rest = backend.forward([SlotWork(1, ids[keep:], keep, True)])[0]
+    assert int(np.argmax(rest)) == int(np.argmax(whole))
+    np.testing.assert_allclose(rest, whole, atol=0.05)
+    _release_all(backend)
+    fresh = backend.forward([SlotWork(1, ids[keep:], 0, True)])[0]  # no prefix: other logits
+    assert np.abs(fresh - whole).max() > 1.0
+    _release_all(backend)
+
+
+def test_engine_takes_a_prompt_prefix_from_a_free_slot_or_copies_it_from_a_running_one(
+    backend: Backend,
+) -> None:
+    _release_all(backend)
+    eng = engine.Engine(backend, max_num_batched_tokens=64)  # not started: driven by hand
+    params = sampling.SamplingParams(max_tokens=4, temperature=0)
+    shared = list(range(100, 100 + engine.MIN_PREFIX_TOKENS + 4))
+
+    def request(name: str, prompt: list[int]) -> engine.EngineRequest:
+        req = engine.EngineRequest(name, prompt, params, lambda _: None)
+        eng.add(req)
+        eng._drain(block=False)
+        eng._admit()
+        return req
+
+    a = request("a", [1, *shared, 7])
+    assert (a.slot, a.num_cached) == (0, 0)
+    eng._step()  # a's prompt is computed: a running slot now holds the shared prefix
+    b = request("b", [1, *shared, 8, 9])
+    assert (b.slot, b.num_cached) == (1, 1 + len(shared))  # copied from slot 0 into slot 1
+    short = request("c", [1, *shared[:4], 5])  # a prefix too short to be worth a slot
+    assert (short.slot, short.num_cached) == (2, 0)
+    eng._finish(a)
+    eng._finish(short)
+    d = request("d", [1, *shared, 9])  # slot 0, free, holds it: taken as it is
+    assert (d.slot, d.num_cached) == (0, 1 + len(shared))
+    for r in (b, d):
+        eng._finish(r, keep=False)
+    assert [backend.slot_length(s) for s in range(3)] == [0, 0, eng.cached_length(2)]
+    _release_all(backend)

@@ -12,7 +12,9 @@ its slots:
    ``MIN_PREFIX_TOKENS`` (the prompt cache: the slot keeps it and only the rest is
    prefilled), otherwise the lowest free slot: running slots stay a run of consecutive
    ids, which llama.cpp decodes in one micro-batch (a gap splits the step in two, see
-   ``backends/llamacpp.py``);
+   ``backends/llamacpp.py``). When the longest prefix is held by a running slot (or a
+   free slot holds it and another free slot holds less), it is copied into the lowest
+   free slot: requests that arrive together with one system prompt compute it once;
 3. build one batch under a token budget: every decoding slot's last sampled token first
    (decode is never starved by a long prompt), then prompt chunks of prefilling slots with
    what budget is left (chunked prefill);
@@ -208,9 +210,11 @@ class Engine:
     def _admit(self) -> None:
         while self._free_slots and self._waiting:
             req = self._waiting.popleft()
-            slot, prefix = self._pick_slot(req.prompt_ids)
+            slot, prefix, source = self._pick_slot(req.prompt_ids)
             self._free_slots.remove(slot)
             heapq.heapify(self._free_slots)
+            if source is not None:
+                self.backend.copy(source, slot)
             req.slot = slot
             req.num_cached = req.num_prompt_cached = self.backend.truncate(slot, prefix)
             self._slot_tokens[slot] = []
@@ -218,19 +222,26 @@ class Engine:
                 req.rng = np.random.default_rng(req.params.seed)
             self._running.append(req)
 
-    def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """The free slot for a prompt and the prefix of it to keep: the slot holding the
-        longest prefix (the lowest such slot), if it reaches ``MIN_PREFIX_TOKENS``; else
-        the lowest free slot, emptied. The last prompt token is always computed again:
-        its logits are the first sample's."""
-        best, best_len = self._free_slots[0], 0
-        for slot in sorted(self._free_slots):
-            n = common_prefix(self._slot_tokens[slot], prompt, len(prompt) - 1)
-            if n > best_len:
-                best, best_len = slot, n
-        if best_len < MIN_PREFIX_TOKENS:
-            return self._free_slots[0], 0
-        return best, best_len
+    def _pick_slot(self, prompt: list[int]) -> tuple[int, int, int | None]:
+        """(slot, prefix to keep, slot to copy the KV from first) for a prompt.
+
+        The slot that holds the longest prefix, free (its tokens) or running (what it
+        has computed), if that prefix reaches ``MIN_PREFIX_TOKENS``: a free one is taken
+        as it is (the lowest of equals), a running one is copied into the lowest free
+        slot. Otherwise the lowest free slot, emptied. The last prompt token is always
+        computed again: its logits are the first sample's."""
+        limit = len(prompt) - 1
+        held = [(common_prefix(self._slot_tokens[s], prompt, limit), -s, s, True)
+                for s in self._free_slots]  # fmt: skip
+        held += [(common_prefix(r.tokens[: r.num_cached], prompt, limit), -r.slot, r.slot, False)
+                 for r in self._running]  # fmt: skip
+        n, _, source, free = max(held, default=(0, 0, -1, True))
+        lowest = self._free_slots[0]
+        if n < MIN_PREFIX_TOKENS:
+            return lowest, 0, None
+        if free:
+            return source, n, None
+        return lowest, n, source
 
     def _step(self) -> None:
         work: list[SlotWork] = []

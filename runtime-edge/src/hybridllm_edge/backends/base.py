@@ -64,6 +64,11 @@ class Backend(Protocol):
         kept (0 where the backend cannot cut the KV, which is then emptied)."""
         ...
 
+    def copy(self, src: int, dst: int) -> None:
+        """Give slot ``dst`` a copy of slot ``src``'s KV (then cut to a prefix with
+        ``truncate``): a prompt prefix computed once serves several slots."""
+        ...
+
     def slot_length(self, slot: int) -> int:
         """Tokens the slot holds in its KV (0 when free)."""
         ...

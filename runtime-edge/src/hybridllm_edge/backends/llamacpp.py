@@ -156,6 +156,13 @@ class LlamaCppBackend:
         self._lengths[slot] = keep
         return keep
 
+    def copy(self, src: int, dst: int) -> None:
+        # Between the per-sequence streams of a split KV llama.cpp copies whole buffers
+        # (at the next decode's update, before its compute): all of src, cut afterwards.
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._lengths[dst] = self._lengths[src]
+
     def slot_length(self, slot: int) -> int:
         """Cells the KV holds for the slot, read from llama.cpp itself (not our bookkeeping)."""
         pos_max = llama_cpp.llama_memory_seq_pos_max(self._mem, slot)

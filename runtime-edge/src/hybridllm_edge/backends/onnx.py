@@ -186,6 +186,9 @@ class OnnxBackend:
         self._pasts[slot] = [np.ascontiguousarray(p[:, :, :keep, :]) for p in past]
         return keep
 
+    def copy(self, src: int, dst: int) -> None:
+        self._pasts[dst] = self._pasts[src]  # never written in place: each step makes new
+
     def slot_length(self, slot: int) -> int:
         past = self._pasts[slot]
         return 0 if past is None else int(past[0].shape[2])
