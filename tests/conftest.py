@@ -36,6 +36,27 @@ def testenv() -> ModuleType:
     return sys.modules.get("hybridllm_testenv") or _load_testenv()
 
 
+def _load_bench(relpath: str) -> ModuleType:
+    """A benchmark script (``bench/...py``) as a module, once per session."""
+    name = "bench_" + relpath.removeprefix("bench/").removesuffix(".py").replace("/", "_")
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def bench_module() -> Any:
+    """Load a benchmark script as a module: ``bench_module("bench/edge/servers.py")``,
+    for the tests of a benchmark's harness."""
+    return _load_bench
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch

@@ -9,28 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-LOADGEN = Path(__file__).resolve().parents[2] / "bench" / "gateway" / "loadgen.py"
+import pytest
 
 
-def loadgen() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_gateway_loadgen", LOADGEN)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def lg(bench_module: Any) -> ModuleType:
+    return bench_module("bench/gateway/loadgen.py")  # type: ignore[no-any-return]
 
 
-def test_counts_whole_streams_on_both_clocks(procs: Any) -> None:
-    lg = loadgen()
+def test_counts_whole_streams_on_both_clocks(procs: Any, lg: ModuleType) -> None:
     tokens, rate = 5, 50.0
     backend = procs.tokenserver("b", "--rate", str(rate))
     out = asyncio.run(lg.load(backend.url, 4, 1.0, tokens, rate, timeout_s=10.0))
@@ -47,8 +38,9 @@ def test_counts_whole_streams_on_both_clocks(procs: Any) -> None:
     assert stats["completed"] == stats["requests"] >= out["completed"]
 
 
-def test_through_the_gateway_with_its_key(procs: Any, table: Callable[..., dict[str, Any]]) -> None:
-    lg = loadgen()
+def test_through_the_gateway_with_its_key(
+    procs: Any, table: Callable[..., dict[str, Any]], lg: ModuleType
+) -> None:
     backend = procs.tokenserver("b")
     keys = procs.tmp / "keys"
     keys.write_text(f"bench:{hashlib.sha256(lg.KEY.encode()).hexdigest()}\n")
@@ -59,8 +51,7 @@ def test_through_the_gateway_with_its_key(procs: Any, table: Callable[..., dict[
     assert out["completed"] >= 3
 
 
-def test_errors_are_counted_with_their_cause(procs: Any) -> None:
-    lg = loadgen()
+def test_errors_are_counted_with_their_cause(procs: Any, lg: ModuleType) -> None:
     backend = procs.tokenserver("b", "--fail-status", "503")
     out = asyncio.run(lg.load(backend.url, 2, 0.5, 3, 50.0, timeout_s=10.0))
     assert out["completed"] == 0

@@ -4,8 +4,6 @@ the arithmetic they claim, and its replicas stay token servers under the supervi
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -15,22 +13,10 @@ import yaml
 
 from hybridllm_operator.local import plan as plan_mod
 
-REPLAY = Path(__file__).resolve().parents[2] / "bench" / "autoscaling" / "replay.py"
-
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.fixture(scope="module")
-def replay() -> ModuleType:
-    return _load(REPLAY, "bench_autoscaling_replay")
+def replay(bench_module) -> ModuleType:
+    return bench_module("bench/autoscaling/replay.py")  # type: ignore[no-any-return]
 
 
 def test_a_compressed_day_keeps_its_shape_and_is_scaled_to_the_peak(replay: ModuleType) -> None:
@@ -177,8 +163,8 @@ def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
 
 
 @pytest.fixture(scope="module")
-def operator_replay() -> ModuleType:
-    return _load(REPLAY.with_name("operator_replay.py"), "bench_autoscaling_operator_replay")
+def operator_replay(bench_module) -> ModuleType:
+    return bench_module("bench/autoscaling/operator_replay.py")  # type: ignore[no-any-return]
 
 
 def test_the_cluster_replay_applies_the_replays_service_and_measures_what_the_operator_set(
