@@ -321,6 +321,15 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         "",
         *[f"- {name}: `{cmd}`" for name, cmd in report["servers"].items()],
         "",
+        "Peer settings and where they come from: llama-server is built from the llama.cpp that "
+        "the locked llama-cpp-python vendors (`bench/edge/build-llama-server.sh`: the same "
+        "commit, the same `GGML_NATIVE=OFF` flags as our build) and run as its README advises "
+        "for several clients: `-np` parallel slots, continuous batching (`-cb`), the prompt "
+        "cache (on by default), and a context of slots x 1024 so that each slot holds what one "
+        "of ours does. llama_cpp.server runs with its defaults and the same threads; it needs "
+        "`uv pip install --no-deps --target .bench-deps/llama_server sse-starlette "
+        '"starlette-context<0.4"` first (packages the workspace does not lock).',
+        "",
         "## Single stream (decode tokens/s, first to last streamed token)",
         "",
         "| ours | llama-server | ours / llama-server | llama-cpp-python in-process, streamed | in-process, unstreamed (tokens / call, prompt included) |",
