@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE))
 import replay  # noqa: E402
 from cluster_tools import proc_cpu_s, testenv  # noqa: E402
 from portable import portable  # noqa: E402
-from procs import load_average, machine  # noqa: E402
+from procs import load_average  # noqa: E402
 
 NAMESPACE = "replay"
 RESULTS = ROOT / "bench" / "results" / "autoscaling-operator"
@@ -520,11 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before, started = load_average(), time.monotonic()
     result = run(args, labels, work)
     out = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "load_before": load_before,
-        "load_after": load_average(),
-        "wall_s": time.monotonic() - started,
+        **replay.run_header(load_before, started),
         "args": {k: v for k, v in vars(args).items() if not isinstance(v, Path)},
         "modes": labels,
         **result,

@@ -682,6 +682,18 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
     path.with_suffix(".md").write_text(portable("\n".join(lines)))
 
 
+def run_header(load_before: Any, started: float) -> dict[str, Any]:
+    """What every results file of a replay opens with: the date, the machine, its load
+    before and after, and the run's wall time (``started``: a ``time.monotonic()``)."""
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "load_before": load_before,
+        "load_after": load_average(),
+        "wall_s": time.monotonic() - started,
+    }
+
+
 def add_load_arguments(p: argparse.ArgumentParser, day_seconds: int, bin_s: float) -> None:
     """The load, the pools and the autoscaling of a replay (this one and
     operator_replay.py's)."""
@@ -792,11 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     out = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "load_before": load_before,
-        "load_after": load_average(),
-        "wall_s": time.monotonic() - started,
+        **run_header(load_before, started),
         "shape": args.shape,
         "trace": os.path.relpath(args.trace.resolve(), ROOT) if args.shape == "servegen" else None,
         "rises": [{mode: rise(answers[mode], samples[mode], at) for mode in modes} for at in rises],
