@@ -3,15 +3,16 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-python up down demo test lint crds cluster-up cluster-down testenv dashboard-screenshot
+.PHONY: help setup setup-python up down demo test lint crds bench-index cluster-up cluster-down testenv dashboard-screenshot
 
 help:
 	@echo "make up            run the example LLMService on this machine and ask it a question per tier"
 	@echo "make down          stop it"
 	@echo "make demo          the Kubernetes walkthrough: a real node runs the example LLMService, which answers (root)"
 	@echo "make test          set up everything, lint, check CRD drift, run all tests"
-	@echo "make lint          ruff, mypy, the CRD drift check and the chart values table"
+	@echo "make lint          ruff, mypy, the CRD drift check, the chart values table and the benchmark index"
 	@echo "make crds          regenerate crds/ from the models"
+	@echo "make bench-index   regenerate bench/README.md's index and README.md's Performance table from bench/results/"
 	@echo "make dashboard-screenshot  docs/images/dashboard.png: the built-in page of a local service under load"
 	@echo "make cluster-up    start the local control plane (.testenv/kubeconfig)"
 	@echo "make cluster-down  stop it (and the demo operator)"
@@ -35,13 +36,16 @@ demo: setup
 	@hack/demo.sh
 
 lint:
-	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check && uv run --no-sync hybridllm chart docs --check && uv run --no-sync hybridllm observability generate --check'
+	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check && uv run --no-sync hybridllm chart docs --check && uv run --no-sync hybridllm observability generate --check && uv run --no-sync python bench/index.py --check'
 
 test: setup lint
 	@hack/phase.sh pytest uv run --no-sync pytest $(PYTEST_ARGS)
 
 crds:
 	uv run --no-sync hybridllm crds generate
+
+bench-index:
+	uv run --no-sync python bench/index.py
 
 dashboard-screenshot: setup
 	HYBRIDLLM_DASHBOARD_SCREENSHOT=$(CURDIR)/docs/images/dashboard.png uv run --no-sync pytest -q \

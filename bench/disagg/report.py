@@ -17,6 +17,27 @@ ROWS = [
 ]
 
 
+LEGACY = (
+    "- deployments: `monolithic` = one process, both cores, 2 torch threads; "
+    "`disaggregated` = prefill process on core 0 + decode process on core 1 "
+    "(local prefill up to {threshold} uncached tokens); `two-replicas` = two "
+    "monolithic processes, one per core, least-outstanding routing"
+)
+
+
+def deployment_lines(report: dict[str, Any]) -> list[str]:
+    described = report.get("deployments")
+    if not described:  # results written before each deployment described itself
+        return [LEGACY.format(threshold=report["params"]["threshold"])]
+    return ["- deployments:", *(f"  - `{n}`: {what}" for n, what in described.items())]
+
+
+def best(med: dict[str, dict[str, float]], key: str) -> str:
+    """The deployment with the best median of ``key`` (most tokens/s, else the lowest)."""
+    pick = max if key == "output_tok_s" else min
+    return f"`{pick(med, key=lambda n: med[n][key])}`"
+
+
 def write_report(report: dict[str, Any], out: Path) -> None:
     med = report["medians"]
     names = list(med)
@@ -32,16 +53,28 @@ def write_report(report: dict[str, Any], out: Path) -> None:
         f"code trace's context lengths x {p['long_scale']:g} (cap {p['long_cap']}), "
         f"{p['long_out']} output tokens; same seeded schedule for every deployment; medians "
         f"over {p['repeats']} repeats",
-        "- deployments: `monolithic` = one process, both cores, 2 torch threads; "
-        "`disaggregated` = prefill process on core 0 + decode process on core 1 "
-        f"(local prefill up to {p['threshold']} uncached tokens); `two-replicas` = two "
-        "monolithic processes, one per core, least-outstanding routing",
+        *deployment_lines(report),
         "",
-        "| metric | " + " | ".join(names) + " |",
-        "|---|" + "---|" * len(names),
+        "| metric | " + " | ".join(names) + " | best |",
+        "|---|" + "---|" * (len(names) + 1),
     ]
     for key, label in ROWS:
-        lines.append(f"| {label} | " + " | ".join(f"{med[n][key]:.3g}" for n in names) + " |")
+        lines.append(f"| {label} | " + " | ".join(f"{med[n][key]:.3g}" for n in names)
+                     + f" | {best(med, key) if key != 'errors' else ''} |")  # fmt: skip
+    mono = [n for n in names if n.startswith("monolithic")]
+    if len(mono) > 1 and "disaggregated" in med:
+        top = min(mono, key=lambda n: med[n]["short_tbt_p99_ms"])
+        m, d = med[top], med["disaggregated"]
+        lines += [
+            "",
+            f"The best monolithic setup for the interactive streams (lowest TBT p99) is `{top}`. "
+            f"Disaggregated / `{top}`: interactive TBT p99 **{d['short_tbt_p99_ms'] / m['short_tbt_p99_ms']:.2f}x** "
+            f"(goal <= 0.5x), p50 {d['short_tbt_p50_ms'] / m['short_tbt_p50_ms']:.2f}x; interactive TTFT p50 "
+            f"{d['short_ttft_p50_ms'] / m['short_ttft_p50_ms']:.2f}x, p99 "
+            f"{d['short_ttft_p99_ms'] / m['short_ttft_p99_ms']:.2f}x; long-prompt TTFT p50 "
+            f"{d['long_ttft_p50_s'] / m['long_ttft_p50_s']:.2f}x; output tokens/s "
+            f"{d['output_tok_s'] / m['output_tok_s']:.2f}x.",
+        ]  # fmt: skip
     if "monolithic" in med and "disaggregated" in med:
         m, d = med["monolithic"], med["disaggregated"]
         lines += [

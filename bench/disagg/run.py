@@ -2,9 +2,13 @@
 
     uv run python bench/disagg/run.py [--duration 60] [--repeats 3] [--out bench/results/disagg]
 
-Three deployments of SmolLM2-135M (real ``hybridllm-cloud serve`` processes, 2 cores in all):
+Deployments of SmolLM2-135M (real ``hybridllm-cloud serve`` processes, 2 cores in all):
 
 - ``monolithic``: one process on both cores (2 torch threads);
+- ``monolithic-1t``: the same with one torch thread (on two cores two threads contend
+  with the server's own thread), and ``monolithic-1t-b128`` / ``-b64``: with a smaller step
+  budget (``--max-num-batched-tokens``), so a long prompt's prefill chunk stalls the decode
+  streams sharing its step for less: the tuned monolithic peers;
 - ``disaggregated``: a ``--role prefill`` process pinned to core 0 and a ``--role decode``
   process pinned to core 1 (1 thread each); prompts over ``--threshold`` uncached tokens
   are prefilled remotely;
@@ -97,16 +101,61 @@ def start(model: str, cores: set[int], threads: int, args: list[str], log: Path)
     raise TimeoutError(f"{cmd} not ready; see {log}")
 
 
+def parse_deployment(name: str) -> tuple[str, int | None, int | None]:
+    """``monolithic[-Nt][-bB]`` / ``two-replicas[-bB]`` / ``disaggregated[-nocache]``.
+
+    ``-Nt``: N torch threads (monolithic only; default 2, one per core); ``-bB``: a step
+    budget of B tokens (``--max-num-batched-tokens``; default the engine's 512), which caps
+    how long one prefill chunk stalls the decode streams that share its step.
+    """
+    parts = name.split("-")
+    base = "two-replicas" if name.startswith("two-replicas") else parts[0]
+    rest = name[len(base) :].split("-")[1:]
+    threads = budget = None
+    if base == "disaggregated":
+        if rest not in ([], ["nocache"]):
+            raise ValueError(f"deployment {name!r}: disaggregated takes only -nocache")
+        return base, None, None
+    if base not in ("monolithic", "two-replicas"):
+        raise ValueError(f"deployment {name!r}: monolithic, two-replicas or disaggregated")
+    for part in rest:
+        if part.endswith("t") and part[:-1].isdigit() and base == "monolithic":
+            threads = int(part[:-1])
+        elif part.startswith("b") and part[1:].isdigit():
+            budget = int(part[1:])
+        else:
+            raise ValueError(f"deployment {name!r}: unknown part {part!r} (-Nt, -bB)")
+    return base, threads, budget
+
+
+def describe(name: str, threshold: int) -> str:
+    """One line of what a deployment runs, for the report."""
+    base, threads, budget = parse_deployment(name)
+    step = f", step budget {budget} tokens" if budget else ", step budget 512 tokens (default)"
+    if base == "monolithic":
+        n = threads or 2
+        return f"one process on both cores, {n} torch thread{'s' if n > 1 else ''}{step}"
+    if base == "two-replicas":
+        return f"two monolithic processes, one per core, 1 torch thread each{step}, least-outstanding routing"  # fmt: skip
+    cache = " without prefix caching" if name.endswith("nocache") else ""
+    return (
+        f"prefill process on core 0 + decode process on core 1, 1 torch thread each{cache} "
+        f"(local prefill up to {threshold} uncached tokens)"
+    )
+
+
 @contextlib.contextmanager
 def deployment(name: str, model: str, log: Path, threshold: int) -> Iterator[list[str]]:
     """Starts the processes of one deployment; yields the URLs clients send to."""
     procs: list[Proc] = []
     try:
-        if name == "monolithic":
-            procs.append(start(model, {0, 1}, 2, [], log))
+        base, threads, budget = parse_deployment(name)
+        extra = ["--max-num-batched-tokens", str(budget)] if budget else []
+        if base == "monolithic":
+            procs.append(start(model, {0, 1}, threads or 2, extra, log))
             yield [procs[0].url]
-        elif name == "two-replicas":
-            procs += [start(model, {c}, 1, [], log) for c in (0, 1)]
+        elif base == "two-replicas":
+            procs += [start(model, {c}, 1, extra, log) for c in (0, 1)]
             yield [p.url for p in procs]
         elif name.startswith("disaggregated"):
             kv = free_port()
@@ -130,8 +179,6 @@ def deployment(name: str, model: str, log: Path, threshold: int) -> Iterator[lis
                 )
             )
             yield [procs[1].url]
-        else:
-            raise ValueError(name)
     finally:
         for p in procs:
             p.popen.terminate()
@@ -363,7 +410,11 @@ def main() -> int:
     ap.add_argument(
         "--threshold", type=int, default=256, help="decode role: local prefill up to N tokens"
     )
-    ap.add_argument("--deployments", default="monolithic,disaggregated,two-replicas")
+    ap.add_argument(
+        "--deployments",
+        default="monolithic,monolithic-1t,monolithic-1t-b128,monolithic-1t-b64,disaggregated,two-replicas",
+        help="monolithic[-Nt][-bB], two-replicas[-bB], disaggregated[-nocache] (see parse_deployment)",
+    )
     ap.add_argument("--transfer-lengths", default="128,256,512,1024,1536")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "disagg")
     args = ap.parse_args()
@@ -373,6 +424,8 @@ def main() -> int:
         args.model = str(hybridllm_models.ensure())
     log = Path("/tmp/hybridllm-bench-disagg.log")
     names = args.deployments.split(",")
+    for name in names:
+        parse_deployment(name)  # a typo fails before the first run, not after an hour
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     started = time.time()
     for rep in range(args.repeats):
@@ -413,6 +466,7 @@ def main() -> int:
             for k, v in vars(args).items()
         },
         "seconds": time.time() - started,
+        "deployments": {n: describe(n, args.threshold) for n in names},
         "runs": runs,
         "medians": medians,
         "transfer": transfer,

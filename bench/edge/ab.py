@@ -1,6 +1,9 @@
 """Our server at two commits, same GGUF, alternating 8-client load rounds: what a change bought.
 
-    uv run --no-sync python bench/edge/ab.py --before 1cbe0ff --out bench/results/edge-ab.json
+    uv run --no-sync python bench/edge/ab.py --before 1cbe0ff [--out ab.json]
+
+A tool for a change's notes, not a tracked experiment: it prints the comparison and writes
+JSON only where ``--out`` says (``bench/results/`` holds the current experiments).
 
 The ``--before`` commit's ``runtime-edge/src`` is checked out into a temporary git
 worktree and put first on that server's PYTHONPATH; the other server runs the working
@@ -52,7 +55,7 @@ def main() -> int:
     parser.add_argument("--per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--lengths", type=int, nargs="+", help="mixed max_tokens per request")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/edge-ab.json")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     gguf = str(weights.resolve(args.weights))
@@ -94,7 +97,8 @@ def main() -> int:
     report["after_over_before"] = statistics.median(
         a / b for a, b in zip(runs["after"], runs["before"], strict=True)
     )
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0
 

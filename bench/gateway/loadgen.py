@@ -1,4 +1,4 @@
-"""The benchmark's load generator: C streaming requests kept in flight, one process.
+"""The benchmark's load generator: C streaming (or, ``--no-stream``, plain) requests in flight.
 
 Closed loop, as the goal says ("256 concurrent streaming requests"): each of C workers
 sends a streaming chat request on its own keep-alive HTTP/1.1 connection, reads it to the
@@ -213,20 +213,27 @@ class Conn:
 
 
 async def load(
-    url: str, concurrency: int, duration: float, tokens: int, rate: float, timeout_s: float = 30.0
+    url: str,
+    concurrency: int,
+    duration: float,
+    tokens: int,
+    rate: float,
+    timeout_s: float = 30.0,
+    stream: bool = True,
 ) -> dict[str, Any]:
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise SystemExit(f"--url: plain http://host:port expected, not {url!r}")
     addr = (parts.hostname, parts.port or 80)
     body = json.dumps({
-        "model": "smollm2", "stream": True, "max_tokens": tokens,
+        "model": "smollm2", "stream": stream, "max_tokens": tokens,
         "messages": [{"role": "user", "content": "Say hello."}],
     }).encode()  # fmt: skip
     payload = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {addr[0]}:{addr[1]}\r\n"
         f"Content-Type: application/json\r\nAuthorization: Bearer {KEY}\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Accept: {'text/event-stream' if stream else 'application/json'}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
     period = tokens / rate
     times: dict[str, list[float]] = {k: [] for k in ("ttft", "e2e", "app_ttft", "app_e2e")}
@@ -278,6 +285,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--rate", type=float, required=True)
     p.add_argument("--timeout", type=float, default=30.0, help="per request, seconds")
+    p.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="non-streaming requests: the whole answer at once (TTFT = its first byte)",
+    )
     a = p.parse_args(argv)
     try:
         import uvloop
@@ -286,7 +298,11 @@ def main(argv: list[str]) -> None:
     except ImportError:
         print("uvloop missing: load generator on asyncio", file=sys.stderr)
     print(
-        json.dumps(asyncio.run(load(a.url, a.concurrency, a.duration, a.tokens, a.rate, a.timeout)))
+        json.dumps(
+            asyncio.run(
+                load(a.url, a.concurrency, a.duration, a.tokens, a.rate, a.timeout, not a.no_stream)
+            )
+        )
     )
 
 

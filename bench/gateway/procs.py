@@ -142,7 +142,12 @@ def drain(url: str, timeout_s: float = 180.0) -> None:
 
 
 def session_cpu_s(sid: int) -> float:
-    """CPU seconds used so far by the live processes of session ``sid``."""
+    """CPU seconds used so far by the processes of session ``sid``.
+
+    Live processes count their own time and that of the children they reaped (a worker
+    that a multi-process server such as LiteLLM's restarts would otherwise take its CPU
+    out of the sum when it ends).
+    """
     ticks = 0
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -153,7 +158,8 @@ def session_cpu_s(sid: int) -> float:
             continue  # the process ended between listing and reading
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[3]) == sid:  # field 6, session id
-            ticks += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
+            # fields 14-17: utime, stime, cutime, cstime
+            ticks += sum(int(x) for x in fields[11:15])
     return ticks / TICK
 
 

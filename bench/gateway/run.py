@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,8 @@ def run_cell(url: str, c: int, args: argparse.Namespace, sids: dict[str, int]) -
     pin = ["taskset", "-c", ",".join(map(str, sorted(client)))] if client else []
     cmd = [*pin, sys.executable, str(LOADGEN), "--url", url, "--concurrency", str(c),
            "--duration", str(args.duration), "--tokens", str(args.tokens), "--rate", str(args.rate), "--timeout", str(args.timeout)]  # fmt: skip
+    if getattr(args, "no_stream", False):
+        cmd.append("--no-stream")
     cpu0 = {name: procs.session_cpu_s(sid) for name, sid in sids.items()}
     pids = {name: procs.session_pids(sid) for name, sid in sids.items()}
     wait0 = {name: procs.runq_wait_s(p) for name, p in pids.items()}
@@ -114,19 +117,62 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
         procs.wait_up(urls[name], running[-1], "/health")
     if args.litellm and "litellm" in args.targets:
         lport = procs.free_port()
-        (tmp / "litellm.yaml").write_text(
-            "model_list:\n  - model_name: smollm2\n    litellm_params:\n"
-            f"      model: openai/smollm2\n      api_base: {backend}/v1\n      api_key: sk-none\n"
-            "litellm_settings:\n  telemetry: false\n  drop_params: true\n"
-            f"general_settings:\n  master_key: {KEY}\n"
-        )
+        (tmp / "litellm.yaml").write_text(litellm_config(backend))
         running.append(procs.start([args.litellm, "--config", str(tmp / "litellm.yaml"), "--port", str(lport),
-                                    "--host", "127.0.0.1", "--num_workers", str(args.workers)],
-                                   tmp / "litellm.log", {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}, cpus["proxy"]))  # fmt: skip
+                                    "--host", "127.0.0.1", "--num_workers", str(args.litellm_workers)],
+                                   tmp / "litellm.log", LITELLM_ENV, cpus["proxy"]))  # fmt: skip
         urls["litellm"] = f"http://127.0.0.1:{lport}"
         sids["litellm"] = running[-1].pid
         procs.wait_up(urls["litellm"], running[-1], "/health/liveliness", timeout_s=240)
     return urls, sids
+
+
+# LiteLLM as its own benchmark page configures it for performance
+# (https://docs.litellm.ai/docs/benchmarks): no callbacks, no retries, a 30 s request
+# timeout, workers equal to the CPU count ("Setting workers equal to CPU count gives optimal
+# performance"); no database, so nothing is written per request.
+LITELLM_SETTINGS = {"callbacks": "[]", "num_retries": "0", "request_timeout": "30",
+                    "telemetry": "false", "drop_params": "true"}  # fmt: skip
+LITELLM_ENV = {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
+
+
+def litellm_config(backend: str) -> str:
+    settings = "".join(f"  {k}: {v}\n" for k, v in LITELLM_SETTINGS.items())
+    return (
+        "model_list:\n  - model_name: smollm2\n    litellm_params:\n"
+        f"      model: openai/smollm2\n      api_base: {backend}/v1\n      api_key: sk-none\n"
+        f"litellm_settings:\n{settings}"
+        f"general_settings:\n  master_key: {KEY}\n"
+    )
+
+
+def litellm_version(cli: str) -> str:
+    out = subprocess.run([cli, "--version"], capture_output=True, text=True, timeout=120)
+    found = re.search(r"Current Version = (\S+)", out.stdout + out.stderr)
+    return found.group(1) if found else "(version not reported)"
+
+
+def peers(args: argparse.Namespace) -> list[str]:
+    """Each target's settings and where they come from, for the report."""
+    out = [
+        f"- gateway: `hybridllm-gateway serve --workers {args.workers}` (one process is its "
+        "measured best on two cores: `gateway-workers2.md` found a second worker slower), "
+        "API-key auth, a routing table with one cloud backend, raw stream relay.",
+        "- nullproxy: a bare TCP relay in one Python process (`bench/gateway/nullproxy.py`): "
+        "no HTTP parsing, the floor of any Python hop.",
+        "- go-http: Go's `httputil.ReverseProxy` (`bench/gateway/goproxy`, standard library, "
+        "`FlushInterval: -1`), what a native HTTP proxy costs.",
+    ]
+    if args.litellm and "litellm" in args.targets:
+        settings = ", ".join(f"`{k}: {v}`" for k, v in LITELLM_SETTINGS.items())
+        out.append(
+            f"- litellm: LiteLLM's proxy {litellm_version(args.litellm)} from PyPI "
+            f"(`uv venv DIR && uv pip install --python DIR 'litellm[proxy]'`), `--num_workers {args.litellm_workers}` (workers = "
+            f"CPU count), `litellm_settings`: {settings}; the `openai/` provider, which its "
+            "load-test page recommends; no database. Settings from "
+            "https://docs.litellm.ai/docs/benchmarks."
+        )
+    return [line for line in out if line.split(":", 1)[0][2:] in args.targets]
 
 
 def goproxy() -> Path:
@@ -157,10 +203,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     p.add_argument("--rate", type=float, default=32.0, help="tokens per second per stream")
-    p.add_argument("--workers", type=int, default=1, help="gateway (and LiteLLM) processes")
+    p.add_argument("--workers", type=int, default=1, help="gateway processes")
+    p.add_argument(
+        "--litellm-workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="LiteLLM processes (default: the CPU count, as LiteLLM's benchmark docs say)",
+    )
+    p.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="non-streaming requests (the whole answer at once) instead of streams",
+    )
     p.add_argument(
         "--targets",
-        default="direct,nullproxy,gateway,gateway-aiohttp,litellm",
+        default="direct,nullproxy,gateway,litellm,go-http",
         help="direct; nullproxy (a bare TCP relay in Python, the floor for a Python process); "
         "gateway (raw stream relay); gateway-aiohttp (the same gateway, streams through "
         "aiohttp's client); litellm; go-http (Go's httputil.ReverseProxy: a native HTTP "
@@ -176,10 +233,13 @@ def main() -> None:
     )
     p.add_argument("--litellm", default="", help="path of the litellm CLI (a separate venv)")
     p.add_argument("--profile", type=float, default=0.0, help="py-spy seconds (0: none)")
-    p.add_argument("--out", default="gateway")
+    p.add_argument(
+        "--out", default="", help="results name (default: gateway, or gateway-nonstream)"
+    )
     p.add_argument("--note", default="", help="a line for the report (e.g. what else ran)")
     args = p.parse_args()
     args.targets = args.targets.split(",")
+    args.out = args.out or ("gateway-nonstream" if args.no_stream else "gateway")
     levels = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="gwbench-"))
     running: list[subprocess.Popen[bytes]] = []
@@ -225,7 +285,7 @@ def main() -> None:
     # machine, such as a lock around each benchmark, is not part of it).
     argv = ["PATH/TO/litellm" if args.litellm and a == args.litellm else a for a in sys.argv[1:]]
     cmd = f"{nice}uv run --no-sync python bench/gateway/run.py " + " ".join(argv)  # fmt: skip
-    report.write(raw, levels, args, cmd, (load_before, procs.load_average()))
+    report.write(raw, levels, args, cmd, (load_before, procs.load_average()), peers(args))
 
 
 if __name__ == "__main__":

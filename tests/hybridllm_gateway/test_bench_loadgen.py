@@ -57,3 +57,16 @@ def test_errors_are_counted_with_their_cause(procs: Any, lg: ModuleType) -> None
     assert out["completed"] == 0
     assert out["errors"] > 0
     assert any("HTTP 503" in e for e in out["first_errors"]), out["first_errors"]
+
+
+def test_non_streaming_answers_are_read_whole(procs: Any, lg: ModuleType) -> None:
+    tokens, rate = 5, 50.0
+    backend = procs.tokenserver("b", "--rate", str(rate))
+    out = asyncio.run(lg.load(backend.url, 3, 1.0, tokens, rate, timeout_s=10.0, stream=False))
+    assert out["errors"] == 0, out["first_errors"]
+    assert out["completed"] >= 3
+    # a plain answer comes after the whole generation, in one piece: first byte ~ last byte
+    assert out["ttft_p50"] >= (tokens - 1) / rate * 0.9, out
+    assert out["e2e_p50"] - out["ttft_p50"] < 0.05, out
+    stats = backend.stats()
+    assert stats["completed"] == stats["requests"] >= out["completed"]
