@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybridllm_cloud.engine import llm_engine
+from hybridllm_cloud.spec_decode.config import SpeculativeConfig
 
 
 class ServeSettings(BaseSettings):
@@ -109,6 +110,35 @@ class ServeSettings(BaseSettings):
         default=256, ge=1, description="queue bound; beyond it requests get 503 + Retry-After"
     )
     retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on 503")
+    speculative_method: Literal["ngram", "draft"] | None = Field(
+        default=None,
+        description="speculative decoding: ngram (prompt lookup in the request's own "
+        "tokens) or draft (a smaller model of the same tokenizer); off by default",
+    )
+    num_speculative_tokens: int | None = Field(
+        default=None,
+        description="speculative decoding: tokens proposed per request and step (k, "
+        "default 4); needs --speculative-method",
+    )
+    ngram_prompt_lookup_max: int | None = Field(
+        default=None,
+        description="ngram: longest n-gram matched (default 4); needs --speculative-method ngram",
+    )
+    ngram_prompt_lookup_min: int | None = Field(
+        default=None,
+        description="ngram: shortest n-gram matched (default 2); needs --speculative-method ngram",
+    )
+    speculative_draft_model: str | None = Field(
+        default=None,
+        description="draft: model store URI or Hugging Face layout directory of the draft "
+        "(same vocabulary as --model); default: the target's own first "
+        "--speculative-draft-num-layers layers",
+    )
+    speculative_draft_num_layers: int | None = Field(
+        default=None,
+        description="draft: keep only the first N decoder layers of the draft (of --model "
+        "itself when no --speculative-draft-model is given)",
+    )
 
     @model_validator(mode="after")
     def _role_needs(self) -> ServeSettings:
@@ -123,7 +153,61 @@ class ServeSettings(BaseSettings):
                 transport.parse_endpoints(self.prefill_url)
             except ValueError as exc:
                 raise ValueError(f"prefill_url: {exc}") from exc
+        self._check_speculative()
         return self
+
+    def _check_speculative(self) -> None:
+        """Every speculative flag works or is refused: none is accepted and ignored."""
+        given = [
+            name
+            for name in (
+                "num_speculative_tokens",
+                "ngram_prompt_lookup_max",
+                "ngram_prompt_lookup_min",
+                "speculative_draft_model",
+                "speculative_draft_num_layers",
+            )
+            if getattr(self, name) is not None
+        ]
+        if self.speculative_method is None:
+            if given:
+                raise ValueError(f"{given[0]}: needs --speculative-method (ngram or draft)")
+            return
+        if self.role == "prefill":
+            raise ValueError(
+                "speculative_method: the prefill role computes prompts and one token; "
+                "speculation is for the decode or monolithic role"
+            )
+        if self.speculative_method == "draft":
+            for name in ("ngram_prompt_lookup_max", "ngram_prompt_lookup_min"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only for --speculative-method ngram")
+        self.speculative_config().validate()
+
+    def speculative_config(self) -> SpeculativeConfig:
+        if self.speculative_method is None:
+            return SpeculativeConfig()
+        defaults = SpeculativeConfig()
+
+        def pick(value: int | None, default: int) -> int:
+            return default if value is None else value
+
+        lookup_max = pick(self.ngram_prompt_lookup_max, defaults.prompt_lookup_max)
+        lookup_min = pick(self.ngram_prompt_lookup_min, defaults.prompt_lookup_min)
+        if self.ngram_prompt_lookup_max is None:  # only a minimum given: look at least that far
+            lookup_max = max(lookup_max, lookup_min)
+        elif self.ngram_prompt_lookup_min is None:  # only a maximum given: down to 1..max
+            lookup_min = min(lookup_min, lookup_max)
+        return SpeculativeConfig(
+            method=self.speculative_method,
+            num_speculative_tokens=pick(
+                self.num_speculative_tokens, defaults.num_speculative_tokens
+            ),
+            prompt_lookup_max=lookup_max,
+            prompt_lookup_min=lookup_min,
+            draft_model=self.speculative_draft_model,
+            draft_num_layers=self.speculative_draft_num_layers,
+        )
 
     def engine_config(self) -> llm_engine.EngineConfig:
         return llm_engine.EngineConfig(
@@ -140,4 +224,5 @@ class ServeSettings(BaseSettings):
             quantization=self.quantization,
             gpu_memory_fraction=self.gpu_memory_fraction,
             local_prefill_threshold=self.local_prefill_threshold,
+            speculative=self.speculative_config(),
         )

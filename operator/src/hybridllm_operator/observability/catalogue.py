@@ -64,7 +64,12 @@ def _component_registries() -> list[tuple[str, Callable[[], CollectorRegistry]]]
             obj: Any = importlib.import_module(module)
             for part in path.split("."):
                 obj = getattr(obj, part)
-            return obj().registry  # type: ignore[no-any-return]
+            built = obj()
+            # metrics a component registers only when a feature is on are listed too
+            for enable in ("enable_speculative",):
+                if hasattr(built, enable):
+                    getattr(built, enable)()
+            return built.registry  # type: ignore[no-any-return]
 
         return build
 

@@ -137,6 +137,19 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self.req_to_num_cached_blocks[request.request_id] = max(start, num_full)
 
+    def trim(self, request: Request) -> int:
+        """Gives back the blocks beyond the request's computed tokens (speculative
+        decoding: blocks taken for proposals that were rejected), tail first; returns how
+        many. They were never registered in the prefix cache (only blocks full of real
+        tokens are), so freeing them loses nothing."""
+        blocks = self.req_to_blocks[request.request_id]
+        keep = self.num_blocks_for(request.num_computed_tokens)
+        extra = blocks[keep:]
+        if extra:
+            del blocks[keep:]
+            self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def free(self, request: Request, drop_cached: bool = False) -> None:
         """Releases the request's blocks, tail first (see block_pool).
 

@@ -44,6 +44,9 @@ from hybridllm_cloud.engine.request import (
     SamplingParams,
 )
 from hybridllm_cloud.model import llama
+from hybridllm_cloud.spec_decode import draft as draft_mod
+from hybridllm_cloud.spec_decode import ngram
+from hybridllm_cloud.spec_decode.config import SpeculativeConfig, check_draft
 from hybridllm_cloud.worker import model_runner
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class EngineConfig:
     quantization: str = "none"  # none | w8a16
     gpu_memory_fraction: float = 0.9  # CUDA: weights + KV cache share of the GPU
     local_prefill_threshold: int = 256  # decode role: uncached prompt tokens kept local
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off by default
 
 
 class ExportSink(Protocol):
@@ -151,6 +155,9 @@ class EngineStats:
     num_remote_prefills: int = 0
     num_local_prefills: int = 0
     num_remote_failures: int = 0
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -165,7 +172,10 @@ class LLMEngine:
         model: llama.LlamaModel,
         tokenizer: tokenizer_mod.Tokenizer | None,
         config: EngineConfig,
+        draft_model: llama.LlamaModel | None = None,
     ) -> None:
+        """``draft_model``: the draft of ``config.speculative`` when the caller loaded it
+        (``from_path`` does); otherwise a truncated-layer draft is cut from ``model``."""
         from hybridllm_kernels import ops
 
         self.config = config
@@ -173,7 +183,24 @@ class LLMEngine:
         self.tokenizer = tokenizer
         max_len = config.max_model_len or model.config.max_position_embeddings
         max_len = min(max_len, model.config.max_position_embeddings)
+        spec = config.speculative
+        spec.validate()
+        if spec.uses_draft and draft_model is None:
+            if spec.draft_model is not None:
+                raise ValueError(
+                    "speculative_draft_model: load the draft with LLMEngine.from_path, or "
+                    "pass draft_model"
+                )
+            draft_model = draft_mod.load_draft(spec, model, model.dtype, max_len)
+        if draft_model is not None:
+            if not spec.uses_draft:
+                raise ValueError("draft_model: given without speculative method 'draft'")
+            check_draft(model.config.vocab_size, draft_model.config.vocab_size, 1, None)
+        self.draft_model = draft_model
+        # The draft's cache is indexed by the same block ids: a block costs both.
         per_block = model_runner.kv_bytes_per_block(model, config.block_size)
+        if draft_model is not None:
+            per_block += model_runner.kv_bytes_per_block(draft_model, config.block_size)
         kv_bytes = config.kv_cache_memory_bytes
         if model.device.type == "cuda" and config.num_kv_blocks is None:
             total = torch.cuda.get_device_properties(model.device).total_memory
@@ -206,10 +233,13 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                spec_draft=spec.uses_draft,
             ),
             self.kv,
         )
         self.runner = model_runner.ModelRunner(model, num_blocks, config.block_size)
+        if draft_model is not None:
+            self.runner.drafter = draft_mod.DraftRunner(draft_model, num_blocks, config.block_size)
         self._outputs: dict[str, _OutputState] = {}
         self._last_batch = (0, 0)
         # Disaggregation seams (see the module docstring).
@@ -226,15 +256,17 @@ class LLMEngine:
         self.num_local_prefills = 0
         self.num_remote_failures = 0
         log.info(
-            "engine ready: %d KV blocks of %d tokens, max_model_len %d, kernels %s",
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d, kernels %s%s",
             num_blocks,
             config.block_size,
             max_len,
             self.info.kernels_backend,
+            f", speculative {spec.method} k={spec.num_speculative_tokens}" if spec.enabled else "",
         )
 
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig) -> LLMEngine:
+        config.speculative.validate()  # before loading anything
         model = llama.load_llama(
             path,
             DTYPES[config.dtype],
@@ -242,7 +274,17 @@ class LLMEngine:
             config.max_model_len,
             config.quantization,
         )
-        return cls(model, tokenizer_mod.Tokenizer(path), config)
+        draft = None
+        spec = config.speculative
+        if spec.uses_draft and spec.draft_model is not None:
+            max_len = min(
+                config.max_model_len or model.config.max_position_embeddings,
+                model.config.max_position_embeddings,
+            )
+            draft = draft_mod.load_draft(
+                spec, model, DTYPES[config.dtype], max_len, config.quantization
+            )
+        return cls(model, tokenizer_mod.Tokenizer(path), config, draft)
 
     # --- requests -------------------------------------------------------------------------
 
@@ -349,8 +391,29 @@ class LLMEngine:
 
     # --- one step -------------------------------------------------------------------------
 
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for every running request in decode.
+
+        n-gram proposals are made here, on the full token history; a draft model's are
+        made in the runner once the step is scheduled, so here its ``k`` slots are only
+        reserved (the scheduler trims them to what the request may still emit).
+        """
+        spec = self.config.speculative
+        k = spec.num_speculative_tokens
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            if spec.method == "ngram":
+                request.spec_token_ids = ngram.propose(
+                    request.all_token_ids(), k, spec.prompt_lookup_max, spec.prompt_lookup_min
+                )
+            else:
+                request.spec_token_ids = [draft_mod.PLACEHOLDER] * k
+
     def step(self) -> list[RequestOutput]:
         core_outputs = self._drain_remote()
+        if self.config.speculative.enabled:
+            self._propose()
         sched = self.scheduler.schedule()
         self._last_batch = (len(sched.scheduled), sched.total_num_scheduled_tokens)
         if sched.kv_loads:
@@ -374,17 +437,22 @@ class LLMEngine:
             if state is None:
                 continue
             finish, stop_reason = core.finish_reason, core.stop_reason
-            state.token_ids.extend(core.new_token_ids)
+            new_ids, new_logprobs = core.new_token_ids, core.logprobs
             if state.detok is not None:
-                for token in core.new_token_ids:
+                # One token at a time: a speculative step emits several, and a stop string
+                # completed by one of them ends the output at that token, as without it.
+                for j, token in enumerate(core.new_token_ids):
                     state.detok.push(token)
-                hit = self._match_stop(state) if state.stop else None
-                if hit is not None:
-                    if finish is None:
-                        self.scheduler.finish_requests(
-                            [core.request_id], RequestStatus.FINISHED_STOPPED
-                        )
-                    finish, stop_reason = "stop", hit
+                    hit = self._match_stop(state) if state.stop else None
+                    if hit is not None:
+                        if finish is None:
+                            self.scheduler.finish_requests(
+                                [core.request_id], RequestStatus.FINISHED_STOPPED
+                            )
+                        finish, stop_reason = "stop", hit
+                        new_ids, new_logprobs = new_ids[: j + 1], new_logprobs[: j + 1]
+                        break
+            state.token_ids.extend(new_ids)
             text = state.detok.text if state.detok is not None else ""
             release_to = len(text)
             if finish is None and state.stop:
@@ -394,14 +462,14 @@ class LLMEngine:
             outputs.append(
                 RequestOutput(
                     request_id=core.request_id,
-                    new_token_ids=core.new_token_ids,
+                    new_token_ids=new_ids,
                     new_text=new_text,
                     token_ids=list(state.token_ids),
                     text=text[:release_to],
                     finished=finish is not None,
                     finish_reason=finish,
                     stop_reason=stop_reason,
-                    new_logprobs=core.logprobs,
+                    new_logprobs=new_logprobs,
                     num_prompt_tokens=state.num_prompt_tokens,
                     num_cached_tokens=core.num_cached_tokens,
                 )
@@ -446,6 +514,9 @@ class LLMEngine:
             num_remote_prefills=self.num_remote_prefills,
             num_local_prefills=self.num_local_prefills,
             num_remote_failures=self.num_remote_failures,
+            num_spec_drafts=self.scheduler.num_spec_drafts,
+            num_spec_draft_tokens=self.scheduler.num_spec_draft_tokens,
+            num_spec_accepted_tokens=self.scheduler.num_spec_accepted_tokens,
         )
 
     # --- offline use (tests, benchmarks) --------------------------------------------------

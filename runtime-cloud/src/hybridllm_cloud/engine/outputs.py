@@ -21,6 +21,12 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # generated so far (for penalties / bookkeeping)
     output_token_ids: list[int] | None = None  # generated so far, when penalties need them
+    # Speculative decoding: the proposals being verified (the tail of token_ids; the draft
+    # model fills them in the runner) and, for the draft, the tokens it has not seen yet
+    # (positions draft_start .. start_position, the last one being token_ids[0]).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_start: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +85,10 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Speculative decoding: per verified request, the tokens emitted (accepted proposals
+    # plus one) and their logprobs when asked.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

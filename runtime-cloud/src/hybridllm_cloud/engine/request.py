@@ -109,6 +109,10 @@ class Request:
     stop_reason: int | str | None = None
     allow_remote_prefill: bool = False  # decode role: the scheduler may ask a prefill worker
     kv_export: KVExport | None = None  # prefill role
+    # Speculative decoding: proposals to verify in the next step (set before scheduling,
+    # consumed by it) and how many tokens the draft model's cache holds (see spec_decode).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_computed: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -121,6 +125,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def reset_computed(self) -> None:
+        """Its blocks are gone (preemption, isolation, failed transfer): recompute all."""
+        self.num_computed_tokens = 0
+        self.num_draft_computed = 0
+        self.spec_token_ids = []
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -48,6 +48,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at most
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    spec_draft: bool = False  # proposals come from a draft model: send it its catch-up tokens
 
 
 class Scheduler:
@@ -64,6 +65,10 @@ class Scheduler:
         # Out of the schedule while a failed step is isolated (see AsyncEngine), no blocks.
         self.held: dict[str, Request] = {}
         self.remote_prefill: Callable[[Request, int], bool] | None = None
+        # Speculative decoding totals (vLLM's spec_decode counters).
+        self.num_spec_drafts = 0  # verifications (requests x steps with proposals)
+        self.num_spec_draft_tokens = 0  # proposed tokens verified
+        self.num_spec_accepted_tokens = 0  # of which accepted
 
     # --- queues ---------------------------------------------------------------------------
 
@@ -145,7 +150,7 @@ class Scheduler:
             return False
         self.kv.free(request, drop_cached=drop_cached)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.reset_computed()
         if request.kv_export is not None:
             request.kv_export.reset()
         self.held[request_id] = request
@@ -170,7 +175,7 @@ class Scheduler:
         victim = self.running.pop()
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
+        victim.reset_computed()
         victim.num_preemptions += 1
         if victim.kv_export is not None:
             victim.kv_export.reset()
@@ -205,16 +210,21 @@ class Scheduler:
                 request.num_tokens - request.num_computed_tokens
             ):
                 break
-            while not self.kv.append_slot(request, num_new):
+            num_spec = self._num_spec(request, budget)
+            if num_spec and not self.kv.append_slot(request, 1 + num_spec):
+                num_spec = 0  # no room for proposals: decode plainly, preempt nobody for them
+            while not num_spec and not self.kv.append_slot(request, num_new):
                 victim = self._preempt_last()
                 out.preempted_req_ids.append(victim.request_id)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # preempted itself: everything after it is gone too
-            out.scheduled.append(self._record(request, num_new))
-            budget -= num_new
+            out.scheduled.append(self._record(request, num_new, num_spec))
+            budget -= num_new + num_spec
             i += 1
+        for running in self.running:
+            running.spec_token_ids = []  # consumed (or dropped): proposed afresh next step
 
         while not out.preempted_req_ids and budget > 0:
             if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
@@ -317,7 +327,7 @@ class Scheduler:
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             self._finished_since_step.append(request_id)
             return
-        request.num_computed_tokens = 0
+        request.reset_computed()
         request.allow_remote_prefill = False
         request.status = RequestStatus.WAITING
         self.waiting[request.priority].appendleft(request)
@@ -336,11 +346,31 @@ class Scheduler:
         table = self.kv.block_ids(request.request_id)
         return KVExportSlice(request.request_id, start, table[start:end])
 
-    def _record(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _num_spec(self, request: Request, budget: int) -> int:
+        """How many of the request's proposals this step verifies.
+
+        Only a request in decode (one token missing) speculates, and never past what it
+        may still emit: a step emits at most ``1 + k`` tokens, so ``k`` stays below the
+        tokens ``max_tokens`` and the context leave, and within the step's budget.
+        """
+        if not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        return max(
+            0,
+            min(
+                len(request.spec_token_ids),
+                budget - 1,
+                request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                self.config.max_model_len - request.num_tokens - 1,
+            ),
+        )
+
+    def _record(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return ScheduledRequest(
+        spec = request.spec_token_ids[:num_spec]
+        record = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
+            token_ids=request.token_slice(start, start + num_new) + spec,
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
@@ -349,7 +379,12 @@ class Scheduler:
             output_token_ids=(
                 list(request.output_token_ids) if request.sampling_params.penalized else None
             ),
+            spec_token_ids=spec,
         )
+        if spec and self.config.spec_draft:
+            record.draft_start = min(request.num_draft_computed, start)
+            record.draft_token_ids = request.token_slice(record.draft_start, start + 1)
+        return record
 
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
@@ -360,20 +395,34 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += scheduled.num_tokens
-            token = result.sampled_token_ids.get(scheduled.request_id)
-            if token is None:
-                continue
-            request.output_token_ids.append(token)
-            status = self._check_stop(request, token)
-            logprobs = result.logprobs.get(scheduled.request_id)
+            num_spec = len(scheduled.spec_token_ids)
+            if num_spec:
+                tokens = result.spec_token_ids[scheduled.request_id]
+                logprobs = result.spec_logprobs.get(scheduled.request_id, [])
+                self._account_spec(request, scheduled, len(tokens) - 1)
+            else:
+                request.num_computed_tokens += scheduled.num_tokens
+                token = result.sampled_token_ids.get(scheduled.request_id)
+                if token is None:
+                    continue
+                tokens = [token]
+                one = result.logprobs.get(scheduled.request_id)
+                logprobs = [one] if one else []
+            status = None
+            emitted = 0
+            for token in tokens:  # an EOS, stop id or max_tokens ends the run there
+                request.output_token_ids.append(token)
+                emitted += 1
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[token],
+                    new_token_ids=tokens[:emitted],
                     finish_reason=status.value if status else None,
                     stop_reason=request.stop_reason,
-                    logprobs=[logprobs] if logprobs else [],
+                    logprobs=logprobs[:emitted],
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
@@ -381,7 +430,22 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = status
                 self._free(request)
+            elif num_spec:
+                self.kv.trim(request)
         return outputs
+
+    def _account_spec(self, request: Request, scheduled: ScheduledRequest, accepted: int) -> None:
+        """Advances past the accepted proposals only: the K/V written for rejected ones
+        lie beyond ``num_computed_tokens``, where nothing reads them and the next step
+        overwrites them (``kv.trim`` then gives back blocks that hold nothing else)."""
+        num_spec = len(scheduled.spec_token_ids)
+        num_tokens_before = request.num_tokens
+        request.num_computed_tokens += scheduled.num_tokens - num_spec + accepted
+        if self.config.spec_draft:
+            request.num_draft_computed = num_tokens_before + min(accepted, num_spec - 1)
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_spec
+        self.num_spec_accepted_tokens += accepted
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

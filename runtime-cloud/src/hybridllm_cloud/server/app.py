@@ -136,6 +136,8 @@ def create_app(
             engine = await asyncio.to_thread(
                 llm_engine.LLMEngine.from_path, path, settings.engine_config()
             )
+        if engine.config.speculative.enabled:
+            app.state.metrics.enable_speculative()
         app.state.engine = async_engine.AsyncEngine(engine, app.state.metrics.on_step)
         app.state.metrics.watch_failures(app.state.engine)
         stop = await _start_role(app, settings, engine)

@@ -15,6 +15,14 @@ from hybridllm_common import metrics as names
 
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
+# Speculative decoding (vLLM's spec_decode counters). Registered only by a server that
+# speculates (``enable_speculative``): the acceptance rate is
+# rate(accepted_tokens) / rate(draft_tokens), and tokens per verification
+# 1 + rate(accepted_tokens) / rate(drafts).
+SPEC_DECODE_NUM_DRAFTS_TOTAL = "hybridllm_spec_decode_num_drafts_total"
+SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL = "hybridllm_spec_decode_num_draft_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL = "hybridllm_spec_decode_num_accepted_tokens_total"
+
 
 class _Totals(Collector):
     """Counters whose value the engine keeps (cumulative since start): each is read at
@@ -133,6 +141,21 @@ class ServerMetrics:
         )
         self.role_info = Gauge(names.ENGINE_ROLE_INFO, "Role of this engine", ["role"], registry=r)
         self._local_prefills = 0
+        self._speculative = False
+
+    def enable_speculative(self) -> None:
+        """Adds the speculative decoding counters (a server without speculation has none)."""
+        self._speculative = True
+        self.totals.add(
+            SPEC_DECODE_NUM_DRAFTS_TOTAL,
+            "Speculative verifications (requests x steps with proposals)",
+        )
+        self.totals.add(
+            SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, "Proposed tokens verified by the target"
+        )
+        self.totals.add(
+            SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, "Proposed tokens the target accepted"
+        )
 
     def set_role(self, role: str, active: Callable[[], float] | None = None) -> None:
         self.role_info.labels(role=role).set(1)
@@ -167,6 +190,10 @@ class ServerMetrics:
         self.totals.set(names.PREEMPTIONS_TOTAL, stats.num_preemptions)
         self.batch_size.observe(stats.last_batch_size)
         self.step_tokens.observe(stats.last_num_tokens)
+        if self._speculative:
+            self.totals.set(SPEC_DECODE_NUM_DRAFTS_TOTAL, stats.num_spec_drafts)
+            self.totals.set(SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, stats.num_spec_draft_tokens)
+            self.totals.set(SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, stats.num_spec_accepted_tokens)
         if stats.num_local_prefills > self._local_prefills:
             self.prefills.labels(where="local", outcome="ok").inc(
                 stats.num_local_prefills - self._local_prefills

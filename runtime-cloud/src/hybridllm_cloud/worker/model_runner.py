@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridllm_cloud.engine.outputs import KVExportSlice, ModelRunnerOutput, SchedulerOutput
 from hybridllm_cloud.model import llama
+from hybridllm_cloud.spec_decode import rejection_sampler
 from hybridllm_cloud.worker import sampler
+
+if TYPE_CHECKING:
+    from hybridllm_cloud.spec_decode.draft import DraftRunner
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +41,65 @@ def kv_bytes_per_block(model: llama.LlamaModel, block_size: int) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+def allocate_kv_caches(
+    model: llama.LlamaModel, num_blocks: int, block_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed ``(k_cache, v_cache)`` pair per layer of ``model``."""
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=model.dtype, device=model.device),
+            torch.zeros(shape, dtype=model.dtype, device=model.device),
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+def pack(
+    seqs: list[tuple[list[int], int, list[int]]], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, llama.AttentionMetadata, torch.Tensor]:
+    """Packs ``(token_ids, start_position, block_ids)`` sequences into one forward pass:
+    input ids, positions, attention metadata and the index of each sequence's last row."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    context_lens: list[int] = []
+    for token_ids, start, block_ids in seqs:
+        input_ids.extend(token_ids)
+        pos = range(start, start + len(token_ids))
+        positions.extend(pos)
+        slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in pos)
+        starts.append(starts[-1] + len(token_ids))
+        context_lens.append(start + len(token_ids))
+    max_blocks = max(len(b) for _, _, b in seqs)
+    tables = [b + [0] * (max_blocks - len(b)) for _, _, b in seqs]
+    meta = llama.AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        decode_only=len(input_ids) == len(seqs),
+    )
+    last_rows = torch.tensor([e - 1 for e in starts[1:]], dtype=torch.int64, device=device)
+    return (
+        torch.tensor(input_ids, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+        meta,
+        last_rows,
+    )
+
+
 class ModelRunner:
     def __init__(self, model: llama.LlamaModel, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
         self.req_to_generator: dict[str, torch.Generator] = {}
+        # Speculative decoding with a draft model: proposes into its own cache (same blocks).
+        self.drafter: DraftRunner | None = None
         # (request_id, layer, first_block, k_blocks, v_blocks) -> None
         self.kv_export_sink: Callable[[str, int, int, torch.Tensor, torch.Tensor], None] | None = (
             None
@@ -111,56 +160,71 @@ class ModelRunner:
         return gen
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the step's forward pass and samples; requests with proposals
+        (``spec_token_ids``) are verified by the rejection sampler instead, from the
+        target's logits at all their 1 + k positions."""
         for request_id in sched.finished_req_ids:
             self.req_to_generator.pop(request_id, None)
         if sched.is_empty:
             return ModelRunnerOutput()
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        context_lens: list[int] = []
-        logits_rows: list[int] = []
-        bs = self.block_size
-        for s in sched.scheduled:
-            input_ids.extend(s.token_ids)
-            pos = range(s.start_position, s.context_len)
-            positions.extend(pos)
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
-            starts.append(starts[-1] + s.num_tokens)
-            context_lens.append(s.context_len)
-            if s.sample:
-                logits_rows.append(starts[-1] - 1)
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
+        spec = [s for s in sched.scheduled if s.spec_token_ids]
+        draft_probs: dict[str, torch.Tensor | None] = {}
+        if spec and self.drafter is not None:
+            draft_probs = self.drafter.propose(
+                spec, [self._generator(s.request_id, s.sampling_params.seed) for s in spec]
+            )
         dev = self.model.device
-        meta = llama.AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            decode_only=len(input_ids) == len(sched.scheduled),
+        input_ids, positions, meta, last_rows = pack(
+            [(s.token_ids, s.start_position, s.block_ids) for s in sched.scheduled],
+            self.block_size,
+            dev,
         )
         hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.kv_caches,
-            meta,
-            self._layer_hook(sched.kv_exports),
+            input_ids, positions, self.kv_caches, meta, self._layer_hook(sched.kv_exports)
         )
+        logits_rows: list[int] = []
+        sampled = []
+        verified: list[tuple[int, int]] = []  # (index in sched.scheduled, first logits row)
+        ends = last_rows.tolist()
+        for i, s in enumerate(sched.scheduled):
+            if not s.sample:
+                continue
+            k = len(s.spec_token_ids)
+            if k:
+                verified.append((i, len(logits_rows)))
+                logits_rows.extend(range(ends[i] - k, ends[i] + 1))
+            else:
+                sampled.append((s, len(logits_rows)))
+                logits_rows.append(ends[i])
         if not logits_rows:
             return ModelRunnerOutput()
-        sampled = [s for s in sched.scheduled if s.sample]
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
-        result = sampler.sample(
-            logits,
-            [s.sampling_params for s in sampled],
-            [self._generator(s.request_id, s.sampling_params.seed) for s in sampled],
-            [s.output_token_ids for s in sampled],
-        )
         out = ModelRunnerOutput()
-        for s, token, lp in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            out.sampled_token_ids[s.request_id] = token
-            if lp is not None:
-                out.logprobs[s.request_id] = lp
+        if sampled:
+            plain = [s for s, _ in sampled]
+            rows = logits if not verified else logits[[r for _, r in sampled]]
+            result = sampler.sample(
+                rows,
+                [s.sampling_params for s in plain],
+                [self._generator(s.request_id, s.sampling_params.seed) for s in plain],
+                [s.output_token_ids for s in plain],
+            )
+            for s, token, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
+                out.sampled_token_ids[s.request_id] = token
+                if lp is not None:
+                    out.logprobs[s.request_id] = lp
+        for i, row in verified:
+            s = sched.scheduled[i]
+            k = len(s.spec_token_ids)
+            tokens, lps = rejection_sampler.verify(
+                logits[row : row + k + 1],
+                s.spec_token_ids,
+                draft_probs.get(s.request_id),
+                s.sampling_params,
+                s.output_token_ids,
+                self._generator(s.request_id, s.sampling_params.seed),
+            )
+            out.spec_token_ids[s.request_id] = tokens
+            if s.sampling_params.logprobs is not None:
+                out.spec_logprobs[s.request_id] = [lp for lp in lps if lp is not None]
         return out

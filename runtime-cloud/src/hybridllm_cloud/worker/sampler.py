@@ -51,6 +51,48 @@ def apply_penalties(
     return out
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    """Rows that take the argmax (``top_k == 1`` keeps only it as well)."""
+    return params.greedy or params.top_k == 1
+
+
+def processed_logits(
+    logits: torch.Tensor, params: SamplingParams, output_ids: list[int] | None
+) -> torch.Tensor:  # [vocab]
+    """One row as ``sample`` sees it before choosing: penalties over ``output_ids`` applied.
+
+    Speculative verification uses this (and ``processed_probs``) so that it judges a
+    proposal against exactly the distribution the normal sampler would draw from.
+    """
+    if params.penalized and output_ids:
+        return apply_penalties(
+            logits, output_ids, params.presence_penalty, params.frequency_penalty
+        )
+    return logits
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [vocab]
+    """The distribution a random row draws from: temperature, then top-k / top-p."""
+    return torch.softmax(_truncate(logits / params.temperature, params.top_k, params.top_p), -1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One sample from ``probs`` (the exponential race, as ``sample`` does)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The model's own logprob of ``token`` and its top ``k`` (``raw_logits``: one row)."""
+    lp = torch.log_softmax(raw_logits, dim=-1)
+    top = torch.topk(lp, k) if k else None
+    return TokenLogprobs(
+        logprob=float(lp[token]),
+        top_token_ids=top.indices.tolist() if top is not None else [],
+        top_logprobs=top.values.tolist() if top is not None else [],
+    )
+
+
 def sample(
     logits: torch.Tensor,  # [num_rows, vocab] float32
     params: list[SamplingParams],
