@@ -276,15 +276,17 @@ def test_a_preempted_beam_group_resumes_to_the_same_result(
 ) -> None:
     """A greedy request that arrived first grows until the beam group (last) is preempted.
 
-    With a budget of 6 tokens the resumed beams recompute their tokens in chunks.
+    The group resumes once the other finishes: its prompt and common prefix as one trunk,
+    then each beam's own tokens; with a budget of 6 tokens in chunks.
     """
     hf, prompts, eos = tiny
     params = beam_params(4, n=2, max_tokens=24)
     long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     engine = make_engine(
-        tiny_model_dir, num_kv_blocks=30, block_size=4, max_num_batched_tokens=budget
+        tiny_model_dir, num_kv_blocks=40, block_size=4, max_num_batched_tokens=budget
     )
-    engine.add_request("first", prompts[2], long)
+    first = prompts[2] * 3  # 27 blocks of prompt, 39 at the end: room for the group early on
+    engine.add_request("first", first, long)
     engine.add_request("beams", prompts[0], params)
     preempted_with_beams = 0
     finals: dict[str, llm_engine.RequestOutput] = {}
@@ -305,8 +307,16 @@ def test_a_preempted_beam_group_resumes_to_the_same_result(
     got = [s.token_ids for s in finals["beams"].sequences]
     assert got == hf_beams(hf, prompts[0], params, eos)
     roomy = make_engine(tiny_model_dir, num_kv_blocks=256, block_size=4)
-    assert finals["first"].token_ids == roomy.generate([prompts[2]], long)[0].token_ids
+    assert finals["first"].token_ids == roomy.generate([first], long)[0].token_ids
     assert_no_block_held(engine)
+
+
+def test_a_search_that_could_not_resume_in_the_cache_is_refused(tiny_model_dir: Path) -> None:
+    """W unshared full-length tables must fit, or a preempted group could never come back."""
+    engine = make_engine(tiny_model_dir, num_kv_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="best_of: 4 beams of up to 27 tokens may need 28"):
+        engine.add_request("b", list(range(3, 10)), beam_params(4, max_tokens=20))
+    engine.add_request("ok", list(range(3, 10)), beam_params(2, max_tokens=20))
 
 
 # --- the OpenAI server ----------------------------------------------------------------------
@@ -434,7 +444,7 @@ def test_combinations_beam_search_cannot_honour_are_refused_by_name(
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="hi", max_tokens=4, **kw)  # type: ignore[call-overload]
     assert caught.value.body["param"] == param  # type: ignore[index]
-    assert caught.value.message.startswith(f"{param}: ")
+    assert f"- {param}: " in caught.value.message  # "Error code: 400 - NAME: why"
     assert_no_block_held(server[1])
 
 

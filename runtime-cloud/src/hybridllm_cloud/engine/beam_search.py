@@ -27,9 +27,13 @@ the length penalty, and the search ends with HF's early-stop heuristic,
 ``early_stopping`` (``True``, ``False`` or ``"never"``) and the length limit.
 
 After a preemption (by recompute) the generated tokens and scores are kept: the prompt
-is prefilled again as the trunk, without a beam step at its end, then every beam is
-forked from it and recomputes its own tokens (chunked when the token budget is short),
-and the next step selects exactly as it would have.
+and the beams' common prefix are prefilled again as the trunk (the request's output
+tokens are set to that prefix), without a beam step at its end, then every beam is forked
+from it and recomputes the rest of its own tokens (chunked when the token budget is
+short), and the next step selects exactly as it would have. Below the common prefix the
+recompute does not rebuild the sharing (each beam holds its own blocks until the next
+split), so a request is refused when W full, unshared tables would not fit in the cache
+(``worst_case_blocks``): a preempted group then always fits again once alone.
 
 ``share_kv=False`` is the copy-per-beam baseline for the benchmark: a beam copies every
 block it shares on its first write after a split, as an engine without shared KV would.
@@ -118,11 +122,28 @@ class BeamGroup:
         """Prompt + generated tokens of every running beam (all have the same length)."""
         return self.prompt_len + (len(self.running[0]) if self.running else 0)
 
-    def fork(self, trunk: list[block_pool.KVBlock], pool: block_pool.BlockPool) -> None:
-        """Every running beam starts from the prefilled trunk (the prompt's table)."""
+    def fork(
+        self, trunk: list[block_pool.KVBlock], trunk_len: int, pool: block_pool.BlockPool
+    ) -> None:
+        """Every running beam starts from the prefilled trunk (prompt + common prefix)."""
         self.tables = [trunk]
-        self.computed = [self.prompt_len]
+        self.computed = [trunk_len]
         self._reorder([0] * len(self.running), pool)
+
+    def common_prefix(self) -> list[int]:
+        """The generated tokens every running beam shares: recomputed once after preemption."""
+        if not self.running:
+            return []
+        first = self.running[0]
+        n = len(first)
+        for tokens in self.running[1:]:
+            split = (i for i, (a, b) in enumerate(zip(first, tokens, strict=True)) if a != b)
+            n = min(n, next(split, n))
+        return first[:n]
+
+    def worst_case_blocks(self, block_size: int) -> int:
+        """Blocks of W unshared tables of full length: what a recompute may need at most."""
+        return self.width * -(-(self.prompt_len + self.max_new) // block_size)
 
     def release(self, pool: block_pool.BlockPool) -> None:
         """Gives every beam's blocks back (finish, abort, preemption), tail first."""
@@ -218,9 +239,10 @@ class BeamGroup:
 
     def records(
         self, request_id: str, prompt: list[int], plan: list[int]
-    ) -> list[ScheduledRequest]:
+    ) -> list[tuple[int, ScheduledRequest]]:
+        """``(beam index, row)`` for every beam with tokens to compute this step."""
         assert self.tables is not None
-        out: list[ScheduledRequest] = []
+        out: list[tuple[int, ScheduledRequest]] = []
         sample = all(c + n == self.seq_len for c, n in zip(self.computed, plan, strict=True))
         for beam, (table, computed, n) in enumerate(
             zip(self.tables, self.computed, plan, strict=True)
@@ -229,14 +251,17 @@ class BeamGroup:
                 continue
             seq = prompt + self.running[beam]
             out.append(
-                ScheduledRequest(
-                    request_id=row_id(request_id, beam),
-                    token_ids=seq[computed : computed + n],
-                    start_position=computed,
-                    block_ids=[b.block_id for b in table],
-                    sample=sample,
-                    sampling_params=self.row_params,
-                    num_output_tokens=len(self.running[beam]),
+                (
+                    beam,
+                    ScheduledRequest(
+                        request_id=row_id(request_id, beam),
+                        token_ids=seq[computed : computed + n],
+                        start_position=computed,
+                        block_ids=[b.block_id for b in table],
+                        sample=sample,
+                        sampling_params=self.row_params,
+                        num_output_tokens=len(self.running[beam]),
+                    ),
                 )
             )
         return out

@@ -287,6 +287,14 @@ class LLMEngine:
                     f"budget of {self.config.max_num_batched_tokens}"
                 )
             request.beam_group = self._beam_group(params, len(prompt_token_ids))
+            worst = request.beam_group.worst_case_blocks(self.info.block_size)
+            if worst > self.info.num_kv_blocks:
+                raise ValueError(
+                    f"best_of: {params.beam_width} beams of up to "
+                    f"{len(prompt_token_ids) + request.beam_group.max_new} tokens may need "
+                    f"{worst} KV blocks after a preemption, more than the cache's "
+                    f"{self.info.num_kv_blocks}; lower best_of or max_tokens"
+                )
             request.allow_remote_prefill = False  # the prompt's end is a beam step, done here
             if kv_export is not None:
                 raise ValueError("use_beam_search: not supported on a prefill worker")

@@ -149,6 +149,7 @@ class Scheduler:
         self.kv.free(request, drop_cached=drop_cached)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self._beam_trunk(request)
         if request.kv_export is not None:
             request.kv_export.reset()
         self.held[request_id] = request
@@ -174,6 +175,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        self._beam_trunk(victim)
         victim.num_preemptions += 1
         if victim.kv_export is not None:
             victim.kv_export.reset()
@@ -208,7 +210,7 @@ class Scheduler:
             if (
                 group is not None
                 and group.has_beams
-                and request.num_computed_tokens >= request.num_prompt_tokens
+                and request.num_computed_tokens >= request.num_tokens
             ):
                 rows = self._schedule_beams(request, group, budget, out)
                 if not rows:
@@ -428,7 +430,7 @@ class Scheduler:
         """One row per beam; preempts (whole requests, from the back) until the blocks fit."""
         pool, bs = self.kv.pool, self.kv.block_size
         if group.tables is None:  # the trunk (prompt) is computed: fork the beams from it
-            group.fork(self.kv.take_blocks(request), pool)
+            group.fork(self.kv.take_blocks(request), request.num_tokens, pool)
         plan = group.plan(budget, self.config.enable_chunked_prefill)
         if plan is None:
             return []
@@ -439,9 +441,9 @@ class Scheduler:
                 return []
         out.block_copies.extend(group.allocate(plan, pool, bs))
         rows = group.records(request.request_id, request.prompt_token_ids, plan)
-        for beam, row in enumerate(rows):
+        for beam, row in rows:
             self._beam_rows[row.request_id] = (request.request_id, beam)
-        return rows
+        return [row for _, row in rows]
 
     def _beam_reserve(self, request: Request) -> int:
         """Blocks a beam group needs beyond its prompt's soon after admission.
@@ -454,8 +456,14 @@ class Scheduler:
         bs = self.kv.block_size
         if not group.has_beams:
             return group.width
-        per_beam = -(-group.seq_len // bs) - request.num_prompt_tokens // bs
+        per_beam = -(-group.seq_len // bs) - request.num_tokens // bs
         return per_beam * len(group.running)
+
+    @staticmethod
+    def _beam_trunk(request: Request) -> None:
+        """After a preemption a beam group recomputes prompt + common prefix as one trunk."""
+        if request.beam_group is not None:
+            request.output_token_ids = request.beam_group.common_prefix()
 
     def _advance_beam(
         self,
