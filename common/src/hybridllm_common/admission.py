@@ -29,6 +29,8 @@ def _is_noop(name: str, value: Any) -> bool:
         return True
     if name == "tool_choice" and value == "none":
         return True
+    if name == "length_penalty" and value == 1:
+        return True
     return name == "best_of" and value == 1
 
 
@@ -50,13 +52,23 @@ NOT_SUPPORTED_YET = (
     "prediction",
     "reasoning_effort",
     "web_search_options",
+    # vLLM's beam-search extensions (the cloud runtime implements them; see its serving).
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
 )
 
 
-def refuse_unsupported(body: Body) -> None:
-    """400 for a parameter that would change the answer and that nothing implements."""
+def refuse_unsupported(body: Body, supported: frozenset[str] = frozenset()) -> None:
+    """400 for a parameter that would change the answer and that nothing implements.
+
+    ``supported``: names of ``NOT_SUPPORTED_YET`` that the calling runtime implements (and
+    checks itself); the other runtime keeps refusing them.
+    """
     sent = body.model_dump(exclude_unset=True)
     for name in NOT_SUPPORTED_YET:
+        if name in supported:
+            continue
         if name in sent and not _is_noop(name, sent[name]):
             raise oai.APIError(
                 oai.INVALID_PARAMETER, f"{name}: not supported yet by this server", name

@@ -160,9 +160,17 @@ class KVCacheManager:
         if drop_cached:
             self.pool.drop_hashes(blocks)
         self.pool.free_blocks(reversed(blocks))
+        if request.beam_group is not None:  # its beams' tables (beam blocks carry no hashes)
+            request.beam_group.release(self.pool)
         self.req_to_num_cached_blocks.pop(request.request_id, None)
         if request.status.is_finished:
             self.req_to_block_hashes.pop(request.request_id, None)
+
+    def take_blocks(self, request: Request) -> list[block_pool.KVBlock]:
+        """Hands the request's table (its references) to the caller: beam search forks it."""
+        blocks = self.req_to_blocks[request.request_id]
+        self.req_to_blocks[request.request_id] = []
+        return blocks
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

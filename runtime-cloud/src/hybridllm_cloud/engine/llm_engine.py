@@ -35,6 +35,7 @@ import torch
 
 from hybridllm_cloud import tokenizer as tokenizer_mod
 from hybridllm_cloud.engine import block_pool, kv_cache_manager, scheduler
+from hybridllm_cloud.engine.beam_search import BeamGroup, BeamKVStats
 from hybridllm_cloud.engine.outputs import EngineCoreOutput, KVLoad, TokenLogprobs
 from hybridllm_cloud.engine.request import (
     KVExport,
@@ -129,6 +130,21 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     generator_state: torch.Tensor | None = None  # prefill role: seeded requests, when finished
+    # Beam search: the returned sequences, best first (the fields above are the best one's),
+    # and the blocks the group held against one table per beam.
+    sequences: list[SequenceOutput] | None = None
+    beam_kv: BeamKVStats | None = None
+
+
+@dataclass
+class SequenceOutput:
+    """One sequence of a beam search, detokenised."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+    score: float  # cumulative log-probability / length ** length_penalty (HF's)
 
 
 @dataclass
@@ -255,6 +271,8 @@ class LLMEngine:
         self.num_remote_prefills = 0
         self.num_local_prefills = 0
         self.num_remote_failures = 0
+        # Private: False turns beam KV sharing off (the benchmark's copy-per-beam baseline).
+        self._beam_share_kv = True
         log.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, kernels %s%s",
             num_blocks,
@@ -304,6 +322,24 @@ class LLMEngine:
         request.allow_remote_prefill = self.connector is not None
         if kv_export is not None:
             request.kv_export = KVExport(first_block=kv_export[0])
+        if params.use_beam_search:
+            if params.beam_width > self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"best_of: a beam width of {params.beam_width} exceeds the step's token "
+                    f"budget of {self.config.max_num_batched_tokens}"
+                )
+            request.beam_group = self._beam_group(params, len(prompt_token_ids))
+            worst = request.beam_group.worst_case_blocks(self.info.block_size)
+            if worst > self.info.num_kv_blocks:
+                raise ValueError(
+                    f"best_of: {params.beam_width} beams of up to "
+                    f"{len(prompt_token_ids) + request.beam_group.max_new} tokens may need "
+                    f"{worst} KV blocks after a preemption, more than the cache's "
+                    f"{self.info.num_kv_blocks}; lower best_of or max_tokens"
+                )
+            request.allow_remote_prefill = False  # the prompt's end is a beam step, done here
+            if kv_export is not None:
+                raise ValueError("use_beam_search: not supported on a prefill worker")
         self.scheduler.add_request(request)
         if kv_export is not None:
             self._export_sinks[request_id] = kv_export[1]
@@ -313,6 +349,12 @@ class LLMEngine:
                 self.tokenizer, prompt_tail=list(prompt_token_ids[-5:])
             )
         self._outputs[request_id] = _OutputState(detok, params.stop, len(prompt_token_ids))
+
+    def _beam_group(self, params: SamplingParams, prompt_len: int) -> BeamGroup:
+        stop_ids = () if params.ignore_eos else self.info.eos_token_ids
+        stop_ids = tuple(dict.fromkeys([*stop_ids, *params.stop_token_ids]))
+        max_new = min(params.max_tokens, self.info.max_model_len - prompt_len)
+        return BeamGroup(params, prompt_len, stop_ids, max_new, share_kv=self._beam_share_kv)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -401,8 +443,8 @@ class LLMEngine:
         spec = self.config.speculative
         k = spec.num_speculative_tokens
         for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens != 1:
-                continue
+            if request.num_tokens - request.num_computed_tokens != 1 or request.beam_group:
+                continue  # mid-prefill, or a beam search (its rows are the choices)
             if spec.method == "ngram":
                 request.spec_token_ids = ngram.propose(
                     request.all_token_ids(), k, spec.prompt_lookup_max, spec.prompt_lookup_min
@@ -435,6 +477,10 @@ class LLMEngine:
         for core in core_outputs:
             state = self._outputs.get(core.request_id)
             if state is None:
+                continue
+            if core.beams is not None:
+                del self._outputs[core.request_id]
+                outputs.append(self._beam_output(core, state))
                 continue
             finish, stop_reason = core.finish_reason, core.stop_reason
             new_ids, new_logprobs = core.new_token_ids, core.logprobs
@@ -479,6 +525,36 @@ class LLMEngine:
                 if self._export_sinks.pop(core.request_id, None) is not None:
                     outputs[-1].generator_state = self.runner.generator_state(core.request_id)
         return outputs
+
+    def _beam_output(self, core: EngineCoreOutput, state: _OutputState) -> RequestOutput:
+        """A finished beam search: every returned sequence, detokenised whole."""
+        assert core.beams is not None
+        tok = self.tokenizer
+        seqs = [
+            SequenceOutput(
+                token_ids=b.token_ids,
+                text=tok.decode(b.token_ids) if tok is not None else "",
+                finish_reason=b.finish_reason,
+                stop_reason=b.stop_reason,
+                score=b.score,
+            )
+            for b in core.beams
+        ]
+        best = seqs[0]
+        return RequestOutput(
+            request_id=core.request_id,
+            new_token_ids=list(best.token_ids),
+            new_text=best.text,
+            token_ids=list(best.token_ids),
+            text=best.text,
+            finished=True,
+            finish_reason=best.finish_reason,
+            stop_reason=best.stop_reason,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_cached_tokens=core.num_cached_tokens,
+            sequences=seqs,
+            beam_kv=core.beam_kv,
+        )
 
     @staticmethod
     def _match_stop(state: _OutputState) -> str | None:

@@ -7,8 +7,12 @@ processes, so they hold ids, token ids and numbers, never engine objects or tens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybridllm_cloud.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridllm_cloud.engine.beam_search import BeamKVStats, BeamSequence
 
 
 @dataclass
@@ -64,6 +68,8 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # since the previous step
     kv_loads: list[KVLoad] = field(default_factory=list)
     kv_exports: list[KVExportSlice] = field(default_factory=list)
+    # Beam search copy on write: (src, dst) block ids to copy before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -101,3 +107,5 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    beams: list[BeamSequence] | None = None  # beam search: the returned sequences, best first
+    beam_kv: BeamKVStats | None = None

@@ -16,6 +16,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridllm_cloud.engine.beam_search import BeamGroup
 
 
 class Priority(enum.IntEnum):
@@ -57,6 +61,13 @@ class SamplingParams:
     cache_salt: str = ""  # prefix-cache partition: blocks are shared only within one salt
     presence_penalty: float = 0.0  # OpenAI's: over the tokens generated so far
     frequency_penalty: float = 0.0
+    # Beam search (engine/beam_search.py), HF generate's num_beams / length_penalty /
+    # early_stopping (True, False or "never") / num_return_sequences.
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
 
     @property
     def penalized(self) -> bool:
@@ -79,6 +90,23 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs: must be in [0, 20]")
+        if self.use_beam_search:
+            self._validate_beams()
+
+    def _validate_beams(self) -> None:
+        """Beam search keeps what HF's deterministic beam search has; the rest is refused."""
+        if not 1 <= self.beam_width <= 64:
+            raise ValueError("best_of: the beam width must be in [1, 64]")
+        if not 1 <= self.num_return_sequences <= self.beam_width:
+            raise ValueError("n: must be in [1, beam width (best_of)]")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError('early_stopping: must be true, false or "never"')
+        if self.stop:
+            raise ValueError("stop: stop strings are not supported with beam search yet")
+        if self.logprobs is not None:
+            raise ValueError("logprobs: not supported with beam search yet")
+        if self.penalized:
+            raise ValueError("presence_penalty: penalties are not supported with beam search")
 
 
 @dataclass
@@ -113,6 +141,7 @@ class Request:
     # consumed by it) and how many tokens the draft model's cache holds (see spec_decode).
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_computed: int = 0
+    beam_group: BeamGroup | None = None  # beam search: W beams scheduled as this request
 
     @property
     def num_prompt_tokens(self) -> int:

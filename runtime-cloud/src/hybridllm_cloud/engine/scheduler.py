@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridllm_cloud.engine import block_pool, kv_cache_manager
+from hybridllm_cloud.engine.beam_search import BeamGroup
 from hybridllm_cloud.engine.outputs import (
     EngineCoreOutput,
     KVExportSlice,
@@ -69,6 +70,8 @@ class Scheduler:
         self.num_spec_drafts = 0  # verifications (requests x steps with proposals)
         self.num_spec_draft_tokens = 0  # proposed tokens verified
         self.num_spec_accepted_tokens = 0  # of which accepted
+        # Beam search: this step's beam rows, row id -> (request id, beam index).
+        self._beam_rows: dict[str, tuple[str, int]] = {}
 
     # --- queues ---------------------------------------------------------------------------
 
@@ -151,6 +154,7 @@ class Scheduler:
         self.kv.free(request, drop_cached=drop_cached)
         request.status = RequestStatus.PREEMPTED
         request.reset_computed()
+        self._beam_trunk(request)
         if request.kv_export is not None:
             request.kv_export.reset()
         self.held[request_id] = request
@@ -176,6 +180,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.reset_computed()
+        self._beam_trunk(victim)
         victim.num_preemptions += 1
         if victim.kv_export is not None:
             victim.kv_export.reset()
@@ -202,9 +207,23 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_since_step)
         self._finished_since_step = []
 
+        self._beam_rows = {}
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            group = request.beam_group
+            if (
+                group is not None
+                and group.has_beams
+                and request.num_computed_tokens >= request.num_tokens
+            ):
+                rows = self._schedule_beams(request, group, budget, out)
+                if not rows:
+                    break  # preempted itself, or its beams do not fit in this step's budget
+                out.scheduled.extend(rows)
+                budget -= sum(r.num_tokens for r in rows)
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < (
                 request.num_tokens - request.num_computed_tokens
@@ -247,7 +266,8 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.can_allocate(request, num_new, computed_blocks):
+            reserve = 0 if request.beam_group is None else self._beam_reserve(request)
+            if not self.kv.can_allocate(request, num_new, computed_blocks, reserve):
                 break
             self.kv.allocate(request, num_new, computed_blocks)
             self.waiting[request.priority].popleft()
@@ -258,8 +278,8 @@ class Scheduler:
             out.scheduled.append(self._record(request, num_new))
             budget -= num_new
         for scheduled in out.scheduled:
-            request = self.requests[scheduled.request_id]
-            if request.kv_export is not None:
+            request = self.requests.get(scheduled.request_id)  # None: a beam's row
+            if request is not None and request.kv_export is not None:
                 piece = self._export_slice(request, scheduled.context_len)
                 if piece is not None:
                     out.kv_exports.append(piece)
@@ -353,7 +373,11 @@ class Scheduler:
         may still emit: a step emits at most ``1 + k`` tokens, so ``k`` stays below the
         tokens ``max_tokens`` and the context leave, and within the step's budget.
         """
-        if not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+        if (
+            not request.spec_token_ids
+            or request.beam_group is not None  # beams choose among rows, not proposals
+            or request.num_tokens - request.num_computed_tokens != 1
+        ):
             return 0
         return max(
             0,
@@ -368,13 +392,18 @@ class Scheduler:
     def _record(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         spec = request.spec_token_ids[:num_spec]
+        sample = start + num_new == request.num_tokens
+        params = request.sampling_params
+        if request.beam_group is not None:  # the prompt (trunk) of a beam search
+            sample = sample and not request.beam_group.has_beams  # not when resuming
+            params = request.beam_group.row_params
         record = ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_slice(start, start + num_new) + spec,
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
+            sample=sample,
+            sampling_params=params,
             num_output_tokens=request.num_output_tokens,
             output_token_ids=(
                 list(request.output_token_ids) if request.sampling_params.penalized else None
@@ -391,7 +420,12 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advances computed tokens, appends sampled ones, finishes stopped requests."""
         outputs: list[EngineCoreOutput] = []
+        beam_rows: dict[str, list[TokenLogprobs]] = {}
         for scheduled in sched.scheduled:
+            beam_row = self._beam_rows.get(scheduled.request_id)
+            if beam_row is not None:
+                self._advance_beam(beam_row, scheduled, result, beam_rows)
+                continue
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
@@ -402,6 +436,11 @@ class Scheduler:
                 self._account_spec(request, scheduled, len(tokens) - 1)
             else:
                 request.num_computed_tokens += scheduled.num_tokens
+                if request.beam_group is not None:
+                    lp = result.logprobs.get(scheduled.request_id)
+                    if lp is not None:  # the prompt's end: the first beam step
+                        beam_rows[request.request_id] = [lp]
+                    continue
                 token = result.sampled_token_ids.get(scheduled.request_id)
                 if token is None:
                     continue
@@ -432,6 +471,10 @@ class Scheduler:
                 self._free(request)
             elif num_spec:
                 self.kv.trim(request)
+        for request_id, rows in beam_rows.items():
+            core = self._beam_step(self.requests[request_id], rows)
+            if core is not None:
+                outputs.append(core)
         return outputs
 
     def _account_spec(self, request: Request, scheduled: ScheduledRequest, accepted: int) -> None:
@@ -446,6 +489,94 @@ class Scheduler:
         self.num_spec_drafts += 1
         self.num_spec_draft_tokens += num_spec
         self.num_spec_accepted_tokens += accepted
+
+    # --- beam search (engine/beam_search.py): a group of beams as one request ----------------
+
+    def _schedule_beams(
+        self, request: Request, group: BeamGroup, budget: int, out: SchedulerOutput
+    ) -> list[ScheduledRequest]:
+        """One row per beam; preempts (whole requests, from the back) until the blocks fit."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        if group.tables is None:  # the trunk (prompt) is computed: fork the beams from it
+            group.fork(self.kv.take_blocks(request), request.num_tokens, pool)
+        plan = group.plan(budget, self.config.enable_chunked_prefill)
+        if plan is None:
+            return []
+        while group.blocks_needed(plan, bs) > pool.num_free_blocks:
+            victim = self._preempt_last()
+            out.preempted_req_ids.append(victim.request_id)
+            if victim is request:
+                return []
+        out.block_copies.extend(group.allocate(plan, pool, bs))
+        rows = group.records(request.request_id, request.prompt_token_ids, plan)
+        for beam, row in rows:
+            self._beam_rows[row.request_id] = (request.request_id, beam)
+        return [row for _, row in rows]
+
+    def _beam_reserve(self, request: Request) -> int:
+        """Blocks a beam group needs beyond its prompt's soon after admission.
+
+        A fresh group needs one block per beam when the beams first diverge; a preempted one
+        recomputes every beam's tokens, so it is admitted only when they all fit too.
+        """
+        group = request.beam_group
+        assert group is not None
+        bs = self.kv.block_size
+        if not group.has_beams:
+            return group.width
+        per_beam = -(-group.seq_len // bs) - request.num_tokens // bs
+        return per_beam * len(group.running)
+
+    @staticmethod
+    def _beam_trunk(request: Request) -> None:
+        """After a preemption a beam group recomputes prompt + common prefix as one trunk."""
+        if request.beam_group is not None:
+            request.output_token_ids = request.beam_group.common_prefix()
+
+    def _advance_beam(
+        self,
+        beam_row: tuple[str, int],
+        scheduled: ScheduledRequest,
+        result: ModelRunnerOutput,
+        beam_rows: dict[str, list[TokenLogprobs]],
+    ) -> None:
+        request_id, beam = beam_row
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return
+        assert request.beam_group is not None
+        request.beam_group.advance(beam, scheduled.num_tokens)
+        lp = result.logprobs.get(scheduled.request_id)
+        if lp is not None:
+            beam_rows.setdefault(request_id, []).append(lp)
+
+    def _beam_step(self, request: Request, rows: list[TokenLogprobs]) -> EngineCoreOutput | None:
+        """Selects the next beams; a finished search returns its sequences, best first."""
+        group = request.beam_group
+        assert group is not None
+        group.step(rows, self.kv.pool)
+        if not group.done:
+            return None
+        results = group.results()
+        best = results[0]
+        status = (
+            RequestStatus.FINISHED_STOPPED
+            if best.finish_reason == "stop"
+            else RequestStatus.FINISHED_LENGTH
+        )
+        self.running.remove(request)
+        request.status = status
+        request.output_token_ids = list(best.token_ids)
+        self._free(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=list(best.token_ids),
+            finish_reason=status.value,
+            stop_reason=best.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            beams=results,
+            beam_kv=group.stats,
+        )
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

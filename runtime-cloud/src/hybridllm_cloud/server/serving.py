@@ -2,7 +2,9 @@
 
 A request with ``n`` choices becomes ``n`` engine requests (the prompt's blocks are shared
 through the prefix cache) whose outputs arrive, tagged by choice index, on one asyncio
-queue. A stream is answered only after its first item arrives, so a failure at admission
+queue; with ``best_of > n`` it becomes ``best_of`` of them and the ``n`` with the highest
+mean token logprob are returned. A beam search (vLLM's ``use_beam_search``, width
+``best_of``) is one engine request whose final output carries the ``n`` best sequences. A stream is answered only after its first item arrives, so a failure at admission
 is an HTTP error rather than a broken stream. A client that goes away (stream cancelled,
 or ``http.disconnect`` while a non-streaming answer is computed) aborts every engine
 request it started, which frees their KV blocks at the next step boundary.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +31,26 @@ from hybridllm_common import admission
 from hybridllm_common import openai_protocol as oai
 
 Item = tuple[int, RequestOutput | BaseException]
+
+# Parameters the shared admission refuses that this runtime implements (checked here).
+SUPPORTED_HERE = frozenset({"best_of", "use_beam_search", "length_penalty", "early_stopping"})
+MAX_BEST_OF = 32
+
+
+@dataclass(frozen=True)
+class _Search:
+    """How the ``n`` choices are made: ``n`` samples, the best ``n`` of ``best_of``, or beams."""
+
+    n: int
+    best_of: int
+    beam: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    @property
+    def ranked(self) -> bool:
+        """Sampling with more candidates than choices: the best ``n`` by mean logprob."""
+        return not self.beam and self.best_of > self.n
 
 
 @dataclass
@@ -77,9 +100,90 @@ class Serving:
         )
         return params
 
+    def _search(self, body: oai.ChatCompletionRequest | oai.CompletionRequest) -> _Search:
+        """``n``, ``best_of`` and vLLM's ``use_beam_search`` / ``length_penalty`` /
+        ``early_stopping``, checked; what beam search cannot honour is refused by name."""
+        extra = body.model_extra or {}
+
+        def bad(param: str, message: str) -> Exception:
+            return self.error(oai.INVALID_PARAMETER, f"{param}: {message}", param)
+
+        beam = extra.get("use_beam_search", False)
+        if not isinstance(beam, bool):
+            raise bad("use_beam_search", "must be a boolean")
+        best_of = extra.get("best_of")
+        if best_of is None:
+            best_of = body.n
+        if isinstance(best_of, bool) or not isinstance(best_of, int):
+            raise bad("best_of", "must be an integer")
+        if not body.n <= best_of <= MAX_BEST_OF:
+            raise bad("best_of", f"must be in [n, {MAX_BEST_OF}] (n is {body.n})")
+        length_penalty = extra.get("length_penalty", 1.0)
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float):
+            raise bad("length_penalty", "must be a number")
+        early_stopping = extra.get("early_stopping", False)
+        if early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", 'must be true, false or "never"')
+        if not beam:
+            if length_penalty != 1.0:
+                raise bad("length_penalty", "only with use_beam_search")
+            if early_stopping is not False:
+                raise bad("early_stopping", "only with use_beam_search")
+            if best_of > body.n and body.stream:
+                raise bad("best_of", "not supported with stream (choices are ranked at the end)")
+            return _Search(n=body.n, best_of=best_of)
+        if body.stream:
+            raise bad(
+                "stream",
+                "not supported with use_beam_search yet (beams are ranked only when the "
+                "search ends); send stream=false",
+            )
+        if body.temperature not in (None, 0.0):
+            raise bad("temperature", "beam search is deterministic: leave it out or send 0")
+        if body.top_p not in (None, 1.0):
+            raise bad("top_p", "beam search is deterministic: leave it out or send 1")
+        if body.top_k not in (None, 0, -1):
+            raise bad("top_k", "beam search is deterministic: leave it out")
+        return _Search(
+            n=body.n,
+            best_of=best_of,
+            beam=True,
+            length_penalty=float(length_penalty),
+            early_stopping=early_stopping,
+        )
+
+    def _search_params(self, params: SamplingParams, search: _Search) -> SamplingParams:
+        """The engine's parameters for ``search``; engine-side refusals become 400s."""
+        if search.beam:
+            params = dataclasses.replace(
+                params,
+                temperature=0.0,
+                use_beam_search=True,
+                beam_width=search.best_of,
+                length_penalty=search.length_penalty,
+                early_stopping=search.early_stopping,
+                num_return_sequences=search.n,
+            )
+        elif search.ranked and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)  # to rank the candidates
+        try:
+            params.validate()
+        except ValueError as exc:
+            param = str(exc).split(":", 1)[0]
+            raise self.error(oai.INVALID_PARAMETER, str(exc), param) from exc
+        return params
+
     def _start(
-        self, prompt: list[int], params: SamplingParams, n: int, priority: str
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        n: int,
+        best_of: int,
+        beam: bool,
+        priority: str,
     ) -> tuple[list[str], asyncio.Queue[Item]]:
+        """One engine request per candidate (``best_of`` of them), or one for a beam search."""
+        n = 1 if beam else max(n, best_of)
         if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
             retry = str(self.app.state.settings.retry_after_seconds)
             raise self.error(
@@ -136,7 +240,8 @@ class Serving:
 
     async def chat(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
-        admission.refuse_unsupported(body)
+        admission.refuse_unsupported(body, SUPPORTED_HERE)
+        search = self._search(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = self.tokenizer.encode_chat(messages)
@@ -144,11 +249,14 @@ class Serving:
             raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
         top = body.top_logprobs or 0
         params = self._params(body, len(prompt), top if body.logprobs else None)
-        ids, queue = self._start(prompt, params, body.n, body.priority)
+        params = self._search_params(params, search)
+        ids, queue = self._start(
+            prompt, params, search.n, search.best_of, search.beam, body.priority
+        )
         items = self._items(ids, queue)
         if body.stream:
             return await self._stream(items, self._chat_chunks(body, ids[0], prompt, items))
-        finals = await self._collect(items, request)
+        finals = self._choose(await self._collect(items, request), search)
         choices = [
             oai.ChatChoice(
                 index=i,
@@ -168,7 +276,8 @@ class Serving:
 
     async def completion(self, body: oai.CompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
-        admission.refuse_unsupported(body)
+        admission.refuse_unsupported(body, SUPPORTED_HERE)
+        search = self._search(body)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise self.error(oai.INVALID_PARAMETER, "prompt: one prompt per request", "prompt")
@@ -180,14 +289,17 @@ class Serving:
         else:
             prompt = admission.prompt_token_ids(body.prompt, self.vocab_size)
         params = self._params(body, len(prompt), body.logprobs)
-        ids, queue = self._start(prompt, params, body.n, body.priority)
+        params = self._search_params(params, search)
+        ids, queue = self._start(
+            prompt, params, search.n, search.best_of, search.beam, body.priority
+        )
         items = self._items(ids, queue)
         echo = (text or self.tokenizer.decode(prompt)) if body.echo else ""
         if body.stream:
             return await self._stream(
                 items, self._completion_chunks(body, ids[0], prompt, items, echo)
             )
-        finals = await self._collect(items, request)
+        finals = self._choose(await self._collect(items, request), search)
         choices = [
             oai.CompletionChoice(
                 index=i,
@@ -239,6 +351,40 @@ class Serving:
             raise self.error(oai.INVALID_REQUEST, "client disconnected")
         work.result()  # re-raises an engine error
         return [(finals[i], logprobs.get(i, [])) for i in sorted(finals)]
+
+    @staticmethod
+    def _choose(
+        finals: list[tuple[RequestOutput, list[Any]]], search: _Search
+    ) -> list[tuple[RequestOutput, list[Any]]]:
+        """The returned choices: the beams, best first; the best ``n`` of ``best_of``
+        samples by mean token logprob (OpenAI's "highest log probability per token");
+        else every sample in order."""
+        if search.beam:
+            ((out, _),) = finals
+            assert out.sequences is not None
+            return [
+                (
+                    dataclasses.replace(
+                        out,
+                        token_ids=s.token_ids,
+                        text=s.text,
+                        finish_reason=s.finish_reason,
+                        stop_reason=s.stop_reason,
+                        sequences=None,
+                    ),
+                    [],
+                )
+                for s in out.sequences
+            ]
+        if not search.ranked:
+            return finals
+
+        def mean_logprob(item: tuple[RequestOutput, list[Any]]) -> float:
+            lps = [lp.logprob for _, lp in item[1] if lp is not None]
+            return sum(lps) / len(lps) if lps else float("-inf")
+
+        order = sorted(range(len(finals)), key=lambda i: (-mean_logprob(finals[i]), i))
+        return [finals[i] for i in order[: search.n]]
 
     def _usage(self, prompt: list[int], outs: list[RequestOutput]) -> oai.Usage:
         completion = sum(len(o.token_ids) for o in outs)

@@ -141,6 +141,15 @@ class ModelRunner:
             k_cache.index_copy_(0, idx, k[offset].to(k_cache.device, non_blocking=True))
             v_cache.index_copy_(0, idx, v[offset].to(v_cache.device, non_blocking=True))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Beam search copy on write: block ``dst`` becomes a copy of ``src`` in every layer."""
+        dev = self.model.device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=dev)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=dev)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
     def generator_state(self, request_id: str) -> torch.Tensor | None:
         gen = self.req_to_generator.get(request_id)
         return gen.get_state() if gen is not None else None
@@ -165,6 +174,8 @@ class ModelRunner:
         target's logits at all their 1 + k positions."""
         for request_id in sched.finished_req_ids:
             self.req_to_generator.pop(request_id, None)
+        if sched.block_copies:
+            self.copy_blocks(sched.block_copies)
         if sched.is_empty:
             return ModelRunnerOutput()
         spec = [s for s in sched.scheduled if s.spec_token_ids]
