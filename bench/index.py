@@ -690,6 +690,25 @@ def hybrid(r: Results) -> Headline:
     return Headline(result, verdict(goals) if goals else NOT_MEASURED)
 
 
+def search_beams(r: Results) -> Headline:
+    """bench/search/run.py: beams sharing KV against copy-per-beam and HF's beam search."""
+    d = r.json("search-beams.json")
+    parts, detail, identical = [], [], True
+    for w in d["widths"]:
+        rows = w["per_prompt"]
+        blocks = statistics.median(
+            p["shared"]["peak_blocks"] / p["copy"]["peak_blocks"] for p in rows
+        )
+        speed = statistics.median(p["shared"]["beam_tok_s"] / p["hf"]["beam_tok_s"] for p in rows)
+        parts.append(
+            f"width {w['width']}: {x(blocks)} copy-per-beam's KV blocks, {x(speed)} HF's beam tok/s"
+        )
+        identical &= all(p["identical_outputs"] for p in rows)
+    detail.append("outputs identical to HF's on every search" if identical
+                  else "outputs differ from HF's on some search")  # fmt: skip
+    return Headline("; ".join(parts), NO_GOAL, "; ".join(detail))
+
+
 def speculative(r: Results) -> Headline:
     """bench/speculative/run.py: n-gram speculation against none and HF prompt lookup."""
     d = r.json("speculative.json")
@@ -981,6 +1000,19 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         "monolithic (#21)",
         hybrid,
         short="the hybrid claim (agentic sessions)",
+        pending=True,
+    ),
+    Experiment(
+        "beam search in the cloud engine: KV blocks and beam tokens/s at widths 4/8/16, "
+        "beams sharing KV by reference against copy-per-beam and HF transformers' beam search, "
+        "outputs checked identical",
+        "uv run python bench/search/run.py",
+        ("search-beams.md",),
+        "HF transformers `generate(num_beams=W, do_sample=False)`; the same engine with sharing "
+        "off (copy-per-beam)",
+        "",
+        search_beams,
+        short="beam search with shared KV",
         pending=True,
     ),
     # Being built (bench/speculative/run.py): "not yet measured" until its results exist.
