@@ -1,4 +1,5 @@
-"""Paths as results files record them: relative to the repository, the home folder as ``~``.
+"""What results files record about where they ran: paths relative to the repository (the
+home folder as ``~``), and the machine's CPU model and memory.
 
 A results file is read on other machines; this machine's checkout and home directory mean
 nothing there (``/home/x/hybridllm/.venv/bin/python`` becomes ``.venv/bin/python``).
@@ -6,6 +7,8 @@ nothing there (``/home/x/hybridllm/.venv/bin/python`` becomes ``.venv/bin/python
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,3 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def portable(text: str) -> str:
     return text.replace(f"{ROOT}/", "").replace(str(ROOT), ".").replace(str(Path.home()), "~")
+
+
+def cpu_and_memory() -> tuple[str, int]:
+    """The CPU model name and the GiB of RAM of this machine."""
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+         if ln.startswith("model name")), platform.processor(),
+    )  # fmt: skip
+    return cpu, int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
+
+
+def machine_line() -> str:
+    """``N cores, CPU, M GiB RAM, load average L``: the machine line of a results file."""
+    cpu, mem = cpu_and_memory()
+    return f"{os.cpu_count()} cores, {cpu}, {mem} GiB RAM, load average {os.getloadavg()[0]:.2f}"

@@ -34,7 +34,6 @@ import contextlib
 import csv
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -49,7 +48,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from portable import portable
+from portable import machine_line, portable
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "azure-2023" / "AzureLLMInferenceTrace_code.csv"
@@ -57,12 +56,7 @@ VOCAB = (2000, 40000)  # token ids drawn for synthetic prompts (plain word piece
 
 
 def machine() -> str:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")), platform.processor(),
-    )  # fmt: skip
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
-    return f"{os.cpu_count()} cores, {cpu}, {mem} GiB RAM, load average {os.getloadavg()[0]:.2f}"
+    return machine_line()
 
 
 def free_port() -> int:

@@ -33,7 +33,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,8 +42,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import cost
 import sessions as sessions_mod
+from portable import machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -301,16 +302,7 @@ def free_port() -> int:
 
 
 def machine() -> str:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
-    return f"{os.cpu_count()} cores, {cpu}, {mem} GiB RAM, load average {os.getloadavg()[0]:.2f}"
+    return machine_line()
 
 
 ROWS = [

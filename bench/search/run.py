@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from portable import portable
+from portable import cpu_and_memory, portable
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -62,11 +61,7 @@ QUESTIONS = [
 
 
 def machine() -> str:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")), platform.processor(),
-    )  # fmt: skip
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
+    cpu, mem = cpu_and_memory()
     return (
         f"{torch.get_num_threads()} threads / {os.cpu_count()} cores, {cpu}, {mem} GiB RAM, "
         f"torch {torch.__version__}"
