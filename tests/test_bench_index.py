@@ -41,14 +41,15 @@ def copy_root(tmp_path: Path, results: Path = RESULTS) -> Path:
 
 
 def results_copy(tmp_path: Path, replace: dict[str, object]) -> Path:
-    """bench/results/ as links to the real files, with ``replace``'s files written instead."""
+    """bench/results/ as links to the real files, with ``replace``'s files written instead
+    (a string as it is, anything else as JSON): a test never writes through a link."""
     out = tmp_path / "results"
     out.mkdir()
     for entry in RESULTS.iterdir():
         if entry.name not in replace:
             (out / entry.name).symlink_to(entry)
     for name, doc in replace.items():
-        (out / name).write_text(json.dumps(doc))
+        (out / name).write_text(doc if isinstance(doc, str) else json.dumps(doc))
     return out
 
 
@@ -205,8 +206,8 @@ def test_disaggregation_is_judged_against_the_best_monolithic_variant(
 def test_the_non_streaming_gateway_layout_is_read(index: ModuleType, tmp_path: Path) -> None:
     doc = json.loads((RESULTS / "gateway.json").read_text())
     doc["args"]["no_stream"] = True
-    r = index.Results(results_copy(tmp_path, {"gateway-nonstream.json": doc}))
-    (r.folder / "gateway-nonstream.md").write_text("# Gateway benchmark: non-streaming requests\n")
+    md = "# Gateway benchmark: non-streaming requests\n"
+    r = index.Results(results_copy(tmp_path, {"gateway-nonstream.json": doc, "gateway-nonstream.md": md}))  # fmt: skip
     h = experiment(index, "gateway-nonstream.md").extract(r)
     assert "p99 added end to end at 256 requests in flight" in h.result
     assert "throughput over LiteLLM's" in h.result
