@@ -117,13 +117,22 @@ def goals(summary: dict[str, Any], levels: list[int], plain: bool = False) -> li
     return out
 
 
+def portable_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's arguments as a results file records them: the LiteLLM CLI is a path of
+    this machine, recorded as the placeholder the command uses."""
+    out = dict(vars(args))
+    if out.get("litellm"):
+        out["litellm"] = "PATH/TO/litellm"
+    return out
+
+
 def write(raw: dict[str, dict[int, list[dict[str, Any]]]], levels: list[int],
           args: argparse.Namespace, cmd: str, loads: tuple[str, str],
           peers: list[str] | None = None) -> None:  # fmt: skip
     summary = summarise(raw, levels)
     m = procs.machine()
     doc = {"machine": m, "load_average": {"before": loads[0], "after": loads[1]}, "command": cmd,
-           "args": vars(args), "peers": peers or [], "summary": summary, "raw": raw}  # fmt: skip
+           "args": portable_args(args), "peers": peers or [], "summary": summary, "raw": raw}  # fmt: skip
     plain = getattr(args, "no_stream", False)
     what = (
         f"Backend: the fixed-rate token server, non-streaming requests: each answer of "
@@ -250,4 +259,5 @@ if __name__ == "__main__":  # re-render the report from a saved JSON: report.py 
     args = argparse.Namespace(**saved["args"])
     raw = {t: {int(c): cells for c, cells in per.items()} for t, per in saved["raw"].items()}
     loads = (saved["load_average"]["before"], saved["load_average"]["after"])
-    write(raw, sorted({c for per in raw.values() for c in per}), args, saved["command"], loads)
+    write(raw, sorted({c for per in raw.values() for c in per}), args, saved["command"], loads,
+          saved.get("peers"))  # fmt: skip

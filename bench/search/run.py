@@ -305,7 +305,7 @@ def main() -> int:
         ).stdout.strip(),
         "model": portable(str(path)),
         "transformers": transformers.__version__,
-        "args": vars(args),
+        "args": {k: portable(str(v)) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "prompt_tokens": [len(p) for p in prompts],
         "peers": {
             "shared": "LLMEngine, beam KV shared by reference, copy on write",
