@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,3 +32,30 @@ def machine_line() -> str:
     """``N cores, CPU, M GiB RAM, load average L``: the machine line of a results file."""
     cpu, mem = cpu_and_memory()
     return f"{os.cpu_count()} cores, {cpu}, {mem} GiB RAM, load average {os.getloadavg()[0]:.2f}"
+
+
+def torch_machine_line() -> str:
+    """``T threads / N cores, CPU, M GiB RAM, torch V``: the machine line of a torch benchmark."""
+    import torch
+
+    cpu, mem = cpu_and_memory()
+    return (
+        f"{torch.get_num_threads()} threads / {os.cpu_count()} cores, {cpu}, {mem} GiB RAM, "
+        f"torch {torch.__version__}"
+    )
+
+
+def git_head() -> str:
+    """The short commit the run measured."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=ROOT)  # fmt: skip
+    return out.stdout.strip()
+
+
+def model_path(arg: str | None) -> Path:
+    """``--model`` when given, else the model store's SmolLM2 (converted on first use)."""
+    if arg:
+        return Path(arg)
+    import hybridllm_models
+
+    return Path(hybridllm_models.ensure())

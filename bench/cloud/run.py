@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from portable import portable
+from portable import git_head, model_path, portable, torch_machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -39,12 +37,7 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def machine() -> str:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")), platform.processor(),
-    )  # fmt: skip
-    mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
-    return f"{torch.get_num_threads()} threads / {__import__('os').cpu_count()} cores, {cpu}, {mem} GiB RAM, torch {torch.__version__}"
+    return torch_machine_line()
 
 
 def run_ours(engine: llm_engine.LLMEngine, prompts: list[list[int]], outs: list[int]) -> dict:
@@ -401,18 +394,13 @@ def main() -> int:
         return 0
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    if args.model:
-        path = Path(args.model)
-    else:
-        import hybridllm_models
-
-        path = Path(hybridllm_models.ensure())
+    path = model_path(args.model)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     t0 = time.time()
     report = {"machine": machine(), "command": " ".join(["uv run python bench/cloud/run.py", *sys.argv[1:]]),
-              "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+              "git": git_head(),
               "model": portable(str(path)), "dtype": "float32", "args": vars(args)}  # fmt: skip
     if args.resume_log:
         rows = [json.loads(ln) for ln in Path(args.resume_log).read_text().splitlines()

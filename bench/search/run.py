@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +38,7 @@ from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from portable import cpu_and_memory, portable
+from portable import git_head, model_path, portable, torch_machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -61,11 +59,7 @@ QUESTIONS = [
 
 
 def machine() -> str:
-    cpu, mem = cpu_and_memory()
-    return (
-        f"{torch.get_num_threads()} threads / {os.cpu_count()} cores, {cpu}, {mem} GiB RAM, "
-        f"torch {torch.__version__}"
-    )
+    return torch_machine_line()
 
 
 def run_ours(
@@ -268,12 +262,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "search-beams"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.model:
-        path = Path(args.model)
-    else:
-        import hybridllm_models
-
-        path = Path(hybridllm_models.ensure())
+    path = model_path(args.model)
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -300,9 +289,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "command": " ".join(["uv run python bench/search/run.py", *sys.argv[1:]]),
-        "git": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "git": git_head(),
         "model": portable(str(path)),
         "transformers": transformers.__version__,
         "args": {k: portable(str(v)) if isinstance(v, Path) else v for k, v in vars(args).items()},

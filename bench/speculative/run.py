@@ -32,7 +32,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ ROOT = BENCH.parent
 TRACES = ROOT.parent / "shared" / "traces" / "swe-agent"
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(BENCH))
+from portable import git_head, model_path  # noqa: E402
 
 Chat = list[dict[str, str]]
 
@@ -215,12 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    if args.model:
-        path = Path(args.model)
-    else:
-        import hybridllm_models
-
-        path = Path(hybridllm_models.ensure())
+    path = model_path(args.model)
     ngram_cfg = SpeculativeConfig("ngram", args.k)
     draft_cfg = SpeculativeConfig("draft", args.draft_k, draft_num_layers=args.draft_layers)
 
@@ -407,8 +402,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "machine": f"{machine()}, {gpu}",
         "command": " ".join(["uv run python bench/speculative/run.py", *sys.argv[1:]]),
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=ROOT).stdout.strip(),
+        "git": git_head(),
         "args": vars(args) | {k: os.path.relpath(getattr(args, k), ROOT) for k in ("traces", "out")},
     }  # fmt: skip
     report |= run(args)
