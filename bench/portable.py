@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import subprocess
 from pathlib import Path
 
@@ -59,3 +60,10 @@ def model_path(arg: str | None) -> Path:
     import hybridllm_models
 
     return Path(hybridllm_models.ensure())
+
+
+def free_port() -> int:
+    """A loopback port no one listens on now, for a server this benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

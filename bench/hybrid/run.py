@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import cost
 import sessions as sessions_mod
-from portable import machine_line
+from portable import free_port, machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -293,18 +293,6 @@ def run_architecture(
     return summary, results
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def machine() -> str:
-    return machine_line()
-
-
 ROWS = [
     ("session_model_time_p50_s", "session model time p50 (s)", "{:.2f}"),
     ("session_model_time_p95_s", "session model time p95 (s)", "{:.2f}"),
@@ -423,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
+        "machine": machine_line(),
         "command": "uv run python bench/hybrid/run.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "wall_s": time.monotonic() - started,
