@@ -20,6 +20,7 @@ import pytest
 from .conftest import MODEL
 
 TRAJ = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "swe-agent"
+needs_traces = pytest.mark.skipif(not TRAJ.exists(), reason="shared traces not present")
 
 
 @pytest.fixture
@@ -32,6 +33,7 @@ def hybrid(bench_module: Any) -> ModuleType:
     return bench_module("bench/hybrid/run.py")  # type: ignore[no-any-return]
 
 
+@needs_traces
 def test_a_trajectory_becomes_calls_with_the_history_before_each(sessions: ModuleType) -> None:
     path = TRAJ / "ctf__rev__rock.traj"
     history = [m for m in json.loads(path.read_text())["history"] if m["role"] != "tool"]
@@ -55,6 +57,7 @@ def test_a_trajectory_becomes_calls_with_the_history_before_each(sessions: Modul
     ]
 
 
+@needs_traces
 def test_tool_waits_come_from_the_trajectory(sessions: ModuleType) -> None:
     timed = next(p for p in sorted(TRAJ.glob("*.traj"))
                  if any("execution_time" in st for st in json.loads(p.read_text()).get("trajectory", [])))  # fmt: skip
@@ -66,6 +69,7 @@ def test_tool_waits_come_from_the_trajectory(sessions: ModuleType) -> None:
     assert {c.tool_wait_s for c in untimed.calls} == {0.3}
 
 
+@needs_traces
 def test_every_trajectory_loads(sessions: ModuleType) -> None:
     loaded = sessions.load_sessions(sessions.Scale())
     assert len(loaded) >= 15
