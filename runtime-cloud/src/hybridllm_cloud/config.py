@@ -7,6 +7,7 @@ environment (``HYBRIDLLM_CLOUD_MAX_NUM_SEQS=32``) or from a Helm value.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -14,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig
+
+DEFAULT_VERIFIER_KV_FRACTION = 0.25
 
 
 class ServeSettings(BaseSettings):
@@ -140,6 +143,26 @@ class ServeSettings(BaseSettings):
         "itself when no --speculative-draft-model is given)",
     )
 
+    verifier_model: str | None = Field(
+        default=None,
+        description="/v1/search: model store URI or Hugging Face layout directory of the "
+        "verifier, loaded in this process beside --model; default: --model scores its own "
+        "candidates, in the same engine and KV cache",
+    )
+    verifier_num_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="/v1/search: keep only the verifier's first N decoder layers (of --model "
+        "itself when no --verifier-model is given: it shares the weights)",
+    )
+    verifier_kv_fraction: float | None = Field(
+        default=None,
+        gt=0.0,
+        lt=1.0,
+        description="/v1/search: the verifier's share of the KV cache budget (default 0.25); "
+        "only with --verifier-model or --verifier-num-layers",
+    )
+
     @model_validator(mode="after")
     def _role_needs(self) -> ServeSettings:
         if self.quantization == "w8a16" and self.dtype == "float32":
@@ -154,7 +177,44 @@ class ServeSettings(BaseSettings):
             except ValueError as exc:
                 raise ValueError(f"prefill_url: {exc}") from exc
         self._check_speculative()
+        if self.verifier_kv_fraction is not None and not self.separate_verifier:
+            raise ValueError(
+                "verifier_kv_fraction: only with --verifier-model or --verifier-num-layers "
+                "(otherwise the served model verifies in its own cache)"
+            )
+        if self.separate_verifier and self.role != "monolithic":
+            raise ValueError(
+                "verifier_model: a verifier is loaded only in the monolithic role "
+                f"(not {self.role})"
+            )
+        if self.separate_verifier and self.num_kv_blocks is not None:
+            raise ValueError(
+                "num_kv_blocks: with a separate verifier the KV budget is split by memory; "
+                "size it with --kv-cache-memory-gib and --verifier-kv-fraction"
+            )
         return self
+
+    @property
+    def separate_verifier(self) -> bool:
+        """A verifier model of its own (a second model and KV cache in this process)."""
+        return self.verifier_model is not None or self.verifier_num_layers is not None
+
+    def _kv_bytes(self) -> tuple[int, int]:
+        """The KV budget, split between the served model and a separate verifier."""
+        total = int(self.kv_cache_memory_gib * (1 << 30))
+        if not self.separate_verifier:
+            return total, 0
+        verifier = int(total * (self.verifier_kv_fraction or DEFAULT_VERIFIER_KV_FRACTION))
+        return total - verifier, verifier
+
+    def verifier_engine_config(self) -> llm_engine.EngineConfig:
+        """The verifier's engine: the served model's settings, its share of the KV budget,
+        no speculation."""
+        return dataclasses.replace(
+            self.engine_config(),
+            kv_cache_memory_bytes=self._kv_bytes()[1],
+            speculative=SpeculativeConfig(),
+        )
 
     def _check_speculative(self) -> None:
         """Every speculative flag works or is refused: none is accepted and ignored."""
@@ -213,7 +273,7 @@ class ServeSettings(BaseSettings):
         return llm_engine.EngineConfig(
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_bytes=int(self.kv_cache_memory_gib * (1 << 30)),
+            kv_cache_memory_bytes=self._kv_bytes()[0],
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

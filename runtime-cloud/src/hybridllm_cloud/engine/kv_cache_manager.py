@@ -49,12 +49,17 @@ class KVCacheManager:
         """The longest cached prefix: its blocks and its length in tokens.
 
         At least one token is always left to compute (the model must produce logits for the
-        last position), so a fully cached prompt reuses all but its last block.
+        last position), so a fully cached prompt reuses all but its last block. With prompt
+        logprobs the hit stops before ``prompt_logprobs_start - 1``, whose logits are needed.
         """
         if not self.pool.enable_caching:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        params = request.sampling_params
+        if params.prompt_logprobs is not None and not request.output_token_ids:
+            # not yet delivered: logits from position start - 1 on are needed
+            max_blocks = min(max_blocks, (params.prompt_logprobs_start - 1) // self.block_size)
         blocks: list[block_pool.KVBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)

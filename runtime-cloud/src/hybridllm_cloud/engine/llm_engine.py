@@ -134,6 +134,11 @@ class RequestOutput:
     # and the blocks the group held against one table per beam.
     sequences: list[SequenceOutput] | None = None
     beam_kv: BeamKVStats | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs), of positions prompt_logprobs_start..:
+    # with the first output only.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    # Logprobs (SamplingParams.logprobs) of every generated token: on the final output only.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -154,6 +159,7 @@ class _OutputState:
     num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of detok.text already returned
+    logprobs: list[TokenLogprobs] | None = None  # all so far, when the request asked
 
 
 @dataclass
@@ -319,7 +325,15 @@ class LLMEngine:
         request = Request(
             request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority
         )
-        request.allow_remote_prefill = self.connector is not None
+        # Prompt logprobs are computed where the prompt is: here.
+        request.allow_remote_prefill = self.connector is not None and params.prompt_logprobs is None
+        if params.prompt_logprobs is not None and params.prompt_logprobs_start >= len(
+            prompt_token_ids
+        ):
+            raise ValueError(
+                f"prompt_logprobs_start: {params.prompt_logprobs_start} is not a position of the "
+                f"prompt of {len(prompt_token_ids)} tokens"
+            )
         if kv_export is not None:
             request.kv_export = KVExport(first_block=kv_export[0])
         if params.use_beam_search:
@@ -348,7 +362,12 @@ class LLMEngine:
             detok = tokenizer_mod.IncrementalDetokenizer(
                 self.tokenizer, prompt_tail=list(prompt_token_ids[-5:])
             )
-        self._outputs[request_id] = _OutputState(detok, params.stop, len(prompt_token_ids))
+        self._outputs[request_id] = _OutputState(
+            detok,
+            params.stop,
+            len(prompt_token_ids),
+            logprobs=[] if params.logprobs is not None else None,
+        )
 
     def _beam_group(self, params: SamplingParams, prompt_len: int) -> BeamGroup:
         stop_ids = () if params.ignore_eos else self.info.eos_token_ids
@@ -499,6 +518,8 @@ class LLMEngine:
                         new_ids, new_logprobs = new_ids[: j + 1], new_logprobs[: j + 1]
                         break
             state.token_ids.extend(new_ids)
+            if state.logprobs is not None:
+                state.logprobs.extend(new_logprobs)
             text = state.detok.text if state.detok is not None else ""
             release_to = len(text)
             if finish is None and state.stop:
@@ -518,9 +539,11 @@ class LLMEngine:
                     new_logprobs=new_logprobs,
                     num_prompt_tokens=state.num_prompt_tokens,
                     num_cached_tokens=core.num_cached_tokens,
+                    prompt_logprobs=core.prompt_logprobs,
                 )
             )
             if finish is not None:
+                outputs[-1].logprobs = state.logprobs
                 del self._outputs[core.request_id]
                 if self._export_sinks.pop(core.request_id, None) is not None:
                     outputs[-1].generator_state = self.runner.generator_state(core.request_id)

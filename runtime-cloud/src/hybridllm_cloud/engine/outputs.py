@@ -31,6 +31,10 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     draft_start: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs: rows from ``prompt_row`` on predict these prompt tokens (the
+    # logprob of prompt_targets[j] is read from the logits of row prompt_row + j).
+    prompt_row: int = 0
+    prompt_targets: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +99,8 @@ class ModelRunnerOutput:
     # plus one) and their logprobs when asked.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Prompt logprobs computed this step, per request: those of its prompt_targets.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,4 +114,5 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     beams: list[BeamSequence] | None = None  # beam search: the returned sequences, best first
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked
     beam_kv: BeamKVStats | None = None

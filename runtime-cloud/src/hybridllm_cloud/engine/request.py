@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hybridllm_cloud.engine.beam_search import BeamGroup
+    from hybridllm_cloud.engine.outputs import TokenLogprobs
 
 
 class Priority(enum.IntEnum):
@@ -68,6 +69,12 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int = 1
+    # Prompt logprobs (vLLM's ``prompt_logprobs``): the logprob of each prompt token from
+    # position ``prompt_logprobs_start`` on, plus its top k. Positions before it may come
+    # from the prefix cache; those from ``start - 1`` on are computed (their logits are
+    # needed), so a scorer that keeps a fixed context and varies the tail pays for the tail.
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
 
     @property
     def penalized(self) -> bool:
@@ -90,6 +97,13 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs: must be in [0, 20]")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= 20:
+                raise ValueError("prompt_logprobs: must be in [0, 20]")
+            if self.prompt_logprobs_start < 1:
+                raise ValueError("prompt_logprobs_start: must be >= 1 (the first token has none)")
+            if self.use_beam_search:
+                raise ValueError("prompt_logprobs: not supported with beam search yet")
         if self.use_beam_search:
             self._validate_beams()
 
@@ -142,6 +156,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_computed: int = 0
     beam_group: BeamGroup | None = None  # beam search: W beams scheduled as this request
+    # Prompt logprobs so far, of positions prompt_logprobs_start.. (a recompute overwrites).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

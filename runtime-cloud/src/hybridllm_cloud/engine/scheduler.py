@@ -410,10 +410,21 @@ class Scheduler:
             ),
             spec_token_ids=spec,
         )
+        if params.prompt_logprobs is not None and not request.output_token_ids:
+            self._prompt_targets(request, record)
         if spec and self.config.spec_draft:
             record.draft_start = min(request.num_draft_computed, start)
             record.draft_token_ids = request.token_slice(record.draft_start, start + 1)
         return record
+
+    @staticmethod
+    def _prompt_targets(request: Request, record: ScheduledRequest) -> None:
+        """Row j of the chunk (position start + j) predicts the prompt token after it."""
+        first = max(record.start_position, request.sampling_params.prompt_logprobs_start - 1)
+        end = min(record.context_len, request.num_prompt_tokens - 1)  # exclusive, positions
+        if first < end:
+            record.prompt_row = first - record.start_position
+            record.prompt_targets = request.prompt_token_ids[first + 1 : end + 1]
 
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
@@ -429,6 +440,8 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if scheduled.prompt_targets:
+                self._store_prompt_logprobs(request, scheduled, result)
             num_spec = len(scheduled.spec_token_ids)
             if num_spec:
                 tokens = result.spec_token_ids[scheduled.request_id]
@@ -449,6 +462,7 @@ class Scheduler:
                 logprobs = [one] if one else []
             status = None
             emitted = 0
+            first_output = not request.output_token_ids
             for token in tokens:  # an EOS, stop id or max_tokens ends the run there
                 request.output_token_ids.append(token)
                 emitted += 1
@@ -463,6 +477,11 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     logprobs=logprobs[:emitted],
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=(
+                        request.prompt_logprobs
+                        if first_output and request.sampling_params.prompt_logprobs is not None
+                        else None
+                    ),
                 )
             )
             if status is not None:
@@ -476,6 +495,16 @@ class Scheduler:
             if core is not None:
                 outputs.append(core)
         return outputs
+
+    @staticmethod
+    def _store_prompt_logprobs(
+        request: Request, scheduled: ScheduledRequest, result: ModelRunnerOutput
+    ) -> None:
+        """Keeps them by position: a chunk computed again (after a preemption) overwrites."""
+        start = request.sampling_params.prompt_logprobs_start
+        first = scheduled.start_position + scheduled.prompt_row + 1  # of prompt_targets[0]
+        del request.prompt_logprobs[first - start :]
+        request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
 
     def _account_spec(self, request: Request, scheduled: ScheduledRequest, accepted: int) -> None:
         """Advances past the accepted proposals only: the K/V written for rejected ones

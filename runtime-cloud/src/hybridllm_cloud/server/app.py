@@ -21,10 +21,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hybridllm_cloud import config as config_mod
+from hybridllm_cloud import tokenizer as tokenizer_mod
 from hybridllm_cloud.disagg import connector, prefill_server, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
+from hybridllm_cloud.search import verifier as verifier_mod
 from hybridllm_cloud.server import metrics as server_metrics
-from hybridllm_cloud.server import serving
+from hybridllm_cloud.server import search_api, serving
 from hybridllm_common import http_errors, termination
 from hybridllm_common import openai_protocol as oai
 
@@ -109,11 +111,16 @@ async def _start_role(
 
 
 def create_app(
-    settings: config_mod.ServeSettings, engine: llm_engine.LLMEngine | None = None
+    settings: config_mod.ServeSettings,
+    engine: llm_engine.LLMEngine | None = None,
+    verifier: tuple[llm_engine.LLMEngine, tokenizer_mod.Tokenizer | None] | None = None,
 ) -> FastAPI:
+    """``engine`` (and ``verifier``: its engine and, when it differs from the served
+    model's, its tokenizer) ready-made, for tests; by default both are loaded here."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal engine
+        nonlocal engine, verifier
         if engine is None:
             import hybridllm_models
 
@@ -136,6 +143,12 @@ def create_app(
             engine = await asyncio.to_thread(
                 llm_engine.LLMEngine.from_path, path, settings.engine_config()
             )
+            verifier = await asyncio.to_thread(verifier_mod.load, settings, engine)
+        if verifier is not None:
+            app.state.verifier = verifier_mod.Verifier(
+                async_engine.AsyncEngine(verifier[0]), verifier[1]
+            )
+            app.state.verifier.engine.start()
         if engine.config.speculative.enabled:
             app.state.metrics.enable_speculative()
         app.state.engine = async_engine.AsyncEngine(engine, app.state.metrics.on_step)
@@ -150,6 +163,8 @@ def create_app(
             app.state.ready = False
             await stop()
             app.state.engine.shutdown()
+            if app.state.verifier is not None:
+                app.state.verifier.engine.shutdown()
 
     app = FastAPI(title="hybridllm cloud runtime", lifespan=lifespan)
     app.state.settings = settings
@@ -157,6 +172,7 @@ def create_app(
     app.state.not_ready_reason = "model is loading"
     app.state.metrics = server_metrics.ServerMetrics()
     app.state.model_name = served_name(settings)
+    app.state.verifier = None
 
     http_errors.install(app, lambda code: app.state.metrics.rejected.labels(code=code).inc())
 
@@ -182,5 +198,9 @@ def create_app(
     @app.post("/v1/completions", response_model=None)
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
         return await serving.Serving(app, APIError).completion(body, request)
+
+    @app.post("/v1/search", response_model=None)
+    async def search(body: search_api.SearchRequest, request: Request) -> Response:
+        return await search_api.handle(serving.Serving(app, APIError), body, request)
 
     return app

@@ -23,6 +23,11 @@ SPEC_DECODE_NUM_DRAFTS_TOTAL = "hybridllm_spec_decode_num_drafts_total"
 SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL = "hybridllm_spec_decode_num_draft_tokens_total"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL = "hybridllm_spec_decode_num_accepted_tokens_total"
 
+# Verifier-guided search: the verifier's share of the compute is
+# rate(..._computed_tokens_total{model="verifier"}) / rate(..._computed_tokens_total).
+SEARCH_REQUESTS_TOTAL = "hybridllm_search_requests_total"
+SEARCH_COMPUTED_TOKENS_TOTAL = "hybridllm_search_computed_tokens_total"
+
 
 class _Totals(Collector):
     """Counters whose value the engine keeps (cumulative since start): each is read at
@@ -140,6 +145,18 @@ class ServerMetrics:
             names.KV_TRANSFERS_ACTIVE, "KV transfers in progress", ["role"], registry=r
         )
         self.role_info = Gauge(names.ENGINE_ROLE_INFO, "Role of this engine", ["role"], registry=r)
+        # Verifier-guided search (/v1/search).
+        self.searches = Counter(
+            SEARCH_REQUESTS_TOTAL.removesuffix("_total"),
+            "Verifier-guided searches answered",
+            registry=r,
+        )
+        self.search_tokens = Counter(
+            SEARCH_COMPUTED_TOKENS_TOTAL.removesuffix("_total"),
+            "Tokens computed for answered searches (uncached prompt plus generated), by model",
+            ["model"],
+            registry=r,
+        )
         self._local_prefills = 0
         self._speculative = False
 

@@ -17,9 +17,9 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +31,7 @@ from hybridllm_common import admission
 from hybridllm_common import openai_protocol as oai
 
 Item = tuple[int, RequestOutput | BaseException]
+T = TypeVar("T")
 
 # Parameters the shared admission refuses that this runtime implements (checked here).
 SUPPORTED_HERE = frozenset({"best_of", "use_beam_search", "length_penalty", "early_stopping"})
@@ -173,6 +174,17 @@ class Serving:
             raise self.error(oai.INVALID_PARAMETER, str(exc), param) from exc
         return params
 
+    def check_capacity(self) -> None:
+        """503 with Retry-After when the engine's queue is at its bound."""
+        if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
+            retry = str(self.app.state.settings.retry_after_seconds)
+            raise self.error(
+                oai.SERVER_OVERLOADED,
+                "too many queued requests, retry later",
+                None,
+                {"Retry-After": retry},
+            )
+
     def _start(
         self,
         prompt: list[int],
@@ -184,14 +196,7 @@ class Serving:
     ) -> tuple[list[str], asyncio.Queue[Item]]:
         """One engine request per candidate (``best_of`` of them), or one for a beam search."""
         n = 1 if beam else max(n, best_of)
-        if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
-            retry = str(self.app.state.settings.retry_after_seconds)
-            raise self.error(
-                oai.SERVER_OVERLOADED,
-                "too many queued requests, retry later",
-                None,
-                {"Retry-After": retry},
-            )
+        self.check_capacity()
         queue: asyncio.Queue[Item] = asyncio.Queue()
         base = oai.new_id("req")
         ids = [f"{base}-{i}" for i in range(n)]
@@ -334,23 +339,40 @@ class Serving:
                 if out.finished:
                     finals[tag] = out
 
+        async def close() -> None:
+            await items.aclose()  # type: ignore[attr-defined]
+
+        await self.until_disconnected(gather(), request, close)
+        return [(finals[i], logprobs.get(i, [])) for i in sorted(finals)]
+
+    async def until_disconnected(
+        self,
+        work: Coroutine[Any, Any, T],
+        request: Request,
+        on_cancel: Callable[[], Awaitable[None]] | None = None,
+    ) -> T:
+        """``work``'s result, unless the client goes away first: then ``work`` is cancelled
+        (which aborts its engine requests), ``on_cancel`` runs, and the answer is a 400."""
+        task = asyncio.ensure_future(work)
+
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        work = asyncio.ensure_future(gather())
         watch = asyncio.ensure_future(disconnected())
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
-            if not work.done():
-                work.cancel()
-                await items.aclose()  # type: ignore[attr-defined]
-        if not work.done() or work.cancelled():
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                if on_cancel is not None:
+                    await on_cancel()
+        if task.cancelled():
             raise self.error(oai.INVALID_REQUEST, "client disconnected")
-        work.result()  # re-raises an engine error
-        return [(finals[i], logprobs.get(i, [])) for i in sorted(finals)]
+        return task.result()  # re-raises an engine error
 
     @staticmethod
     def _choose(

@@ -42,13 +42,14 @@ from hybridllm_cloud.worker import sampler
 PLACEHOLDER = -1  # proposal slots the scheduler reserved for the draft to fill
 
 
-def truncated(model: llama.LlamaModel, num_layers: int) -> llama.LlamaModel:
+def truncated(
+    model: llama.LlamaModel, num_layers: int, param: str = "speculative_draft_num_layers"
+) -> llama.LlamaModel:
     """The first ``num_layers`` decoder layers of ``model`` with its embedding, final norm
-    and LM head: a draft that shares the target's weights (no extra weight memory)."""
+    and LM head: a draft (or verifier) that shares the model's weights (no extra weight
+    memory). ``param``: the setting named when ``num_layers`` is out of range."""
     if not 1 <= num_layers <= model.config.num_hidden_layers:
-        raise ValueError(
-            f"speculative_draft_num_layers: must be in [1, {model.config.num_hidden_layers}]"
-        )
+        raise ValueError(f"{param}: must be in [1, {model.config.num_hidden_layers}]")
     cfg = dataclasses.replace(model.config, num_hidden_layers=num_layers)
     draft = llama.LlamaModel.__new__(llama.LlamaModel)
     draft.__dict__.update(model.__dict__)

@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridllm_cloud.engine.outputs import KVExportSlice, ModelRunnerOutput, SchedulerOutput
+from hybridllm_cloud.engine.outputs import (
+    KVExportSlice,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from hybridllm_cloud.model import llama
 from hybridllm_cloud.spec_decode import rejection_sampler
 from hybridllm_cloud.worker import sampler
@@ -168,6 +173,34 @@ class ModelRunner:
             self.req_to_generator[request_id] = gen
         return gen
 
+    def _prompt_logprobs(
+        self,
+        sched: SchedulerOutput,
+        hidden: torch.Tensor,
+        last_rows: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """The logprob (and top k) of each prompt token a scheduled chunk predicts."""
+        ends = last_rows.tolist()
+        for i, s in enumerate(sched.scheduled):
+            if not s.prompt_targets:
+                continue
+            first = ends[i] - s.num_tokens + 1 + s.prompt_row
+            n = len(s.prompt_targets)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[first : first + n]), dim=-1)
+            targets = torch.tensor(s.prompt_targets, device=lp.device)
+            chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+            k = s.sampling_params.prompt_logprobs or 0
+            top = torch.topk(lp, k, dim=-1) if k else None
+            out.prompt_logprobs[s.request_id] = [
+                TokenLogprobs(
+                    logprob=chosen[j],
+                    top_token_ids=top.indices[j].tolist() if top is not None else [],
+                    top_logprobs=top.values[j].tolist() if top is not None else [],
+                )
+                for j in range(n)
+            ]
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Runs the step's forward pass and samples; requests with proposals
         (``spec_token_ids``) are verified by the rejection sampler instead, from the
@@ -193,6 +226,8 @@ class ModelRunner:
         hidden = self.model.forward(
             input_ids, positions, self.kv_caches, meta, self._layer_hook(sched.kv_exports)
         )
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(sched, hidden, last_rows, out)
         logits_rows: list[int] = []
         sampled = []
         verified: list[tuple[int, int]] = []  # (index in sched.scheduled, first logits row)
@@ -208,9 +243,8 @@ class ModelRunner:
                 sampled.append((s, len(logits_rows)))
                 logits_rows.append(ends[i])
         if not logits_rows:
-            return ModelRunnerOutput()
+            return out
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
-        out = ModelRunnerOutput()
         if sampled:
             plain = [s for s, _ in sampled]
             rows = logits if not verified else logits[[r for _, r in sampled]]
