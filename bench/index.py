@@ -709,6 +709,51 @@ def search_beams(r: Results) -> Headline:
     return Headline("; ".join(parts), NO_GOAL, "; ".join(detail))
 
 
+def search_verifier(r: Results) -> Headline:
+    """bench/search/verifier.py: the step search against sampling at equal compute."""
+    d = r.json("search-verifier.json")
+    runs = d["runs"]
+    parts = []
+    for name in runs[0]["configs"]:
+
+        def acc(c: str, name: str = name) -> float:
+            return statistics.median(run["configs"][name]["accuracy"][c] for run in runs)
+
+        tokens = statistics.median(
+            run["configs"][name]["search_tokens_per_problem"] for run in runs
+        )
+        parts.append(f"{name} ({tokens:.0f} tokens/problem): search {pct(acc('step search'), 0)}, "
+                     f"majority vote {pct(acc('majority vote'), 0)}, best-of-N "
+                     f"{pct(acc('best-of-N, verifier'), 0)}")  # fmt: skip
+    detail = (f"{d['settings']['problems']} problems x {len(runs)} seeds; greedy "
+              f"{pct(d['greedy']['accuracy'], 0)}")  # fmt: skip
+    return Headline("accuracy at equal compute, medians over seeds: " + "; ".join(parts),
+                    NO_GOAL, detail)  # fmt: skip
+
+
+def hybrid_workflows(r: Results) -> Headline:
+    """bench/hybrid/workflows.py: batch size and output cap against CPU per token."""
+    d = r.json("hybrid-workflows.json")
+    return Headline("; ".join(f.removeprefix("- ") for f in d["findings"]), NO_GOAL,
+                    "energy as CPU-seconds per output token (no RAPL here)")  # fmt: skip
+
+
+def hybrid_projection(r: Results) -> Headline:
+    """bench/hybrid/project.py: replicas and cost at the published scale."""
+    d = r.json("hybrid-projection.json")
+    parts = []
+    for key in ("cpu", "gpu"):
+        c = d["projections"][key]["cost_per_million"]
+        parts.append(f"{key.upper()}: " + ", ".join(f"{a} ${c[a]:.2f}/M" for a in c))
+    goals = []
+    for key in ("cpu", "gpu"):
+        c = d["projections"][key]["cost_per_million"]
+        goals.append(
+            (f"hybrid cheapest ({key})", c["hybrid"] < min(c["monolithic"], c["disaggregated"]))
+        )
+    return Headline("; ".join(parts), verdict(goals), " ".join(d["directions"]))
+
+
 def speculative(r: Results) -> Headline:
     """bench/speculative/run.py: n-gram speculation against none and HF prompt lookup."""
     d = r.json("speculative.json")
@@ -1013,6 +1058,41 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         "",
         search_beams,
         short="beam search with shared KV",
+        pending=True,
+    ),
+    Experiment(
+        "verifier-guided step search (`/v1/search`'s algorithm) against plain sampling at equal "
+        "compute: accuracy on generated two-step arithmetic problems, search configurations "
+        "K x B against majority vote and best-of-N given the search's tokens per problem",
+        "uv run python bench/search/verifier.py",
+        ("search-verifier.md",),
+        "majority vote (self-consistency) and best-of-N by the same verifier, on the same "
+        "engine, given the same compute per problem",
+        "",
+        search_verifier,
+        short="verifier-guided step search",
+        pending=True,
+    ),
+    Experiment(
+        "multi-request workflows (summarise, copilot, multi-agent, mix) on the cloud engine: "
+        "batch size and output cap against latency and CPU-seconds per output token",
+        "uv run python bench/hybrid/workflows.py",
+        ("hybrid-workflows.md",),
+        "",
+        "",
+        hybrid_workflows,
+        pending=True,
+    ),
+    Experiment(
+        "the hybrid claim projected to the published scale (12,000 sessions, 2.4M calls a "
+        "day): replicas per pool and cost per million tokens, sized by the request-level "
+        "simulator calibrated with capacities measured here",
+        "uv run python bench/hybrid/project.py",
+        ("hybrid-projection.md",),
+        "monolithic and disaggregated cloud-only pools sized the same way",
+        "the published direction: hybrid cheapest (#21)",
+        hybrid_projection,
+        short="the hybrid claim at the published scale (projected)",
         pending=True,
     ),
     # Being built (bench/speculative/run.py): "not yet measured" until its results exist.

@@ -1,7 +1,8 @@
 """The hybrid claim on this machine: monolithic vs disaggregated vs hybrid edge-cloud.
 
     uv run python bench/hybrid/run.py [--architectures monolithic,disaggregated,hybrid]
-        [--concurrency 4] [--sessions 0] [--price-per-core-hour 0.05]
+        [--workload swe-agent|mooncake] [--concurrency 4] [--sessions 0]
+        [--price-per-core-hour 0.05]
 
 Each architecture is one ``LLMService`` manifest run by local mode (``hybridllm up``: the
 real gateway and the real runtimes serving SmolLM2-135M-Instruct) on the same two cores:
@@ -13,8 +14,10 @@ real gateway and the real runtimes serving SmolLM2-135M-Instruct) on the same tw
   choosing per call and the cascade re-asking the cloud when an edge answer's mean
   logprob is low.
 
-All three replay the same agentic sessions (``sessions.py``: the SWE-agent trajectories
-scaled to this machine, ``--concurrency`` sessions in flight, tool waits kept) through
+All three replay the same agentic sessions (``sessions.py``: the SWE-agent trajectories,
+or with ``--workload mooncake`` the Mooncake conversation trace's multi-turn
+conversations, scaled to this machine, ``--concurrency`` sessions in flight, tool waits
+kept) through
 the ``openai`` client, non-streamed (the cascade needs the whole edge answer), greedy.
 Reported per architecture, side by side: session model time (p50/p95: the sum of a
 session's call latencies; tool waits left out), per-call latency p50/p95, requests/s and
@@ -327,7 +330,7 @@ def write(report: dict[str, Any], out: Path) -> None:
         f"- date: {report['date']}; machine: {report['machine']}",
         f"- command: `{report['command']}` ({report['wall_s'] / 60:.0f} min)",
         f"- workload: {report['workload']['sessions']} agentic sessions, {report['workload']['calls']} "
-        f"model calls, from the SWE-agent trajectories (`../shared/traces/swe-agent`), "
+        f"model calls, from {WORKLOADS[p.get('workload', 'swe-agent')]}, "
         f"{p['concurrency']} in flight; scaled: {report['workload']['scale']}; non-streamed, greedy",
         "- architectures (local mode, `hybridllm up`, two cores in all):",
         *(f"  - `{n}`: {report['describe'][n]}" for n in names),
@@ -361,6 +364,13 @@ def write(report: dict[str, Any], out: Path) -> None:
     print("\n".join(lines))
 
 
+WORKLOADS = {
+    "swe-agent": "the SWE-agent trajectories (`../shared/traces/swe-agent`)",
+    "mooncake": "the Mooncake conversation trace (`../shared/traces/mooncake-2025`: "
+    "conversations rebuilt from shared prefix blocks, text standing for each block, the "
+    "trace's gaps between turns scaled)",
+}
+
 DESCRIBE = {
     "monolithic": "the cloud engine only: one replica, 2 cores (2 torch threads)",
     "disaggregated": "a prefill and a decode replica of the cloud engine, 1 core each",
@@ -375,6 +385,19 @@ DESCRIBE = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--architectures", default=",".join(ARCHITECTURES))
+    ap.add_argument("--workload", choices=tuple(WORKLOADS), default="swe-agent")
+    ap.add_argument(
+        "--chars-per-block",
+        type=int,
+        default=96,
+        help="mooncake: characters standing for one 512-token trace block",
+    )
+    ap.add_argument(
+        "--think-time-factor",
+        type=float,
+        default=0.01,
+        help="mooncake: the trace's gaps between turns, times this",
+    )
     ap.add_argument("--concurrency", type=int, default=4, help="sessions in flight")
     ap.add_argument("--sessions", type=int, default=0, help="at most this many (0: all)")
     ap.add_argument("--start-gap-s", type=float, default=1.0)
@@ -393,9 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     for a in archs:
         if a not in ARCHITECTURES:
             ap.error(f"--architectures: {a!r} is not one of {', '.join(ARCHITECTURES)}")
-    scale = sessions_mod.Scale(system_chars=args.system_chars, message_chars=args.message_chars,
-                               max_tokens=args.max_tokens, max_calls=args.max_calls)  # fmt: skip
-    sessions = sessions_mod.load_sessions(scale)
+    scale: sessions_mod.Scale | sessions_mod.MooncakeScale
+    if args.workload == "mooncake":
+        scale = sessions_mod.MooncakeScale(
+            chars_per_block=args.chars_per_block, max_tokens=args.max_tokens,
+            max_calls=args.max_calls, think_time_factor=args.think_time_factor,
+        )  # fmt: skip
+        sessions = sessions_mod.load_mooncake_sessions(scale)
+    else:
+        scale = sessions_mod.Scale(system_chars=args.system_chars, message_chars=args.message_chars,
+                                   max_tokens=args.max_tokens, max_calls=args.max_calls)  # fmt: skip
+        sessions = sessions_mod.load_sessions(scale)
     if args.sessions:
         sessions = sessions[: args.sessions]
     started = time.monotonic()

@@ -1,4 +1,5 @@
-"""Agentic sessions from the SWE-agent trajectories, scaled to this machine, and their replay.
+"""Agentic sessions from the SWE-agent trajectories and the Mooncake conversation trace,
+scaled to this machine, and their replay.
 
 A trajectory (``../shared/traces/swe-agent/*.traj``) is one agent solving one task: a
 system prompt, the task, then turns of model answer (the assistant's thought and action)
@@ -14,6 +15,11 @@ the trajectory's ``execution_time`` where it recorded one, else ``default_tool_w
 times ``tool_wait_factor``. The history a call sends is the trajectory's own (not what
 our model answered), so every architecture gets exactly the same prompts.
 
+The Mooncake conversation trace (``load_mooncake_sessions``) gives multi-turn sessions by
+their shared prefix blocks: each turn's prompt is text standing for its 512-token blocks
+(the same text for the same block id), so turns share exactly what the trace says they
+share, and the waits between turns are the trace's own gaps, scaled.
+
 The replay keeps a session's order: call k+1 is sent only after call k's answer and the
 tool's wait. Those waits are the workload's think time, not a stand-in for model time:
 every answer comes from the real model behind the real gateway.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -95,6 +102,95 @@ def load_sessions(scale: Scale, directory: Path = SWE_AGENT) -> list[Session]:
         raise SystemExit(f"no *.traj under {directory} (the SWE-agent traces)")
     sessions = [load_trajectory(p, scale) for p in paths]
     return [s for s in sessions if len(s.calls) >= 2]
+
+
+MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake-2025" / "conversation_trace.jsonl"
+MOONCAKE_BLOCK = 512  # tokens per hash id in the trace
+
+
+@dataclass(frozen=True)
+class MooncakeScale:
+    """How the Mooncake conversation trace is shrunk (every field is reported)."""
+
+    chars_per_block: int = 96  # one 512-token trace block becomes this many characters
+    max_tokens: int = 32  # an answer, at most (the trace's output length / 512 blocks' worth)
+    max_calls: int = 6
+    min_calls: int = 3  # conversations with fewer turns are left out
+    think_time_factor: float = 0.01  # the trace's gap between turns, times this
+
+
+def mooncake_conversations(path: Path = MOONCAKE) -> list[list[dict[str, Any]]]:
+    """The trace's conversations: a request continues an earlier one when the earlier one's
+    full blocks (all its hash ids but the last, partial, one) begin its own. Each
+    conversation is the longest chain of such turns from its first request, in order."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_full_blocks: dict[tuple[int, ...], int] = {}
+    parent: list[int | None] = []
+    for j, row in enumerate(rows):
+        ids = tuple(row["hash_ids"])
+        found = None
+        for k in range(len(ids) - 1, 1, -1):  # the longest earlier conversation it extends
+            found = by_full_blocks.get(ids[:k])
+            if found is not None:
+                break
+        parent.append(found)
+        if len(ids) >= 3:
+            by_full_blocks[ids[:-1]] = j
+    depth = [0] * len(rows)
+    for j, p in enumerate(parent):
+        depth[j] = 1 if p is None else depth[p] + 1
+    deepest: dict[int, int] = {}  # root -> its deepest turn
+    for j in range(len(rows)):
+        root = j
+        while parent[root] is not None:
+            root = parent[root]  # type: ignore[assignment]
+        if root not in deepest or depth[j] > depth[deepest[root]]:
+            deepest[root] = j
+    out = []
+    for root in sorted(deepest):
+        chain, j = [], deepest[root]
+        while j is not None:
+            chain.append(rows[j])
+            j = parent[j]
+        out.append(chain[::-1])
+    return out
+
+
+def _block_text(block_id: int, words: list[str], chars: int) -> str:
+    """The same text for the same hash id, so equal ids are an equal prefix for the cache."""
+    rng = random.Random(block_id)
+    out = ""
+    while len(out) < chars:
+        out += rng.choice(words) + " "
+    return out[:chars]
+
+
+def load_mooncake_sessions(scale: MooncakeScale, path: Path = MOONCAKE) -> list[Session]:
+    """Mooncake conversations as sessions: each turn's prompt is its blocks' text (the same
+    text for the same hash id, the last block cut to the turn's length), so turns share the
+    prefix the trace says they share; answers are the trace's output length scaled like the
+    prompts, at most ``max_tokens``; the wait before the next turn is the trace's gap times
+    ``think_time_factor``. Words come from the SWE-agent trajectories' text."""
+    words = sorted({w for p in sorted(SWE_AGENT.glob("*.traj"))[:4]
+                    for w in p.read_text()[:20000].split() if w.isalpha()})  # fmt: skip
+    sessions = []
+    for n, turns in enumerate(mooncake_conversations(path)):
+        if len(turns) < scale.min_calls:
+            continue
+        calls = []
+        for i, turn in enumerate(turns[: scale.max_calls]):
+            ids = turn["hash_ids"]
+            tail = (turn["input_length"] - MOONCAKE_BLOCK * (len(ids) - 1)) / MOONCAKE_BLOCK
+            text = "".join(_block_text(h, words, scale.chars_per_block) for h in ids[:-1])
+            text += _block_text(ids[-1], words, max(1, int(scale.chars_per_block * tail)))
+            answer = turn["output_length"] * scale.chars_per_block / MOONCAKE_BLOCK / 4
+            nxt = turns[i + 1] if i + 1 < len(turns) else None
+            gap = (nxt["timestamp"] - turn["timestamp"]) / 1000.0 if nxt else 0.0
+            calls.append(Call([{"role": "user", "content": text}],
+                              max(1, min(scale.max_tokens, round(answer))),
+                              gap * scale.think_time_factor))  # fmt: skip
+        sessions.append(Session(f"mooncake-{n}", calls))
+    return sessions
 
 
 @dataclass

@@ -162,3 +162,105 @@ def test_manifests_are_valid_services_on_two_cores(
     assert service is not None
     with pytest.raises(ValueError, match="one of"):
         hybrid.manifest("bogus", args)
+
+
+# --- the projection to the published scale (bench/hybrid/project.py) ----------------------------
+
+
+@pytest.fixture
+def project(bench_module: Any) -> ModuleType:
+    return bench_module("bench/hybrid/project.py")  # type: ignore[no-any-return]
+
+
+@needs_traces
+def test_projection_load_counts_only_new_tokens_when_history_is_cached(project: ModuleType) -> None:
+    cached, whole = project.load_calls(True), project.load_calls(False)
+    assert len(cached.prefill) == len(whole.prefill) > 100
+    assert (cached.prefill <= whole.prefill).all()
+    assert cached.prefill.sum() < whole.prefill.sum() / 3  # agent history dominates prompts
+    assert (cached.output == whole.output).all()
+    assert 4 <= cached.calls_per_session <= 40
+
+
+def test_littles_law_and_the_arrival_rate(project: ModuleType) -> None:
+    # 12,000 sessions, 2.4M calls a day, 10 calls each: a session lasts 4,320 s, so 432 s
+    # per call, of which the model takes 2 s
+    rate = 2_400_000 / 86_400
+    assert project.think_time_s(12_000, rate, 10.0, 2.0) == pytest.approx(430.0)
+    assert project.think_time_s(1, rate, 10.0, 1e9) == 0.0
+    calls = project.Calls(project.np.array([100, 200]), project.np.array([10, 20]), 2.0)
+    s = project.stream(calls, 20.0, 500.0, seed=0)
+    assert s.num_requests == pytest.approx(10_000, rel=0.05)
+    half = project.stream(calls, 20.0, 500.0, seed=0, share=0.5)
+    assert half.num_requests == pytest.approx(5_000, rel=0.05)
+    assert set(s.input_tokens.tolist()) == {100, 200}
+
+
+def test_sizing_finds_the_fewest_replicas_that_meet_the_slo(project: ModuleType) -> None:
+    cap = project.capacity
+    model = cap.CapacityModel(prefill_tok_s=2000.0, tbt_base_s=0.02, tbt_per_seq_s=0.002,
+                              kv_max_batch=16)  # fmt: skip
+    pool = cap.PoolConfig(capacity=model, slo=cap.Slo(ttft_s=2.0, tbt_s=0.1), max_replicas=10_000)
+    calls = project.Calls(project.np.array([400]), project.np.array([50]), 5.0)
+    s = project.stream(calls, 8.0, 300.0, seed=1)
+    sized = project.size_pool(s, pool, 0.99)
+    n = sized["replicas"]
+    assert sized["slo_attainment"] >= 0.99
+    fewer = project.des.simulate_des(s, pool, project.Static(n - 1), initial_replicas=n - 1)
+    assert fewer.slo_attainment < 0.99  # one replica less does not meet it
+    assert n >= sized["work_replicas"]  # never below the work the load needs
+    # twice the load needs more replicas
+    assert project.size_pool(project.stream(calls, 16.0, 300.0, seed=1), pool, 0.99)["replicas"] > n
+
+
+def test_projection_prices_every_pool(project: ModuleType) -> None:
+    arch = {"prefill": {"replicas": 2}, "decode": {"replicas": 3}}
+    prices = {"prefill": 1.0, "decode": 2.0}
+    assert project.price(arch, prices, 1_000_000) == pytest.approx(8.0)
+
+
+# --- Mooncake conversations (bench/hybrid/sessions.py) ------------------------------------------
+
+MOONCAKE = TRAJ.parent / "mooncake-2025" / "conversation_trace.jsonl"
+
+
+def test_mooncake_turns_extend_the_full_blocks_of_the_turn_before(
+    sessions: ModuleType, tmp_path: Path
+) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 1200, "output_length": 100, "hash_ids": [0, 1, 2]},
+        {"timestamp": 0, "input_length": 900, "output_length": 50, "hash_ids": [0, 7]},  # alone
+        {"timestamp": 5000, "input_length": 1700, "output_length": 512, "hash_ids": [0, 1, 3, 4]},
+        {"timestamp": 9000, "input_length": 2200, "output_length": 20, "hash_ids": [0, 1, 3, 5, 6]},
+        # shares only block 0 (a system prompt), not turn 1's full blocks: another conversation
+        {"timestamp": 9500, "input_length": 1100, "output_length": 20, "hash_ids": [0, 9, 10]},
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    convs = sessions.mooncake_conversations(trace)
+    lengths = sorted(len(c) for c in convs)
+    assert lengths == [1, 1, 3]
+    chain = next(c for c in convs if len(c) == 3)
+    assert [t["timestamp"] for t in chain] == [0, 5000, 9000]
+    scale = sessions.MooncakeScale(chars_per_block=40, max_tokens=8, max_calls=5, min_calls=3,
+                                   think_time_factor=0.001)  # fmt: skip
+    [s] = sessions.load_mooncake_sessions(scale, trace)
+    texts = [c.messages[0]["content"] for c in s.calls]
+    # turn 2 holds turn 1's full blocks (ids 0, 1: 80 characters) and not its partial one
+    assert texts[1][:80] == texts[0][:80]
+    assert texts[1][80:120] != texts[0][80:120]
+    assert texts[2][:120] == texts[1][:120]  # ids 0, 1, 3
+    assert len(texts[0]) == 80 + int(40 * (1200 - 1024) / 512)  # the partial block, cut
+    assert [c.tool_wait_s for c in s.calls] == pytest.approx([0.005, 0.004, 0.0])  # gaps x 0.001
+    # answers: output_length scaled like the prompt (40 characters / 512 tokens, 4 per
+    # token), at most max_tokens
+    assert [c.max_tokens for c in s.calls] == [2, 8, 1]
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared traces not present")
+def test_the_mooncake_trace_gives_multi_turn_sessions(sessions: ModuleType) -> None:
+    loaded = sessions.load_mooncake_sessions(sessions.MooncakeScale())
+    assert len(loaded) > 100
+    assert all(3 <= len(s.calls) <= 6 for s in loaded)
+    first = loaded[0].calls
+    assert first[1].messages[0]["content"].startswith(first[0].messages[0]["content"][:96])

@@ -1,0 +1,83 @@
+"""The workflow shapes of bench/hybrid/workflows.py and their run on the real engine.
+
+A workflow's chains must keep their order (a call is sent when the previous one of its
+chain answered, and a summary carries the previous answer), the shapes must have the
+prefix structure they are chosen for (copilot and multi-agent share a long prompt,
+summarise does not), and a run must count what the engine did.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridllm_cloud.engine import llm_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAJ = ROOT.parent / "shared" / "traces" / "swe-agent"
+pytestmark = pytest.mark.skipif(not TRAJ.exists(), reason="shared traces not present")
+
+
+@pytest.fixture(scope="module")
+def wf(bench_module: Any) -> Any:
+    return bench_module("bench/hybrid/workflows.py")
+
+
+def test_shapes_have_the_structure_they_stand_for(wf: Any) -> None:
+    sources = wf.load_sources()
+    summarise, copilot, agents = wf.summarise(sources), wf.copilot(sources), wf.multi_agent(sources)
+    assert [len(c.calls) for c in summarise] == [4] * 4
+    assert [len(c.calls) for c in copilot] == [2] * 8
+    assert [len(c.calls) for c in agents] == [6] * 2
+    # copilot: every call carries the same long context, and a short question
+    contexts = {c.calls[i]("")[0]["content"] for c in copilot for i in range(2)}
+    assert len(contexts) == 1
+    assert len(contexts.pop()) >= 2000
+    # summarise: the previous answer is in the next call; the parts differ
+    first = summarise[0].calls[0]("")[0]["content"]
+    second = summarise[0].calls[1]("THE SUMMARY")[0]["content"]
+    assert "THE SUMMARY" in second
+    assert first.split("Next part:")[1] != second.split("Next part:")[1]
+    # multi-agent: the team's instructions in every call, the transcript growing
+    team = wf.multi_agent(sources)[0]
+    a = team.calls[0]("")
+    b = team.calls[1]("plan: do X")
+    c = team.calls[2]("code: Y")
+    assert a[0]["content"].split("You are")[0] == b[0]["content"].split("You are")[0]
+    assert "plan: do X" in b[1]["content"]
+    assert "plan: do X" in c[1]["content"]
+    assert "code: Y" in c[1]["content"]
+    assert len(wf.workflow("mix", sources)) == 4 + 8 + 2
+
+
+def test_a_run_keeps_chain_order_and_counts_what_the_engine_did(
+    wf: Any, real_model_dir: Path
+) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = llm_engine.LLMEngine.from_path(
+            real_model_dir,
+            llm_engine.EngineConfig(num_kv_blocks=512, block_size=16, max_num_seqs=4),
+        )
+        chains = wf.summarise(wf.load_sources())[:2]
+        seen: list[str] = []
+        for chain in chains:  # record what each call was given
+            chain.calls[:] = [
+                (lambda build: lambda prev: (seen.append(prev), build(prev))[1])(b)
+                for b in chain.calls
+            ]
+        result = wf.run(engine, chains, 3)
+    finally:
+        torch.set_num_threads(previous)
+    assert result["calls"] == 8
+    assert result["output_tokens"] == 8 * 3  # every answer generated to the cap
+    assert result["cpu_s"] > 0
+    assert result["cpu_s_per_output_token"] == pytest.approx(result["cpu_s"] / 24)
+    # each chain's first call got no previous answer, the others got one
+    assert seen.count("") == 2
+    assert sum(1 for s in seen if s) == 6
+    assert not engine.has_unfinished()
