@@ -16,11 +16,12 @@ request-level simulator calibrated with per-replica capacities measured here.
    request rate (``--requests-per-day`` / 86,400 per second, times ``--peak-factor``),
    each call drawn from the trajectories' calls. A call's prefill is only what is new
    since the session's previous call (its history stays in the prefix cache: a session's
-   calls go to the replica that holds it, as the gateway's session affinity does);
-   ``--no-prefix-cache`` prefills every call whole. The concurrency is the published
+   calls go to the replica that holds it, as the gateway's session affinity does), or,
+   in the *uncached* projections, the whole prompt. The concurrency is the published
    one: with the trajectories' calls per session, Little's law gives the think time
-   between calls that keeps ``--sessions`` sessions in flight (reported; it does not
-   change the token rates, only how long a session's context must stay cached).
+   between calls that keeps ``--sessions`` sessions in flight, and so how much KV a cache
+   of every session's history needs (reported beside the projections: it decides which
+   of the two is realistic).
 3. **Sizing**: each pool is the smallest fixed number of replicas whose simulated SLO
    attainment (``simulate_des``: TTFT and TBT per request) over ``--window-s`` seconds of
    that load reaches ``--attainment``, found by bisection:
@@ -30,7 +31,7 @@ request-level simulator calibrated with per-replica capacities measured here.
      the gateway's classifier chose in ``bench/results/hybrid.json``), drawn at random,
      and a cloud pool serving the rest.
 4. **Cost**: every replica's cores at ``--price-per-core-hour`` over the completion
-   tokens served per hour. A second projection sizes the cloud pools with the
+   tokens served per hour. The *gpu* projections size the cloud pools with the
    forecaster's default replica (an 8B model on one H100, **assumed, not measured**: this
    machine has no GPU) at ``--price-per-gpu-hour``, the edge pool staying on measured CPU
    replicas, at the forecaster's default SLO.
@@ -41,6 +42,7 @@ Writes bench/results/hybrid-projection.{md,json}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -274,8 +276,25 @@ def size_pool(s: RequestStream, pool: capacity.PoolConfig, target: float) -> dic
             "work_replicas": work, "unattainable": best.num_unattainable}  # fmt: skip
 
 
+def size_best_chunk(s: RequestStream, pool: capacity.PoolConfig, chunks: list[int],
+                    target: float) -> dict[str, Any]:  # fmt: skip
+    """A pool that prefills beside decode, sized at each step budget in ``chunks`` (prompt
+    tokens per step): the fewest replicas win (small budgets keep decode steps short, large
+    ones prefill faster; the best setting of a monolithic engine, as its peer deserves)."""
+    best: dict[str, Any] | None = None
+    for chunk in chunks:
+        sized = size_pool(s, pool.with_(capacity=dataclasses.replace(pool.capacity,
+                                                                     prefill_chunk_tokens=chunk)),
+                          target)  # fmt: skip
+        sized["chunk_tokens"] = chunk
+        if best is None or sized["replicas"] < best["replicas"]:
+            best = sized
+    assert best is not None
+    return best
+
+
 def project(calls: Calls, rate: float, models: dict[str, capacity.CapacityModel], slo: capacity.Slo,
-            edge_share: float, args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+            edge_share: float, chunks: list[int], args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     """Each architecture's pools, sized for ``rate`` calls/s."""
 
     def pool(name: str, role: str, model: capacity.CapacityModel) -> capacity.PoolConfig:
@@ -284,16 +303,17 @@ def project(calls: Calls, rate: float, models: dict[str, capacity.CapacityModel]
 
     full = stream(calls, rate, args.window_s, seed=1)
     out: dict[str, Any] = {
-        "monolithic": {"cloud": size_pool(full, pool("cloud", "monolithic", models["cloud"]), args.attainment)},
+        "monolithic": {"cloud": size_best_chunk(full, pool("cloud", "monolithic", models["cloud"]),
+                                                chunks, args.attainment)},
         "disaggregated": {
             "prefill": size_pool(full, pool("prefill", "prefill", models["cloud"]), args.attainment),
             "decode": size_pool(full, pool("decode", "decode", models["cloud"]), args.attainment),
         },
         "hybrid": {
-            "edge": size_pool(stream(calls, rate, args.window_s, seed=2, share=edge_share),
-                              pool("edge", "monolithic", models["edge"]), args.attainment),
-            "cloud": size_pool(stream(calls, rate, args.window_s, seed=3, share=1 - edge_share),
-                               pool("cloud", "monolithic", models["cloud"]), args.attainment),
+            "edge": size_best_chunk(stream(calls, rate, args.window_s, seed=2, share=edge_share),
+                                    pool("edge", "monolithic", models["edge"]), chunks, args.attainment),
+            "cloud": size_best_chunk(stream(calls, rate, args.window_s, seed=3, share=1 - edge_share),
+                                     pool("cloud", "monolithic", models["cloud"]), chunks, args.attainment),
         },
     }  # fmt: skip
     return out
@@ -307,8 +327,24 @@ def price(arch: dict[str, Any], prices: dict[str, float], tokens_per_hour: float
 # --- report -----------------------------------------------------------------------------------
 
 
+KEYS = {  # projection key -> (title, what the cloud replica is, whether history is cached)
+    "cpu-cached": ("CPU replicas as measured, session history cached", "cpu", True),
+    "cpu-uncached": ("CPU replicas as measured, every prompt prefilled whole", "cpu", False),
+    "gpu-cached": ("GPU cloud pools (assumed capacity), session history cached", "gpu", True),
+    "gpu-uncached": (
+        "GPU cloud pools (assumed capacity), every prompt prefilled whole",
+        "gpu",
+        False,
+    ),
+}
+# KV bytes per token: SmolLM2-135M in fp32 (30 layers x 3 KV heads x 64 x K and V x 4 bytes),
+# and an 8B Llama-3 in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 bytes)
+KV_BYTES_PER_TOKEN = {"cpu": 30 * 3 * 64 * 2 * 4, "gpu": 32 * 8 * 128 * 2 * 2}
+
+
 def render(r: dict[str, Any]) -> str:
     a = r["settings"]
+    c = r["calls"]
     lines = [
         "# The hybrid claim projected to the published scale",
         "",
@@ -317,14 +353,26 @@ def render(r: dict[str, Any]) -> str:
         f"- command: `{r['command']}`",
         f"- load: {a['sessions']:,} sessions in flight, {a['requests_per_day']:,} calls a day "
         f"({r['rate_per_s']:.1f}/s, peak factor {a['peak_factor']}); calls drawn from the "
-        f"SWE-agent trajectories at full size ({r['calls']['count']} calls, "
-        f"{r['calls']['calls_per_session']:.1f} per session; prefill per call mean "
-        f"{r['calls']['prefill_mean']:.0f} tokens {'(new tokens only: history cached)' if a['prefix_cache'] else '(whole prompt)'}, "
-        f"output mean {r['calls']['output_mean']:.0f}); Little's law: {r['think_time_s']:.0f} s "
-        "between a session's calls",
+        f"SWE-agent trajectories at full size ({c['count']} calls, {c['calls_per_session']:.1f} "
+        f"per session; prompt mean {c['prompt_mean']:.0f} tokens, of which new since the "
+        f"session's previous call {c['new_mean']:.0f}; output mean {c['output_mean']:.0f}); "
+        f"Little's law: {r['think_time_s']:.0f} s between a session's calls",
+        f"- keeping every session's history cached through those gaps takes "
+        f"{r['kv_to_cache_tb']['cpu']:.1f} TB of KV for the 135M model (fp32) and "
+        f"{r['kv_to_cache_tb']['gpu']:.1f} TB for an 8B model (bf16): the *cached* rows assume "
+        "a KV store that large (Mooncake's design point), the *uncached* rows prefill every "
+        "prompt whole",
         f"- sizing: the smallest fixed replica count per pool with SLO attainment >= "
-        f"{a['attainment']:.0%} over {a['window_s']:.0f} s simulated (`simulate_des`)",
-        f"- hybrid: {a['edge_share']:.0%} of calls on the edge ({a['edge_share_source']}), at random",
+        f"{a['attainment']:.0%} over {a['window_s']:.0f} s simulated (`simulate_des`, "
+        "hybridllm_forecaster)",
+        f"- hybrid: {a['edge_share']:.0%} of calls on the edge ({a['edge_share_source']}), at "
+        "random",
+        f"- pools that prefill beside decode (monolithic, edge, hybrid's cloud) are sized at "
+        f"each step budget of {', '.join(map(str, a['chunk_tokens']))} prompt tokens and shown "
+        "at their best (in brackets): a small budget keeps decode steps short, a large one "
+        "prefills faster",
+        f"- prices: ${a['price_per_core_hour']}/core-hour, ${a['price_per_gpu_hour']}/GPU-hour "
+        "(round, stated prices, not quotes); cost is per million completion tokens",
         "",
         "## Calibration (measured here, one core per replica)",
         "",
@@ -335,10 +383,7 @@ def render(r: dict[str, Any]) -> str:
         steps = ", ".join(f"{b}: {s:.3f}" for b, s in cal["step_s"].items())
         lines.append(f"| {name} ({cal['what']}) | {cal['prefill_tok_s']:.0f} | {steps} | "
                      f"{cal['decode_tok_s_at_slo']:.0f} |")  # fmt: skip
-    for key, title in (
-        ("cpu", "CPU replicas as measured"),
-        ("gpu", "GPU cloud pools, assumed capacity"),
-    ):
+    for key, (title, _, _) in KEYS.items():
         p = r["projections"][key]
         lines += [
             "",
@@ -346,13 +391,16 @@ def render(r: dict[str, Any]) -> str:
             "",
             p["note"],
             "",
-            "| architecture | pools (replicas) | cores / GPUs | cost per million completion tokens | published |",
-            "|---|---|---:|---:|---:|",
+            "| architecture | pools: replicas (SLO attainment) | cores / GPUs | cost per million "
+            "completion tokens | published |",
+            "|---|---|---|---:|---:|",
         ]
         for arch in ("monolithic", "disaggregated", "hybrid"):
             pools = p["pools"][arch]
             desc = ", ".join(
-                f"{n} {v['replicas']:,} (attainment {v['slo_attainment']:.1%})"
+                f"{n} {v['replicas']:,} ({v['slo_attainment']:.1%}"
+                + (f", budget {v['chunk_tokens']}" if "chunk_tokens" in v else "")
+                + ")"
                 for n, v in pools.items()
             )
             lines.append(f"| {arch} | {desc} | {p['units'][arch]} | ${p['cost_per_million'][arch]:.2f} | "
@@ -363,14 +411,15 @@ def render(r: dict[str, Any]) -> str:
 
 def directions(r: dict[str, Any]) -> list[str]:
     out = []
-    for key in ("cpu", "gpu"):
+    for key in KEYS:
         c = r["projections"][key]["cost_per_million"]
         order = sorted(c, key=c.get)
-        out.append(f"- {key.upper()} projection, cheapest first: {', '.join(f'{a} (${c[a]:.2f})' for a in order)}; "
-                   f"published: hybrid ($1.58), disaggregated ($2.10), monolithic ($4.80). Hybrid "
+        out.append(f"- {key}: cheapest first {', '.join(f'{a} (${c[a]:.2f})' for a in order)}. Hybrid "
                    f"cheapest: {'reproduces' if order[0] == 'hybrid' else 'does not reproduce'}; "
                    f"disaggregated below monolithic: "
                    f"{'reproduces' if c['disaggregated'] < c['monolithic'] else 'does not reproduce'}.")  # fmt: skip
+    out.append("- published, cheapest first: hybrid ($1.58), disaggregated ($2.10), monolithic "
+               "($4.80)")  # fmt: skip
     return out
 
 
@@ -384,13 +433,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=PUBLISHED["sessions"])
     ap.add_argument("--requests-per-day", type=int, default=PUBLISHED["requests_per_day"])
     ap.add_argument("--peak-factor", type=float, default=1.0)
-    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
     ap.add_argument("--edge-share", type=float, default=None,
                     help="share of calls on the edge (default: bench/results/hybrid.json's)")  # fmt: skip
     ap.add_argument("--window-s", type=float, default=300.0)
     ap.add_argument("--attainment", type=float, default=0.99)
     ap.add_argument("--ttft-slo", type=float, default=5.0, help="CPU replicas: TTFT objective (s)")
     ap.add_argument("--tbt-slo", type=float, default=0.25, help="CPU replicas: TBT objective (s)")
+    ap.add_argument("--chunk-tokens", type=int, nargs="+", default=[32, 64, 128, 512],
+                    help="step budgets tried for pools that prefill beside decode (prompt tokens "
+                    "per step); each such pool is sized at its best")  # fmt: skip
     ap.add_argument("--price-per-core-hour", type=float, default=0.05)
     ap.add_argument("--price-per-gpu-hour", type=float, default=2.50)
     ap.add_argument("--calibration-prompt", type=int, default=512)
@@ -412,19 +463,46 @@ def main(argv: list[str] | None = None) -> int:
     models = {k: model_of(v) for k, v in calibration.items()}
     for name, cal in calibration.items():
         cal["decode_tok_s_at_slo"] = models[name].decode_tok_s(cpu_slo)
-    calls = load_calls(args.prefix_cache)
+    cached, whole = load_calls(True), load_calls(False)
     rate = args.requests_per_day / 86_400.0 * args.peak_factor
-    out_per_hour = rate * float(np.mean(calls.output)) * 3600.0
-    model_s = float(np.mean(calls.prefill)) / models["cloud"].prefill_tok_s + float(
-        np.mean(calls.output)) * models["cloud"].step_s(8)  # fmt: skip
+    out_per_hour = rate * float(np.mean(cached.output)) * 3600.0
+    model_s = float(np.mean(cached.prefill)) / models["cloud"].prefill_tok_s + float(
+        np.mean(cached.output)) * models["cloud"].step_s(8)  # fmt: skip
+    context = float(np.mean(whole.prefill) + np.mean(whole.output))  # a session's mean context
 
-    cpu = project(calls, rate, models, cpu_slo, args.edge_share, args)
-    cpu_units = {arch: sum(p["replicas"] for p in pools.values()) for arch, pools in cpu.items()}
-    cpu_prices = {n: args.price_per_core_hour for n in ("cloud", "prefill", "decode", "edge")}
-    gpu_models = {"cloud": capacity.CapacityModel(), "edge": models["edge"]}
-    gpu = project(calls, rate, gpu_models, capacity.Slo(), args.edge_share, args)
-    gpu_prices = {"cloud": args.price_per_gpu_hour, "prefill": args.price_per_gpu_hour,
-                  "decode": args.price_per_gpu_hour, "edge": args.price_per_core_hour}  # fmt: skip
+    prices = {
+        "cpu": {n: args.price_per_core_hour for n in ("cloud", "prefill", "decode", "edge")},
+        "gpu": {"cloud": args.price_per_gpu_hour, "prefill": args.price_per_gpu_hour,
+                "decode": args.price_per_gpu_hour, "edge": args.price_per_core_hour},
+    }  # fmt: skip
+    notes = {
+        "cpu": f"Every replica one core at ${args.price_per_core_hour}/core-hour; SLO TTFT "
+        f"{args.ttft_slo} s, TBT {args.tbt_slo} s (CPU replicas of a 135M model).",
+        "gpu": "Cloud replicas: the forecaster's default (an 8B model on one H100: prefill 10k "
+        "tokens/s, decode step 25 ms + 0.4 ms per sequence), **assumed, not measured** (no GPU "
+        f"here), at ${args.price_per_gpu_hour}/GPU-hour and the default SLO (TTFT 2 s, TBT "
+        "0.1 s); the edge pool as measured, on CPU cores at the same SLO.",
+    }
+    projections = {}
+    for key, (_, kind, use_cache) in KEYS.items():
+        print(f"  sizing {key}", file=sys.stderr, flush=True)
+        pool_models = (
+            models if kind == "cpu" else {"cloud": capacity.CapacityModel(), "edge": models["edge"]}
+        )
+        slo = cpu_slo if kind == "cpu" else capacity.Slo()
+        pools = project(cached if use_cache else whole, rate, pool_models, slo, args.edge_share,
+                        args.chunk_tokens, args)  # fmt: skip
+        units = {
+            a: ", ".join(f"{p['replicas']:,} {'cores' if kind == 'cpu' or n == 'edge' else 'GPUs'}"
+                         for n, p in arch.items())
+            for a, arch in pools.items()
+        }  # fmt: skip
+        projections[key] = {
+            "note": notes[kind],
+            "pools": pools,
+            "units": units,
+            "cost_per_million": {a: price(p, prices[kind], out_per_hour) for a, p in pools.items()},
+        }
     report: dict[str, Any] = {
         "machine": machine_line(),
         "commit": git_head(),
@@ -436,38 +514,19 @@ def main(argv: list[str] | None = None) -> int:
             "edge_share_source": share_source,
         },
         "rate_per_s": rate,
-        "think_time_s": think_time_s(args.sessions, rate, calls.calls_per_session, model_s),
+        "think_time_s": think_time_s(args.sessions, rate, cached.calls_per_session, model_s),
+        "kv_to_cache_tb": {
+            k: args.sessions * context * b / 1e12 for k, b in KV_BYTES_PER_TOKEN.items()
+        },
         "calls": {
-            "count": len(calls.prefill),
-            "calls_per_session": calls.calls_per_session,
-            "prefill_mean": float(np.mean(calls.prefill)),
-            "output_mean": float(np.mean(calls.output)),
+            "count": len(cached.prefill),
+            "calls_per_session": cached.calls_per_session,
+            "prompt_mean": float(np.mean(whole.prefill)),
+            "new_mean": float(np.mean(cached.prefill)),
+            "output_mean": float(np.mean(cached.output)),
         },
         "calibration": calibration,
-        "projections": {
-            "cpu": {
-                "note": f"Every replica one core at ${args.price_per_core_hour}/core-hour; SLO TTFT "
-                f"{args.ttft_slo} s, TBT {args.tbt_slo} s (CPU replicas of a 135M model).",
-                "pools": cpu,
-                "units": {a: f"{u:,} cores" for a, u in cpu_units.items()},
-                "cost_per_million": {a: price(p, cpu_prices, out_per_hour) for a, p in cpu.items()},
-            },
-            "gpu": {
-                "note": "Cloud replicas: the forecaster's default (an 8B model on one H100: prefill "
-                "10k tokens/s, decode step 25 ms + 0.4 ms per sequence), **assumed, not "
-                f"measured**, at ${args.price_per_gpu_hour}/GPU-hour and its default SLO "
-                "(TTFT 2 s, TBT 0.1 s); the edge pool as measured, on CPU cores.",
-                "pools": gpu,
-                "units": {
-                    a: ", ".join(
-                        f"{p['replicas']:,} {'cores' if n == 'edge' else 'GPUs'}"
-                        for n, p in pools.items()
-                    )
-                    for a, pools in gpu.items()
-                },
-                "cost_per_million": {a: price(p, gpu_prices, out_per_hour) for a, p in gpu.items()},
-            },
-        },
+        "projections": projections,
     }
     report["directions"] = directions(report)
     out = Path(args.out)

@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "wall_s": time.monotonic() - started,
         "params": {
-            k: (str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
+            k: (str(v.resolve().relative_to(ROOT)) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
         },
         "workload": {

@@ -243,9 +243,13 @@ def render(report: dict[str, Any]) -> str:
         f"(`max_tokens`) {', '.join(map(str, s['output_caps']))}; {s['repeats']} repeat(s), medians",
         "",
     ]
+    chains = report.get("chains") or {}
     for shape in s["shapes"]:
         lines += [
             f"## {shape}",
+            "",
+            f"{chains.get(shape, '?')} chains: at most that many calls in flight, whatever the "
+            "batch size.",
             "",
             "| batch | output cap | wall s | call p50 s | call p95 s | output tok/s | CPU-s per "
             "output token | CPU-s per workflow | prefix hit |",
@@ -278,10 +282,13 @@ def findings(report: dict[str, Any]) -> list[str]:
                     if (c["shape"], c["batch"], c["output_cap"]) == (shape, batch, cap))  # fmt: skip
 
     out = []
+    chains = report.get("chains") or {}
     for shape in s["shapes"]:
         a, b = cell(shape, lo, long), cell(shape, hi, long)
+        n = chains.get(shape)
+        note = f" ({n} chains: at most {n} in flight)" if n is not None and n < hi else ""
         out.append(
-            f"- `{shape}`, batch {lo} -> {hi} (cap {long}): CPU-s per output token "
+            f"- `{shape}`, batch {lo} -> {hi}{note} (cap {long}): CPU-s per output token "
             f"{b['cpu_s_per_output_token'] / a['cpu_s_per_output_token']:.2f}x, wall time "
             f"{b['wall_s'] / a['wall_s']:.2f}x, call p95 {b['latency_p95_s'] / a['latency_p95_s']:.2f}x; "
             f"cap {short} -> {long} (batch {hi}): output tokens "
@@ -369,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "cells": cells,
     }
+    report["chains"] = {shape: len(workflow(shape, sources)) for shape in args.shapes}
     report["findings"] = findings(report)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
@@ -378,5 +386,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def rerender(saved: Path) -> None:
+    """The report again from a saved JSON (``--render PATH.json``): adds what newer code
+    records (the chain counts) and rewrites the .md, .png and .json."""
+    report = json.loads(saved.read_text())
+    if "chains" not in report:
+        sources = load_sources()
+        report["chains"] = {s: len(workflow(s, sources)) for s in report["settings"]["shapes"]}
+    report["findings"] = findings(report)
+    saved.write_text(json.dumps(report, indent=2))
+    saved.with_suffix(".md").write_text(render(report))
+    plot(report, saved.with_suffix(".png"))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--render"]:
+        rerender(Path(sys.argv[2]))
+        raise SystemExit(0)
     sys.exit(main())

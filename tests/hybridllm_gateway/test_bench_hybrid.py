@@ -264,3 +264,21 @@ def test_the_mooncake_trace_gives_multi_turn_sessions(sessions: ModuleType) -> N
     assert all(3 <= len(s.calls) <= 6 for s in loaded)
     first = loaded[0].calls
     assert first[1].messages[0]["content"].startswith(first[0].messages[0]["content"][:96])
+
+
+def test_a_pool_that_prefills_beside_decode_is_sized_at_its_best_step_budget(
+    project: ModuleType,
+) -> None:
+    cap = project.capacity
+    # a slow prefill: big chunks stall decode steps past the TBT objective
+    model = cap.CapacityModel(prefill_tok_s=400.0, tbt_base_s=0.05, tbt_per_seq_s=0.004,
+                              kv_max_batch=16)  # fmt: skip
+    pool = cap.PoolConfig(capacity=model, slo=cap.Slo(ttft_s=5.0, tbt_s=0.25), max_replicas=10_000)
+    calls = project.Calls(project.np.array([800]), project.np.array([40]), 5.0)
+    s = project.stream(calls, 4.0, 300.0, seed=4)
+    each = {c: project.size_pool(s, pool.with_(capacity=project.dataclasses.replace(
+        model, prefill_chunk_tokens=c)), 0.99)["replicas"] for c in (32, 512)}  # fmt: skip
+    best = project.size_best_chunk(s, pool, [32, 512], 0.99)
+    assert best["replicas"] == min(each.values())
+    assert best["chunk_tokens"] == min(each, key=each.get)
+    assert each[32] != each[512]  # the budget matters here
