@@ -10,6 +10,7 @@ default so that greedy decisions are not near-ties and token identity is a stric
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,13 @@ def real_model_dir() -> Path:
     import hybridllm_models
 
     return Path(hybridllm_models.ensure())
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module's tests: two threads per process thrash on a small
+    shared CPU (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

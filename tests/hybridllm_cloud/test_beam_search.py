@@ -111,13 +111,7 @@ def assert_no_block_held(engine: llm_engine.LLMEngine) -> None:
     assert pool.num_free_blocks == pool.num_blocks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """One torch thread: two threads per process thrash on a small shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- HF identity --------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from hybridllm_cloud.engine import llm_engine
 
@@ -53,26 +52,21 @@ def test_shapes_have_the_structure_they_stand_for(wf: Any) -> None:
     assert len(wf.workflow("mix", sources)) == 4 + 8 + 2
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_a_run_keeps_chain_order_and_counts_what_the_engine_did(
     wf: Any, real_model_dir: Path
 ) -> None:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = llm_engine.LLMEngine.from_path(
-            real_model_dir,
-            llm_engine.EngineConfig(num_kv_blocks=512, block_size=16, max_num_seqs=4),
-        )
-        chains = wf.summarise(wf.load_sources())[:2]
-        seen: list[str] = []
-        for chain in chains:  # record what each call was given
-            chain.calls[:] = [
-                (lambda build: lambda prev: (seen.append(prev), build(prev))[1])(b)
-                for b in chain.calls
-            ]
-        result = wf.run(engine, chains, 3)
-    finally:
-        torch.set_num_threads(previous)
+    engine = llm_engine.LLMEngine.from_path(
+        real_model_dir,
+        llm_engine.EngineConfig(num_kv_blocks=512, block_size=16, max_num_seqs=4),
+    )
+    chains = wf.summarise(wf.load_sources())[:2]
+    seen: list[str] = []
+    for chain in chains:  # record what each call was given
+        chain.calls[:] = [
+            (lambda build: lambda prev: (seen.append(prev), build(prev))[1])(b) for b in chain.calls
+        ]
+    result = wf.run(engine, chains, 3)
     assert result["calls"] == 8
     assert result["output_tokens"] == 8 * 3  # every answer generated to the cap
     assert result["cpu_s"] > 0
