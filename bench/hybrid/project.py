@@ -36,7 +36,8 @@ request-level simulator calibrated with per-replica capacities measured here.
    machine has no GPU) at ``--price-per-gpu-hour``, the edge pool staying on measured CPU
    replicas, at the forecaster's default SLO.
 
-Writes bench/results/hybrid-projection.{md,json}.
+Writes bench/results/hybrid-projection.{md,json,png} (``--render PATH.json`` redraws the
+report and the plot from a saved JSON).
 """
 
 from __future__ import annotations
@@ -423,6 +424,33 @@ def directions(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def plot(r: dict[str, Any], path: Path) -> None:
+    """Cost per million completion tokens, per projection and architecture, beside the
+    published costs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    archs = ("monolithic", "disaggregated", "hybrid")
+    groups = [*KEYS, "published"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.26
+    for i, arch in enumerate(archs):
+        values = [r["projections"][k]["cost_per_million"][arch] for k in KEYS]
+        values.append(PUBLISHED["cost_per_million"][arch])
+        ax.bar([g + (i - 1) * width for g in range(len(groups))], values, width, label=arch)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_yscale("log")
+    ax.set_ylabel("$ per million completion tokens (log)")
+    ax.set_title(f"Projected to {r['settings']['sessions']:,} sessions, "
+                 f"{r['settings']['requests_per_day']:,} calls a day")  # fmt: skip
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -532,9 +560,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=float))
     out.with_suffix(".md").write_text(render(report))
+    plot(report, out.with_suffix(".png"))
     print(render(report))
     return 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--render"]:  # the report and plot again from a saved JSON
+        saved = Path(sys.argv[2])
+        doc = json.loads(saved.read_text())
+        saved.with_suffix(".md").write_text(render(doc))
+        plot(doc, saved.with_suffix(".png"))
+        raise SystemExit(0)
     sys.exit(main())
