@@ -53,15 +53,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def prompts(tokenizer: Any, n: int, tokens: int) -> list[str]:
     """``n`` distinct prompts of exactly ``tokens`` tokens (as the served model counts them)."""
-    words = sorted({w for p in sorted(sessions_mod.SWE_AGENT.glob("*.traj"))[:4]
-                    for w in p.read_text()[:20000].split() if w.isalpha()})  # fmt: skip
+    words = sessions_mod.trace_words()
     rng = random.Random(0)
     out = []
     for _ in range(n):
@@ -115,9 +109,9 @@ def summary(latencies: list[float], ttfts: list[float], tokens: int, wall: float
         "requests_per_s": len(latencies) / wall,
         "output_tokens_per_s": tokens / wall,
         "latency_p50_s": statistics.median(latencies),
-        "latency_p95_s": pct(latencies, 0.95),
+        "latency_p95_s": run_mod.pct(latencies, 0.95),
         "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p95_s": pct(ttfts, 0.95),
+        "ttft_p95_s": run_mod.pct(ttfts, 0.95),
     }
 
 

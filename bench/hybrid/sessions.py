@@ -156,6 +156,12 @@ def mooncake_conversations(path: Path = MOONCAKE) -> list[list[dict[str, Any]]]:
     return out
 
 
+def trace_words() -> list[str]:
+    """The words (alphabetic) of the first SWE-agent trajectories: text to fill prompts."""
+    return sorted({w for p in sorted(SWE_AGENT.glob("*.traj"))[:4]
+                   for w in p.read_text()[:20000].split() if w.isalpha()})  # fmt: skip
+
+
 def _block_text(block_id: int, words: list[str], chars: int) -> str:
     """The same text for the same hash id, so equal ids are an equal prefix for the cache."""
     rng = random.Random(block_id)
@@ -171,8 +177,7 @@ def load_mooncake_sessions(scale: MooncakeScale, path: Path = MOONCAKE) -> list[
     prefix the trace says they share; answers are the trace's output length scaled like the
     prompts, at most ``max_tokens``; the wait before the next turn is the trace's gap times
     ``think_time_factor``. Words come from the SWE-agent trajectories' text."""
-    words = sorted({w for p in sorted(SWE_AGENT.glob("*.traj"))[:4]
-                    for w in p.read_text()[:20000].split() if w.isalpha()})  # fmt: skip
+    words = trace_words()
     sessions = []
     for n, turns in enumerate(mooncake_conversations(path)):
         if len(turns) < scale.min_calls:

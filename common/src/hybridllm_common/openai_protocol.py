@@ -110,33 +110,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields common to both endpoints, validated the same way everywhere."""
+class StopField(BaseModel):
+    """OpenAI's ``stop``: a string or up to 4 non-empty strings (the sampling endpoints and
+    the cloud runtime's /v1/search)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str = ""
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    user: str | None = None
-    # Extensions (vLLM names): top_k <= 0 means off.
-    top_k: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    # hybridllm extension: "interactive" (default) or "batch" scheduling class.
-    priority: Literal["interactive", "batch"] = "interactive"
-    # Extension (vLLM's name): prefix-cache partition. Requests share cached KV blocks (and
-    # edge cached answers) only with requests of the same salt; the gateway sets it to the
-    # tenant (the API key's name) when keys are configured, overriding the client's.
-    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -151,6 +129,34 @@ class _SamplingFields(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class _SamplingFields(StopField):
+    """Fields common to both endpoints, validated the same way everywhere."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None
+    # Extensions (vLLM names): top_k <= 0 means off.
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # hybridllm extension: "interactive" (default) or "batch" scheduling class.
+    priority: Literal["interactive", "batch"] = "interactive"
+    # Extension (vLLM's name): prefix-cache partition. Requests share cached KV blocks (and
+    # edge cached answers) only with requests of the same salt; the gateway sets it to the
+    # tenant (the API key's name) when keys are configured, overriding the client's.
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

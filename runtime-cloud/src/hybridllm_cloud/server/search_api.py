@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hybridllm_cloud.engine import async_engine
 from hybridllm_cloud.engine.llm_engine import RequestOutput
@@ -51,7 +51,7 @@ class VerifierSpec(BaseModel):
     aggregate: Literal["mean", "min", "last"] = "mean"
 
 
-class SearchRequest(BaseModel):
+class SearchRequest(oai.StopField):
     model_config = ConfigDict(extra="forbid")
 
     model: str = ""
@@ -64,30 +64,17 @@ class SearchRequest(BaseModel):
     max_step_tokens: int = Field(default=64, ge=1)
     max_tokens: int = Field(default=256, ge=1)
     step_delimiters: list[str] = Field(default_factory=lambda: ["\n"], min_length=1, max_length=4)
-    stop: str | list[str] | None = None
     temperature: float = Field(default=0.8, gt=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     verifier: VerifierSpec = Field(default_factory=VerifierSpec)
     priority: Literal["interactive", "batch"] = "interactive"
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return v
-
     @model_validator(mode="after")
     def _one_problem(self) -> SearchRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
         return self
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def params(self) -> step_search.StepSearchParams:
         return step_search.StepSearchParams(
@@ -212,12 +199,8 @@ async def handle(serving: Serving, body: SearchRequest, request: Request) -> JSO
         raise serving.error(oai.INVALID_PARAMETER, str(exc), param) from exc
     tok = serving.tokenizer
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tok.apply_chat_template(messages)
-        except Exception as exc:
-            raise serving.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
-        user = [m["content"] for m in messages if m["role"] == "user"]
+        text = serving.chat_text(body.messages)
+        user = [m.text() for m in body.messages if m.role == "user"]
         problem = step_search.Problem(
             tok.encode(text, add_special_tokens=False), text, user[-1] if user else text, True
         )

@@ -174,6 +174,15 @@ class Serving:
             raise self.error(oai.INVALID_PARAMETER, str(exc), param) from exc
         return params
 
+    def chat_text(self, messages: list[oai.ChatMessage]) -> str:
+        """The messages through the model's chat template (a 400 naming ``messages`` when
+        the template refuses them)."""
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(plain)
+        except Exception as exc:
+            raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
+
     def check_capacity(self) -> None:
         """503 with Retry-After when the engine's queue is at its bound."""
         if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
@@ -247,11 +256,7 @@ class Serving:
         self._check_ready(body.model)
         admission.refuse_unsupported(body, SUPPORTED_HERE)
         search = self._search(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = self.tokenizer.encode_chat(messages)
-        except Exception as exc:
-            raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
+        prompt = self.tokenizer.encode(self.chat_text(body.messages), add_special_tokens=False)
         top = body.top_logprobs or 0
         params = self._params(body, len(prompt), top if body.logprobs else None)
         params = self._search_params(params, search)
