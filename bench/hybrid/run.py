@@ -1,8 +1,8 @@
 """The hybrid claim on this machine: monolithic vs disaggregated vs hybrid edge-cloud.
 
     uv run python bench/hybrid/run.py [--architectures monolithic,disaggregated,hybrid]
-        [--workload swe-agent|mooncake] [--concurrency 4] [--sessions 0]
-        [--price-per-core-hour 0.05]
+        [--workload swe-agent|mooncake|workflows] [--shape mix] [--concurrency 4]
+        [--sessions 0] [--repeats 1] [--price-per-core-hour 0.05]
 
 Each architecture is one ``LLMService`` manifest run by local mode (``hybridllm up``: the
 real gateway and the real runtimes serving SmolLM2-135M-Instruct) on the same two cores:
@@ -14,19 +14,27 @@ real gateway and the real runtimes serving SmolLM2-135M-Instruct) on the same tw
   choosing per call and the cascade re-asking the cloud when an edge answer's mean
   logprob is low.
 
-All three replay the same agentic sessions (``sessions.py``: the SWE-agent trajectories,
-or with ``--workload mooncake`` the Mooncake conversation trace's multi-turn
-conversations, scaled to this machine, ``--concurrency`` sessions in flight, tool waits
-kept) through
-the ``openai`` client, non-streamed (the cascade needs the whole edge answer), greedy.
+All three replay the same sessions (``sessions.py``: the SWE-agent trajectories, or with
+``--workload mooncake`` the Mooncake conversation trace's multi-turn conversations, scaled
+to this machine, ``--concurrency`` sessions in flight, tool waits kept; with ``--workload
+workflows`` the chains of one workflow shape of ``shapes.py``, all at once, each prompt
+built from its chain's earlier answers and every answer generated to ``--max-tokens``
+with ``ignore_eos``, as ``workflows.py`` does in-process) through the ``openai`` client,
+non-streamed (the cascade needs the whole edge answer), greedy.
 Reported per architecture, side by side: session model time (p50/p95: the sum of a
 session's call latencies; tool waits left out), per-call latency p50/p95, requests/s and
 completion tokens/s, the share of calls the edge answered, cascade escalations, each
 component's CPU (cores used over the run), and cost per million tokens from the
 core-seconds at ``--price-per-core-hour``. A quality guard: the share of hybrid answers
-identical to the cloud-only (monolithic) answer to the same call.
+identical to the cloud-only (monolithic) answer to the same call, and their mean word
+similarity (a softer measure; no judge of equivalence is built).
 
-Writes ``bench/results/hybrid.{json,md}`` (``--out``). One benchmark at a time.
+``--repeats N`` runs every architecture N times, each on a freshly started service (an
+empty prefix cache), in a rotated order per repeat so drift over the run is spread over
+them all; the tables give the median and the range of each number, and the plot the
+median with the range as error bars.
+
+Writes ``bench/results/hybrid.{json,md,png}`` (``--out``). One benchmark at a time.
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import difflib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import cost
 import sessions as sessions_mod
-from portable import free_port, machine_line
+import shapes
+from portable import free_port, machine_line, portable
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -144,10 +155,16 @@ def by_component(procs: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def make_send(base_url: str, model: str = SERVED, api_key: str = "unused") -> tuple[Any, sessions_mod.Send]:  # fmt: skip
+def make_send(
+    base_url: str, model: str = SERVED, api_key: str = "unused", ignore_eos: bool = False
+) -> tuple[Any, sessions_mod.Send]:
+    """The replay's call: the ``openai`` client, greedy, non-streamed; ``ignore_eos``
+    (the runtimes' extension, sent as an extra body field) generates every answer to its
+    ``max_tokens``."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    extra = {"ignore_eos": True} if ignore_eos else None
 
     async def send(messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, int, str, str]:  # fmt: skip
         raw = await client.chat.completions.with_raw_response.create(
@@ -155,6 +172,7 @@ def make_send(base_url: str, model: str = SERVED, api_key: str = "unused") -> tu
             messages=messages,
             max_tokens=max_tokens,
             temperature=0,  # type: ignore[arg-type]
+            extra_body=extra,
         )
         done = raw.parse()
         usage = done.usage
@@ -220,7 +238,9 @@ def provisioned(wall: float, tokens: int, price: float) -> dict[str, float]:
 
 
 def agreement(a: list[sessions_mod.SessionResult], b: list[sessions_mod.SessionResult]) -> dict[str, Any]:  # fmt: skip
-    """Share of calls whose answers are identical in ``a`` and ``b`` (same session, index)."""
+    """Share of calls whose answers are identical in ``a`` and ``b`` (same session, index),
+    and the answers' mean word similarity (difflib's ratio over their words: 1 identical,
+    0 nothing in common), over all calls and over those ``a``'s edge answered."""
     ref = {(c.session, c.index): c for s in b for c in s.calls if not c.error}
     pairs = [
         (c, ref[(c.session, c.index)])
@@ -231,13 +251,24 @@ def agreement(a: list[sessions_mod.SessionResult], b: list[sessions_mod.SessionR
     if not pairs:
         return {"calls": 0}
     same = [x.text.strip() == y.text.strip() for x, y in pairs]
-    edge = [same[i] for i, (x, _) in enumerate(pairs) if x.tier == "edge"]
+    sim = [similarity(x.text, y.text) for x, y in pairs]
+    on_edge = [i for i, (x, _) in enumerate(pairs) if x.tier == "edge"]
     return {
         "calls": len(pairs),
         "identical": sum(same) / len(pairs),
-        "identical_edge_calls": (sum(edge) / len(edge)) if edge else None,
-        "edge_calls": len(edge),
+        "identical_edge_calls": (sum(same[i] for i in on_edge) / len(on_edge)) if on_edge else None,
+        "edge_calls": len(on_edge),
+        "similarity": sum(sim) / len(sim),
+        "similarity_edge_calls": (sum(sim[i] for i in on_edge) / len(on_edge)) if on_edge else None,
     }
+
+
+def similarity(a: str, b: str) -> float:
+    """difflib's ratio over the two texts' words: 2 x matching words / all words."""
+    wa, wb = a.split(), b.split()
+    if not wa and not wb:
+        return 1.0
+    return difflib.SequenceMatcher(None, wa, wb, autojunk=False).ratio()
 
 
 def run_architecture(
@@ -273,13 +304,16 @@ def run_architecture(
         async def measure() -> tuple[list[sessions_mod.SessionResult], float, dict[str, float]]:
             # one event loop for the warm-up and the replay: the client's connection pool
             # belongs to the loop it was opened on
-            _client, send = make_send(f"http://127.0.0.1:{port}/v1")
+            client, send = make_send(
+                f"http://127.0.0.1:{port}/v1", ignore_eos=args.workload == "workflows"
+            )
             warm = sessions_mod.Session("warm-up", sessions[0].calls[:1])
             await sessions_mod.replay([warm], send, 1)
             before = by_component(procs)
             results, wall = await sessions_mod.replay(
                 sessions, send, args.concurrency, args.start_gap_s
             )
+            await client.close()  # on its own loop, before the loop closes
             return results, wall, before
 
         procs = processes(state_root, name)
@@ -304,7 +338,7 @@ ROWS = [
     ("requests_per_s", "requests/s", "{:.2f}"),
     ("completion_tokens_per_s", "completion tokens/s", "{:.1f}"),
     ("edge_share", "share of calls on the edge", "{:.0%}"),
-    ("cascades", "cascade escalations", "{}"),
+    ("cascades", "cascade escalations", "{:g}"),
     ("core_seconds", "core-seconds used", "{:.0f}"),
     ("cost_per_million_tokens", "cost per million completion tokens, cores used ($)", "{:.2f}"),
     (
@@ -312,7 +346,7 @@ ROWS = [
         "cost per million completion tokens, 2 cores held ($)",
         "{:.2f}",
     ),
-    ("errors", "errors", "{}"),
+    ("errors", "errors", "{:g}"),
 ]
 
 
@@ -324,14 +358,18 @@ def write(report: dict[str, Any], out: Path) -> None:
                                  report["params"]["price_per_core_hour"]))  # fmt: skip
     names = list(res)
     p = report["params"]
+    repeats = int(p.get("repeats", 1))
+    spread = report.get("spread") or {}
     lines = [
         "# The hybrid claim on two CPU cores: monolithic vs disaggregated vs hybrid",
         "",
         f"- date: {report['date']}; machine: {report['machine']}",
         f"- command: `{report['command']}` ({report['wall_s'] / 60:.0f} min)",
-        f"- workload: {report['workload']['sessions']} agentic sessions, {report['workload']['calls']} "
-        f"model calls, from {WORKLOADS[p.get('workload', 'swe-agent')]}, "
-        f"{p['concurrency']} in flight; scaled: {report['workload']['scale']}; non-streamed, greedy",
+        f"- workload: {workload_line(report)}; non-streamed, greedy",
+        f"- {repeats} run(s) of each architecture, each on a freshly started service, in a "
+        "rotated order; every number is the median over the runs, with the range in brackets"
+        if repeats > 1
+        else "- one run of each architecture",
         "- architectures (local mode, `hybridllm up`, two cores in all):",
         *(f"  - `{n}`: {report['describe'][n]}" for n in names),
         f"- cost at ${p['price_per_core_hour']:g} per core-hour (a stated round price, not a "
@@ -341,9 +379,18 @@ def write(report: dict[str, Any], out: Path) -> None:
         "| | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
     ]
+
+    def cell(n: str, key: str, fmt: str) -> str:
+        v = res[n].get(key)
+        if v is None:
+            return "-"
+        lo, hi = spread.get(n, {}).get(key) or (v, v)
+        return fmt.format(v) + (f" ({fmt.format(lo)}-{fmt.format(hi)})" if lo != hi else "")
+
     for key, label, fmt in ROWS:
-        cells = [("-" if res[n].get(key) is None else fmt.format(res[n][key])) for n in names]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if key == "errors" and repeats > 1:
+            label = "errors (all runs)"
+        lines.append(f"| {label} | " + " | ".join(cell(n, key, fmt) for n in names) + " |")
     lines.append(
         "| cores used, by component | "
         + " | ".join(
@@ -356,12 +403,97 @@ def write(report: dict[str, Any], out: Path) -> None:
             continue
         edge = q.get("identical_edge_calls")
         lines += ["", f"Quality guard, `{arch}`: {q['identical']:.0%} of its answers are identical to the "
-                  f"cloud-only answer to the same call ({q['calls']} calls); of the calls the edge "
-                  f"answered, {'-' if edge is None else f'{edge:.0%}'} ({q['edge_calls']} calls). "
+                  f"cloud-only answer to the same call ({q['calls']:g} calls); of the calls the edge "
+                  f"answered, {'-' if edge is None else f'{edge:.0%}'} ({q['edge_calls']:g} calls). "
                   "The edge runs 4-bit weights, the cloud fp32: identical text is a strict test."]  # fmt: skip
-    lines.append("")
+        if q.get("similarity") is not None:
+            se = q.get("similarity_edge_calls")
+            lines[-1] += (f" Word similarity to the cloud-only answer (difflib's ratio, 1 = "
+                          f"identical): {q['similarity']:.2f} over all calls, "
+                          f"{'-' if se is None else f'{se:.2f}'} over the edge's.")  # fmt: skip
+    if repeats > 1 and report.get("quality"):
+        lines[-1] += " (Medians over the runs, each against the monolithic run of the same repeat.)"
+    png = out.with_suffix(".png")
+    plot(report, png)
+    lines += [
+        "",
+        f"![P95 session model time, requests/s and cost per architecture]({png.name})",
+        "",
+    ]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+PLOTTED = [
+    ("session_model_time_p95_s", "P95 session model time (s)"),
+    ("requests_per_s", "requests/s"),
+    ("provisioned_cost_per_million_tokens", "$ per million completion tokens\n(2 cores held)"),
+]
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Three panels, one bar per architecture: the median, the range over runs as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res, spread = report["architectures"], report.get("spread") or {}
+    names = list(res)
+    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.8))
+    for ax, (key, label) in zip(axes, PLOTTED, strict=True):
+        med = [res[n][key] for n in names]
+        rng = [spread.get(n, {}).get(key) or (m, m) for n, m in zip(names, med, strict=True)]
+        err = [[m - lo for m, (lo, _) in zip(med, rng, strict=True)],
+               [hi - m for m, (_, hi) in zip(med, rng, strict=True)]]  # fmt: skip
+        ax.bar(range(len(names)), med, yerr=err, capsize=4,
+               color=[f"C{i}" for i in range(len(names))])  # fmt: skip
+        ax.set_xticks(range(len(names)), names, rotation=15)
+        ax.set_title(label, fontsize=10)
+    runs = int(report["params"].get("repeats", 1))
+    fig.suptitle(f"{report['params'].get('workload', 'swe-agent')} on two cores: "
+                 + (f"medians of {runs} runs, range as error bars" if runs > 1 else "one run"))  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def workload_line(report: dict[str, Any]) -> str:
+    p, w = report["params"], report["workload"]
+    kind = p.get("workload", "swe-agent")
+    if kind == "workflows":
+        return (f"{w['sessions']} chains of the `{p['shape']}` workflow shape ({w['calls']} "
+                f"model calls), from {WORKLOADS[kind]}, all chains at once, every prompt built "
+                f"from its chain's earlier answers, every answer generated to {p['max_tokens']} "
+                "tokens (`ignore_eos`)")  # fmt: skip
+    return (f"{w['sessions']} agentic sessions, {w['calls']} model calls, from {WORKLOADS[kind]}, "
+            f"{p['concurrency']} in flight; scaled: {w['scale']}")  # fmt: skip
+
+
+def combine(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Repeated runs as one: the median of every number (and of every entry of a table of
+    numbers) and each number's range; errors are summed over the runs."""
+
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    median: dict[str, Any] = {}
+    spread: dict[str, list[float]] = {}
+    for key, first in runs[0].items():
+        values: list[Any] = [r.get(key) for r in runs]
+        if key == "errors":
+            median[key] = sum(values)
+        elif key == "first_errors":
+            median[key] = [e for r in runs for e in r[key]][:3]
+        elif all(number(v) for v in values):
+            median[key] = statistics.median(values)
+            spread[key] = [min(values), max(values)]
+        elif all(isinstance(v, dict) and all(number(x) for x in v.values()) for v in values):
+            keys = sorted({k for v in values for k in v})
+            median[key] = {k: statistics.median(v.get(k, 0) for v in values) for k in keys}
+        else:
+            median[key] = first
+    return median, spread
 
 
 WORKLOADS = {
@@ -369,6 +501,7 @@ WORKLOADS = {
     "mooncake": "the Mooncake conversation trace (`../shared/traces/mooncake-2025`: "
     "conversations rebuilt from shared prefix blocks, text standing for each block, the "
     "trace's gaps between turns scaled)",
+    "workflows": "the SWE-agent trajectories' text (`bench/hybrid/shapes.py`)",
 }
 
 DESCRIBE = {
@@ -398,11 +531,18 @@ def main(argv: list[str] | None = None) -> int:
         default=0.01,
         help="mooncake: the trace's gaps between turns, times this",
     )
-    ap.add_argument("--concurrency", type=int, default=4, help="sessions in flight")
+    ap.add_argument("--shape", choices=shapes.SHAPES, default="mix",
+                    help="workflows: the workflow shape")  # fmt: skip
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="sessions in flight (default 4; workflows: every chain)")  # fmt: skip
     ap.add_argument("--sessions", type=int, default=0, help="at most this many (0: all)")
-    ap.add_argument("--start-gap-s", type=float, default=1.0)
+    ap.add_argument("--start-gap-s", type=float, default=None,
+                    help="between the first sessions' starts (default 1; workflows: 0)")  # fmt: skip
     ap.add_argument("--max-calls", type=int, default=8, help="calls per session, at most")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32,
+                    help="a call's answer, at most (workflows: exactly, ignore_eos)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each architecture, medians reported")  # fmt: skip
     ap.add_argument("--system-chars", type=int, default=1200)
     ap.add_argument("--message-chars", type=int, default=200)
     ap.add_argument("--context-length", type=int, default=2048)
@@ -416,8 +556,14 @@ def main(argv: list[str] | None = None) -> int:
     for a in archs:
         if a not in ARCHITECTURES:
             ap.error(f"--architectures: {a!r} is not one of {', '.join(ARCHITECTURES)}")
-    scale: sessions_mod.Scale | sessions_mod.MooncakeScale
-    if args.workload == "mooncake":
+    if args.repeats < 1:
+        ap.error("--repeats: at least 1")
+    scale: sessions_mod.Scale | sessions_mod.MooncakeScale | dict[str, Any]
+    if args.workload == "workflows":
+        sessions = shapes.as_sessions(shapes.workflow(args.shape, shapes.load_sources()),
+                                      args.max_tokens)  # fmt: skip
+        scale = {"shape": args.shape, "max_tokens": args.max_tokens, "ignore_eos": True}
+    elif args.workload == "mooncake":
         scale = sessions_mod.MooncakeScale(
             chars_per_block=args.chars_per_block, max_tokens=args.max_tokens,
             max_calls=args.max_calls, think_time_factor=args.think_time_factor,
@@ -429,17 +575,26 @@ def main(argv: list[str] | None = None) -> int:
         sessions = sessions_mod.load_sessions(scale)
     if args.sessions:
         sessions = sessions[: args.sessions]
+    workflows = args.workload == "workflows"
+    if args.concurrency is None:
+        args.concurrency = len(sessions) if workflows else 4
+    if args.start_gap_s is None:
+        args.start_gap_s = 0.0 if workflows else 1.0
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="hybrid-bench-"))
-    results: dict[str, dict[str, Any]] = {}
-    answers: dict[str, list[sessions_mod.SessionResult]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in archs}
+    answers: dict[str, list[list[sessions_mod.SessionResult]]] = {a: [] for a in archs}
     try:
-        for arch in archs:
-            print(f"{arch}: starting", flush=True)
-            results[arch], answers[arch] = run_architecture(arch, args, sessions, work)
-            print(f"{arch}: " + json.dumps({k: v for k, v in results[arch].items() if not isinstance(v, dict)}), flush=True)  # fmt: skip
+        for r in range(args.repeats):
+            for arch in archs[r % len(archs) :] + archs[: r % len(archs)]:
+                print(f"{arch}: starting (run {r + 1} of {args.repeats})", flush=True)
+                summary, answered = run_architecture(arch, args, sessions, work)
+                runs[arch].append(summary)
+                answers[arch].append(answered)
+                print(f"{arch}: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}), flush=True)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    combined = {a: combine(runs[a]) for a in archs}
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_line(),
@@ -447,13 +602,13 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "wall_s": time.monotonic() - started,
         "params": {
-            k: (str(v.resolve().relative_to(ROOT)) if isinstance(v, Path) else v)
+            k: (portable(str(v.resolve())) if isinstance(v, Path) else v)
             for k, v in vars(args).items()
         },
         "workload": {
             "sessions": len(sessions),
             "calls": sum(len(s.calls) for s in sessions),
-            "scale": dataclasses.asdict(scale),
+            "scale": scale if isinstance(scale, dict) else dataclasses.asdict(scale),
         },
         "describe": {
             a: DESCRIBE[a].format(
@@ -463,11 +618,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             for a in archs
         },
-        "architectures": results,
+        "architectures": {a: combined[a][0] for a in archs},
+        "spread": {a: combined[a][1] for a in archs},
+        "runs": runs,
     }
     if "monolithic" in answers:
-        report["quality"] = {a: agreement(answers[a], answers["monolithic"])
-                             for a in answers if a.startswith("hybrid")}  # fmt: skip
+        quality = {a: [agreement(mine, cloud) for mine, cloud in zip(answers[a], answers["monolithic"], strict=True)]
+                   for a in answers if a.startswith("hybrid")}  # fmt: skip
+        report["quality"] = {a: combine(q)[0] for a, q in quality.items()}
+        report["quality_runs"] = quality
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
     write(report, args.out)

@@ -20,6 +20,9 @@ their shared prefix blocks: each turn's prompt is text standing for its 512-toke
 (the same text for the same block id), so turns share exactly what the trace says they
 share, and the waits between turns are the trace's own gaps, scaled.
 
+Workflow shapes (``shapes.py``) are sessions too: their calls are built from the answers
+the session got before them (``Call.build``), so a summary carries the previous one.
+
 The replay keeps a session's order: call k+1 is sent only after call k's answer and the
 tool's wait. Those waits are the workload's think time, not a stand-in for model time:
 every answer comes from the real model behind the real gateway.
@@ -53,11 +56,20 @@ class Scale:
     tool_wait_factor: float = 1.0
 
 
+# A call's messages built from the answers its session got before it, in order: for
+# workflows whose next prompt holds an earlier answer (a summary so far, a transcript).
+Build = Callable[[list[str]], list[dict[str, str]]]
+
+
 @dataclass(frozen=True)
 class Call:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str]]  # fixed (a trace's own history); unused when build is set
     max_tokens: int
     tool_wait_s: float  # after this call's answer, before the next call
+    build: Build | None = None
+
+    def prompt(self, answers: list[str]) -> list[dict[str, str]]:
+        return self.messages if self.build is None else self.build(list(answers))
 
 
 @dataclass(frozen=True)
@@ -232,9 +244,10 @@ async def replay_session(session: Session, send: Send, t0: float) -> SessionResu
     """The session's calls in order, each after the previous answer and its tool wait."""
     out = SessionResult(session.name)
     for i, call in enumerate(session.calls):
+        messages = call.prompt([c.text for c in out.calls])
         sent = time.perf_counter()
         try:
-            text, ptoks, ctoks, tier, route = await send(call.messages, call.max_tokens)
+            text, ptoks, ctoks, tier, route = await send(messages, call.max_tokens)
             error = ""
         except Exception as exc:  # noqa: BLE001 (one failed call fails only itself; the session goes on)
             text, ptoks, ctoks, tier, route, error = "", 0, 0, "", "", f"{type(exc).__name__}: {exc}"  # fmt: skip

@@ -3,21 +3,10 @@ energy, on the cloud engine.
 
     uv run python bench/hybrid/workflows.py [--batches 1 4 16] [--output-caps 16 64]
 
-Four workflow shapes, built from the SWE-agent trajectories (``../shared/traces/swe-agent``:
-their system prompts, tasks, tool outputs and the agents' own thoughts as text), scaled to
-SmolLM2-135M-Instruct on two cores. A workflow is a set of chains; a chain's calls run in
-order, each sent when the previous one answered (its prompt may hold that answer):
-
-- ``summarise`` (sequential summarisation): each of 4 documents (a trajectory's tool
-  outputs) read in 4 parts; a call holds a short instruction, the summary so far (the
-  previous answer) and the next part. No long prompt is shared: every part is new text.
-- ``copilot`` (interactive copilot): 8 users ask 2 questions each about one shared long
-  context (an agent's instructions and a file it viewed, about 700 tokens); the
-  questions are short.
-- ``multi-agent`` (multi-agent coding): 2 teams of 3 agents (planner, coder, reviewer)
-  take 2 rounds of turns; every call holds the team's long instructions and task and the
-  transcript so far (growing: each answer is appended).
-- ``mix``: the three at once.
+The four workflow shapes of ``shapes.py`` (``summarise``, ``copilot``, ``multi-agent``,
+``mix``: built from the SWE-agent trajectories' text, scaled to SmolLM2-135M-Instruct on two
+cores). A workflow is a set of chains; a chain's calls run in order, each sent when the
+previous one answered (its prompt may hold the chain's earlier answers).
 
 The knobs: ``--batches`` (the engine's ``max_num_seqs``: how many calls run together) and
 ``--output-caps`` (``max_tokens``: every answer is generated to the cap, ``ignore_eos``, so
@@ -39,8 +28,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,123 +38,11 @@ from hybridllm_cloud.engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-import sessions as sessions_mod
 from portable import git_head, model_path, portable, torch_machine_line
+from shapes import SHAPES, Chain, load_sources, workflow
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-SHAPES = ("summarise", "copilot", "multi-agent", "mix")
-SHARED_CHARS = 2400  # a shared long prompt (about 700 tokens)
-PART_CHARS = 700  # one part of a document
-QUESTION_CHARS = 160
-TASK_CHARS = 600
-
-# A call's messages, given the previous answer of its chain ("" for the first call).
-Build = Callable[[str], list[dict[str, str]]]
-
-
-@dataclass(frozen=True)
-class Chain:
-    shape: str
-    calls: list[Build]
-
-
-@dataclass(frozen=True)
-class Source:
-    """The text of one trajectory: instructions, task, tool outputs, the agent's thoughts."""
-
-    system: str
-    task: str
-    observations: list[str]
-    thoughts: list[str]
-
-
-def load_sources(directory: Path = sessions_mod.SWE_AGENT) -> list[Source]:
-    out = []
-    for path in sorted(directory.glob("*.traj")):
-        history = json.loads(path.read_text()).get("history") or []
-        by_role: dict[str, list[str]] = {"system": [], "user": [], "assistant": []}
-        for m in history:
-            if m.get("role") in by_role:
-                by_role[m["role"]].append(sessions_mod._text(m.get("content")))
-        users = by_role["user"]
-        if not by_role["system"] or len(users) < 3 or len(by_role["assistant"]) < 2:
-            continue
-        out.append(Source(by_role["system"][0], users[0], users[1:], by_role["assistant"]))
-    if len(out) < 4:
-        raise SystemExit(f"need 4 usable trajectories under {directory}, found {len(out)}")
-    return out
-
-
-def summarise(sources: list[Source]) -> list[Chain]:
-    chains = []
-    for src in sources[:4]:
-        document = "\n".join(src.observations)
-        parts = [document[i * PART_CHARS : (i + 1) * PART_CHARS] for i in range(4)]
-
-        def call(part: str) -> Build:
-            def build(previous: str) -> list[dict[str, str]]:
-                so_far = previous or "(nothing yet)"
-                return [{"role": "user", "content":
-                         "Update the summary of this log with the next part. Keep it short.\n\n"
-                         f"Summary so far: {so_far}\n\nNext part:\n{part}"}]  # fmt: skip
-
-            return build
-
-        chains.append(Chain("summarise", [call(p) for p in parts]))
-    return chains
-
-
-def copilot(sources: list[Source]) -> list[Chain]:
-    src = sources[0]
-    context = (src.system + "\n\nThe file being edited:\n" + "\n".join(src.observations))[
-        :SHARED_CHARS
-    ]
-    questions = [t[:QUESTION_CHARS] for s in sources for t in s.thoughts if t.strip()][:16]
-
-    def call(question: str) -> Build:
-        def build(previous: str) -> list[dict[str, str]]:
-            return [{"role": "system", "content": context},
-                    {"role": "user", "content": question}]  # fmt: skip
-
-        return build
-
-    return [
-        Chain("copilot", [call(questions[2 * u]), call(questions[2 * u + 1])]) for u in range(8)
-    ]
-
-
-def team(src: Source) -> Chain:
-    """Three agents taking two rounds of turns; every call holds the team's instructions,
-    its task and the transcript so far (each answer appended as the next call is built)."""
-    instructions = src.system[: SHARED_CHARS - TASK_CHARS]
-    task = src.task[:TASK_CHARS]
-    transcript: list[str] = []
-
-    def call(role: str) -> Build:
-        def build(previous: str) -> list[dict[str, str]]:
-            if previous:
-                transcript.append(previous)
-            return [{"role": "system", "content": f"{instructions}\n\nYou are the {role}."},
-                    {"role": "user", "content": task + "\n\n" + "\n\n".join(transcript)}]  # fmt: skip
-
-        return build
-
-    return Chain("multi-agent", [call(r) for r in ["planner", "coder", "reviewer"] * 2])
-
-
-def multi_agent(sources: list[Source]) -> list[Chain]:
-    return [team(src) for src in sources[1:3]]
-
-
-def workflow(shape: str, sources: list[Source]) -> list[Chain]:
-    if shape == "summarise":
-        return summarise(sources)
-    if shape == "copilot":
-        return copilot(sources)
-    if shape == "multi-agent":
-        return multi_agent(sources)
-    return summarise(sources) + copilot(sources) + multi_agent(sources)
 
 
 def run(engine: llm_engine.LLMEngine, chains: list[Chain], cap: int) -> dict[str, Any]:
@@ -175,24 +50,24 @@ def run(engine: llm_engine.LLMEngine, chains: list[Chain], cap: int) -> dict[str
     assert engine.tokenizer is not None
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=cap, temperature=0.0, ignore_eos=True)
-    nxt = [0] * len(chains)
+    answers: list[list[str]] = [[] for _ in chains]
     sent: dict[str, tuple[int, float]] = {}
     latencies: list[float] = []
     out_tokens = prompt_tokens = cached = 0
 
-    def send(c: int, previous: str) -> None:
+    def send(c: int) -> None:
         nonlocal prompt_tokens
-        messages = chains[c].calls[nxt[c]](previous)
+        k = len(answers[c])
+        messages = chains[c].calls[k](list(answers[c]))
         prompt = tok.encode_chat(messages)
         prompt_tokens += len(prompt)
-        request_id = f"{c}-{nxt[c]}"
+        request_id = f"{c}-{k}"
         sent[request_id] = (c, time.perf_counter())
         engine.add_request(request_id, prompt, params)
-        nxt[c] += 1
 
     cpu0, t0 = time.process_time(), time.perf_counter()
     for c in range(len(chains)):
-        send(c, "")
+        send(c)
     while engine.has_unfinished():
         for out in engine.step():
             if not out.finished:
@@ -201,8 +76,9 @@ def run(engine: llm_engine.LLMEngine, chains: list[Chain], cap: int) -> dict[str
             latencies.append(time.perf_counter() - at)
             out_tokens += len(out.token_ids)
             cached += out.num_cached_tokens
-            if nxt[c] < len(chains[c].calls):
-                send(c, out.text)
+            answers[c].append(out.text)
+            if len(answers[c]) < len(chains[c].calls):
+                send(c)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     latencies.sort()
     return {

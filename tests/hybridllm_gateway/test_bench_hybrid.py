@@ -100,6 +100,123 @@ def test_replay_keeps_turn_order_and_tool_waits(
     assert backend.stats()["requests"] == 6
 
 
+def test_a_built_call_gets_the_answers_its_session_got_before_it(
+    procs: Any, table: Callable[..., dict[str, Any]], sessions: ModuleType, hybrid: ModuleType
+) -> None:
+    backend = procs.tokenserver("b", "--echo")
+    gw = procs.gateway(table(cloud=[backend.url], policy="cloud-only"))
+    given: list[list[str]] = []
+
+    def build(k: int) -> Any:
+        def messages(answers: list[str]) -> list[dict[str, str]]:
+            given.append(answers)
+            return [{"role": "user", "content": f"call {k} after {len(answers)} answers"}]
+
+        return messages
+
+    calls = [sessions.Call([], 4, 0.0, build=build(k)) for k in range(3)]
+    _, send = hybrid.make_send(gw.url + "/v1", model=MODEL)
+    [r], _ = asyncio.run(sessions.replay([sessions.Session("w", calls)], send, concurrency=1))
+    assert not any(c.error for c in r.calls), [c.error for c in r.calls]
+    # each call was built from the real answers before it (the echo of the earlier prompts)
+    assert [len(a) for a in given] == [0, 1, 2]
+    assert given[2] == [r.calls[0].text, r.calls[1].text]
+    assert "call 1 after 1 answers" in r.calls[1].text
+
+
+def test_ignore_eos_is_sent_when_asked(hybrid: ModuleType) -> None:
+    """The workflows ask every answer to run to its cap: the runtimes' ``ignore_eos``
+    travels in the request body (a recording server stands in for the gateway)."""
+    from aiohttp import web
+
+    bodies: list[dict[str, Any]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 0,
+                                  "model": MODEL, "choices": [{"index": 0, "finish_reason": "length",
+                                  "message": {"role": "assistant", "content": "x"}}]})  # fmt: skip
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            for flag in (True, False):
+                _, send = hybrid.make_send(f"http://127.0.0.1:{port}/v1", ignore_eos=flag)
+                await send([{"role": "user", "content": "hi"}], 5)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert bodies[0]["ignore_eos"] is True
+    assert "ignore_eos" not in bodies[1]
+    assert bodies[0]["max_tokens"] == 5
+    assert bodies[0]["temperature"] == 0
+
+
+def test_repeated_runs_combine_to_medians_and_ranges(hybrid: ModuleType) -> None:
+    runs = [
+        {"calls": 10, "errors": 1, "first_errors": ["a"], "requests_per_s": 1.0,
+         "edge_share": None, "cores": {"gateway": 0.1, "edge": 0.5}, "ok": True},
+        {"calls": 10, "errors": 0, "first_errors": [], "requests_per_s": 3.0,
+         "edge_share": None, "cores": {"gateway": 0.3, "edge": 0.7}, "ok": True},
+        {"calls": 10, "errors": 2, "first_errors": ["b", "c"], "requests_per_s": 2.5,
+         "edge_share": None, "cores": {"gateway": 0.2}, "ok": True},
+    ]  # fmt: skip
+    median, spread = hybrid.combine(runs)
+    assert median["requests_per_s"] == 2.5
+    assert spread["requests_per_s"] == [1.0, 3.0]
+    assert median["errors"] == 3  # summed: every failed call counts
+    assert median["first_errors"] == ["a", "b", "c"]
+    assert median["cores"] == {"edge": 0.5, "gateway": 0.2}
+    assert median["edge_share"] is None
+    assert median["ok"] is True  # not a number: kept
+    assert "ok" not in spread
+
+
+def test_the_report_gives_medians_with_their_ranges_and_a_plot(
+    hybrid: ModuleType, tmp_path: Path
+) -> None:
+    def summary(rps: float) -> dict[str, Any]:
+        return {"calls": 4, "errors": 0, "first_errors": [], "wall_s": 10.0,
+                "session_model_time_p50_s": 1.0, "session_model_time_p95_s": 2.0 / rps,
+                "call_latency_p50_s": 0.5, "call_latency_p95_s": 0.9, "requests_per_s": rps,
+                "completion_tokens_per_s": 10 * rps, "completion_tokens": 100, "edge_share": None,
+                "cascades": 0, "cores": {"cloud": 1.0}, "core_seconds": 20.0,
+                "cost_per_million_tokens": 1.0, "provisioned_cost_per_million_tokens": 2.0}  # fmt: skip
+
+    runs = {"monolithic": [summary(1.0), summary(3.0), summary(2.0)], "hybrid": [summary(1.0)] * 3}
+    combined = {a: hybrid.combine(r) for a, r in runs.items()}
+    report = {
+        "date": "d", "machine": "m", "command": "c", "wall_s": 60.0,
+        "params": {"workload": "workflows", "shape": "mix", "max_tokens": 64, "repeats": 3,
+                   "concurrency": 14, "price_per_core_hour": 0.05},
+        "workload": {"sessions": 14, "calls": 44, "scale": {}},
+        "describe": {"monolithic": "one", "hybrid": "two"},
+        "architectures": {a: c[0] for a, c in combined.items()},
+        "spread": {a: c[1] for a, c in combined.items()},
+    }  # fmt: skip
+    hybrid.write(report, tmp_path / "r")
+    md = (tmp_path / "r.md").read_text()
+    assert "| requests/s | 2.00 (1.00-3.00) | 1.00 |" in md  # a range only where runs differ
+    assert "14 chains of the `mix` workflow shape (44 model calls)" in md
+    assert "3 run(s) of each architecture" in md
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert "![" in md
+
+
+def test_word_similarity(hybrid: ModuleType) -> None:
+    assert hybrid.similarity("a b c d", "a b c d") == 1.0
+    assert hybrid.similarity("a b c d", "a b x y") == 0.5
+    assert hybrid.similarity("", "") == 1.0
+    assert hybrid.similarity("a", "") == 0.0
+
+
 def test_a_failed_call_fails_only_itself(sessions: ModuleType) -> None:
     async def send(messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, int, str, str]:  # fmt: skip
         if messages[0]["content"] == "bad":
@@ -135,7 +252,8 @@ def test_agreement_counts_identical_answers(sessions: ModuleType, hybrid: Module
     a = result(["x", "y", "z", "w"], ["edge", "edge", "cloud", "cloud"])
     b = result(["x", "n", "z", "m"], ["cloud"] * 4)
     got = hybrid.agreement([a], [b])
-    assert got == {"calls": 4, "identical": 0.5, "identical_edge_calls": 0.5, "edge_calls": 2}
+    assert got == {"calls": 4, "identical": 0.5, "identical_edge_calls": 0.5, "edge_calls": 2,
+                   "similarity": 0.5, "similarity_edge_calls": 0.5}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ["monolithic", "disaggregated", "hybrid", "hybrid-edge-first"])
