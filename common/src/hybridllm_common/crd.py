@@ -473,6 +473,25 @@ class CascadeSpec(_Model):
     )
 
 
+class BalanceSpec(_Model):
+    """Load-aware tier choice: a request both tiers may serve goes to the other tier when its
+    first choice (the policy's or the classifier's) is busier by more than ``margin``."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Move requests off the busier tier (needs both tiers and a policy that uses both).",
+    )
+    margin: int = Field(
+        default=1,
+        ge=0,
+        le=100_000,
+        description=(
+            "Outstanding requests on the first choice's least-loaded replica, beyond the other "
+            "tier's, before a request moves."
+        ),
+    )
+
+
 class RoutingSpec(_Model):
     """How the gateway chooses between the edge and the cloud tier."""
 
@@ -483,6 +502,7 @@ class RoutingSpec(_Model):
     edge_limits: EdgeLimits = _sub(EdgeLimits, "Bounds on what the edge tier answers.")
     session_affinity: SessionAffinity = _sub(SessionAffinity, "Session stickiness.")
     cascade: CascadeSpec = _sub(CascadeSpec, "Edge-to-cloud escalation.")
+    balance: BalanceSpec = _sub(BalanceSpec, "Load-aware choice between the tiers.")
 
 
 # --------------------------------------------------------------------------- scaling, rollout, SLO
@@ -809,6 +829,12 @@ class GatewaySpec(_Model):
 # --------------------------------------------------------------------------- LLMService
 
 
+BALANCE_NEEDS = (
+    "routing.balance.enabled needs both tiers (spec.edge.enabled and spec.cloud.enabled) and "
+    "a policy that may use both (auto, edge-first or cloud-first)"
+)
+
+
 class LLMServiceSpec(_Model):
     """An LLM served across an edge tier, a cloud tier and a gateway."""
 
@@ -828,6 +854,12 @@ class LLMServiceSpec(_Model):
                     "self.routing.policy != 'cloud-only' || self.cloud.enabled",
                     "routing.policy cloud-only needs spec.cloud.enabled",
                     ".routing.policy",
+                ),
+                cel(
+                    "!self.routing.balance.enabled || (self.edge.enabled && self.cloud.enabled"
+                    " && self.routing.policy in ['auto', 'edge-first', 'cloud-first'])",
+                    BALANCE_NEEDS,
+                    ".routing.balance.enabled",
                 ),
             ]
         }
@@ -856,6 +888,13 @@ class LLMServiceSpec(_Model):
             raise ValueError("routing.policy edge-only needs spec.edge.enabled")
         if self.routing.policy == RoutingPolicy.cloud_only and not self.cloud.enabled:
             raise ValueError("routing.policy cloud-only needs spec.cloud.enabled")
+        if self.routing.balance.enabled and not (
+            self.edge.enabled
+            and self.cloud.enabled
+            and self.routing.policy
+            in (RoutingPolicy.auto, RoutingPolicy.edge_first, RoutingPolicy.cloud_first)
+        ):
+            raise ValueError(BALANCE_NEEDS)
         return self
 
 

@@ -131,6 +131,11 @@ class TierPool:
             revision = random.choices(revisions, weights=[weights[v] for v in revisions])[0]
         return [r for r in candidates if r.revision == revision]
 
+    def least_outstanding(self, now: float | None = None) -> int | None:
+        """The fewest outstanding requests on a healthy replica (None: none is healthy)."""
+        healthy = self.healthy(now)
+        return min((r.num_outstanding for r in healthy), default=None)
+
     def overloaded(self, max_outstanding: int) -> bool:
         """True when every healthy replica already has more than ``max_outstanding``."""
         healthy = self.healthy()

@@ -75,6 +75,11 @@ class Cascade(_Wire):
     min_mean_logprob: float = -1.5
 
 
+class Balance(_Wire):
+    enabled: bool = False
+    margin: int = Field(default=1, ge=0)
+
+
 class RateLimits(_Wire):
     requests_per_minute: int = Field(default=600, ge=1)
     tokens_per_minute: int = Field(default=200_000, ge=1)
@@ -99,6 +104,7 @@ class RoutingConfig(_Wire):
     edge_limits: EdgeLimits = Field(default_factory=EdgeLimits)
     session_affinity: SessionAffinity = Field(default_factory=SessionAffinity)
     cascade: Cascade = Field(default_factory=Cascade)
+    balance: Balance = Field(default_factory=Balance)
     rate_limits: RateLimits = Field(default_factory=RateLimits)
     golden_prompts: list[GoldenPrompt] = Field(default_factory=list)
     tiers: dict[str, Tier] = Field(default_factory=dict)

@@ -14,6 +14,12 @@ In order of precedence:
    ``maxQueueDepth`` requests outstanding (``spill_overload``) or no edge replica is
    healthy (``spill_down``); the second tier in the list is also where a request goes
    when every replica of the first failed before the first byte.
+6. With ``balance`` on, a request both tiers may serve (steps 3-4) goes to the other tier
+   when the first choice is busier: its least-loaded healthy replica has more than
+   ``margin`` requests outstanding beyond the other tier's least-loaded one (``balance``).
+   The classifier says where a request is best served; balance says where it is served
+   soonest when that tier is queueing and the other has room. It never moves a request
+   into an edge tier past ``maxQueueDepth``.
 
 The result is a :class:`Route`: the tiers to try and the reason label used in metrics and
 in the ``x-hybridllm-route`` response header.
@@ -82,11 +88,25 @@ def choose(
         first, reason = "edge", "policy"
     else:
         first, reason = classifier.decide(features)
-    if first == "cloud":
-        return Route(("cloud", "edge"), reason)
     edge = pools["edge"]
-    if not edge.healthy():
-        return Route(("cloud",), "spill_down")
-    if edge.overloaded(limits.max_queue_depth):
-        return Route(("cloud",), "spill_overload")
-    return Route(("edge", "cloud"), reason)
+    if first == "edge":
+        if not edge.healthy():
+            return Route(("cloud",), "spill_down")
+        if edge.overloaded(limits.max_queue_depth):
+            return Route(("cloud",), "spill_overload")
+    second = "cloud" if first == "edge" else "edge"
+    balance = routing.balance
+    if (
+        balance.enabled
+        and busier(pools[first], pools[second], balance.margin)
+        and (second == "cloud" or not edge.overloaded(limits.max_queue_depth))
+    ):
+        return Route((second, first), "balance")
+    return Route((first, second), reason)
+
+
+def busier(a: balancer_mod.TierPool, b: balancer_mod.TierPool, margin: int) -> bool:
+    """True when ``a``'s least-loaded healthy replica has more than ``margin`` outstanding
+    requests beyond ``b``'s (and ``b`` has a healthy replica)."""
+    la, lb = a.least_outstanding(), b.least_outstanding()
+    return la is not None and lb is not None and la - lb > margin

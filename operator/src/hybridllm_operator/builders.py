@@ -675,6 +675,7 @@ def routing_config(
         "edgeLimits": spec.routing.edge_limits.to_wire(),
         "sessionAffinity": spec.routing.session_affinity.to_wire(),
         "cascade": spec.routing.cascade.to_wire(),
+        "balance": spec.routing.balance.to_wire(),
         "rateLimits": {
             "requestsPerMinute": spec.gateway.requests_per_minute,
             "tokensPerMinute": spec.gateway.tokens_per_minute,
