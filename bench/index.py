@@ -1094,9 +1094,10 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
         "the hybrid claim on multi-request workflows: the four workflow shapes' `mix` "
         "(sequential summaries, a copilot on a shared context, multi-agent teams) through the "
-        "real gateway on the same three architectures, every answer to 64 tokens",
-        "uv run python bench/hybrid/run.py --workload workflows --shape mix --max-tokens 64 "
-        "--architectures monolithic,disaggregated,hybrid --repeats 3 "
+        "real gateway on the same three architectures and the balanced hybrid, every answer "
+        "to 32 tokens",
+        "uv run python bench/hybrid/run.py --workload workflows --shape mix --max-tokens 32 "
+        "--architectures monolithic,disaggregated,hybrid,hybrid-balanced --repeats 3 "
         "--out bench/results/hybrid-workflows-gateway",
         ("hybrid-workflows-gateway.md",),
         "monolithic and disaggregated cloud-only deployments on the same cores and workflows",

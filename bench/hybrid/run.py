@@ -416,7 +416,8 @@ def write(report: dict[str, Any], out: Path) -> None:
                           f"identical): {q['similarity']:.2f} over all calls, "
                           f"{'-' if se is None else f'{se:.2f}'} over the edge's.")  # fmt: skip
     if repeats > 1 and report.get("quality"):
-        lines[-1] += " (Medians over the runs, each against the monolithic run of the same repeat.)"
+        lines += ["", "The quality guard's numbers are medians over the runs, each run's answers "
+                  "against the monolithic run's of the same repeat."]  # fmt: skip
     png = out.with_suffix(".png")
     plot(report, png)
     lines += [
