@@ -30,6 +30,32 @@ def test_parses_exactly_what_the_operator_renders() -> None:
     assert parsed.tiers["edge"].backends[0].url == "http://demo-edge.ns.svc:8000"
 
 
+@pytest.mark.parametrize("policy", ["auto", "edge-first", "cloud-first"])
+def test_balance_applies_to_every_policy_that_uses_both_tiers(policy: str) -> None:
+    from hybridllm_gateway import router
+
+    def tier(name: str, outstanding: int) -> balancer.TierPool:
+        r = balancer.Replica(url=f"http://{name}", tier=name, weight=100)
+        r.num_outstanding = outstanding
+        return balancer.TierPool(name, [r], 1.25)
+
+    chooser = classifier.Classifier.load(None)
+    features = classifier.extract({"messages": [{"role": "user", "content": "hi"}]})
+    table = {"tiers": {t: {"backends": [{"url": f"http://{t}"}]} for t in ("edge", "cloud")},
+             "policy": policy}  # fmt: skip
+    off = config.parse_routing(table)
+    on = config.parse_routing({**table, "balance": {"enabled": True, "margin": 1}})
+    first = router.choose(off, {"edge": tier("edge", 0), "cloud": tier("cloud", 0)},
+                          chooser, features, None).tiers[0]  # fmt: skip
+    other = "cloud" if first == "edge" else "edge"
+    for load, moved in ((1, False), (2, True)):  # margin 1: busier by 2 moves a request
+        pools = {first: tier(first, load), other: tier(other, 0)}
+        assert router.choose(off, pools, chooser, features, None).tiers[0] == first
+        got = router.choose(on, pools, chooser, features, None)
+        assert got.tiers == ((other, first) if moved else (first, other))
+        assert (got.reason == "balance") is moved
+
+
 def test_rejects_unknown_tier_and_empty_table() -> None:
     with pytest.raises(ValueError, match="unknown tiers"):
         config.parse_routing({"tiers": {"moon": {"backends": [{"url": "http://x"}]}}})

@@ -83,8 +83,8 @@ def choose(
     if features.has_tools:
         return Route(("cloud", "edge"), "tools")
     if policy == config_mod.Policy.cloud_first:
-        return Route(("cloud", "edge"), "policy")
-    if policy == config_mod.Policy.edge_first:
+        first, reason = "cloud", "policy"
+    elif policy == config_mod.Policy.edge_first:
         first, reason = "edge", "policy"
     else:
         first, reason = classifier.decide(features)
