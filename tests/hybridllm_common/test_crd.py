@@ -55,6 +55,10 @@ def test_wire_round_trip_is_stable() -> None:
         ),
         ({"routing": {"policy": "edge-only", "balance": {"enabled": True}}}, "needs both tiers"),
         ({"routing": {"balance": {"margin": -1}}}, "margin"),
+        (
+            {"routing": {"policy": "cloud-only", "cascade": {"enabled": True}}},
+            "cascade.enabled needs",
+        ),
         ({"cloud": {"kvCache": {"blockSize": 12}}}, "blockSize"),
         ({"edge": {"runtime": "vllm"}}, "runtime"),
         ({"edge": {"quantizaton": "q8_0"}}, "quantizaton"),

@@ -105,6 +105,11 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     ("balance-margin", {"routing": {"balance": {"margin": -1}}}, ["spec.routing.balance.margin"]),
     (
+        "cascade-one-tier",
+        {"edge": {"enabled": False}, "routing": {"cascade": {"enabled": True}}},
+        ["routing.cascade.enabled needs both tiers"],
+    ),
+    (
         "no-tiers",
         {"edge": {"enabled": False}, "cloud": {"enabled": False}},
         ["at least one of spec.edge.enabled"],

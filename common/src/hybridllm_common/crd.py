@@ -829,9 +829,15 @@ class GatewaySpec(_Model):
 # --------------------------------------------------------------------------- LLMService
 
 
-BALANCE_NEEDS = (
-    "routing.balance.enabled needs both tiers (spec.edge.enabled and spec.cloud.enabled) and "
-    "a policy that may use both (auto, edge-first or cloud-first)"
+BOTH_TIERS = (
+    "needs both tiers (spec.edge.enabled and spec.cloud.enabled) and a policy that may use "
+    "both (auto, edge-first or cloud-first)"
+)
+BALANCE_NEEDS = f"routing.balance.enabled {BOTH_TIERS}"
+CASCADE_NEEDS = f"routing.cascade.enabled {BOTH_TIERS}"
+_BOTH_TIERS_CEL = (
+    "(self.edge.enabled && self.cloud.enabled"
+    " && self.routing.policy in ['auto', 'edge-first', 'cloud-first'])"
 )
 
 
@@ -856,10 +862,14 @@ class LLMServiceSpec(_Model):
                     ".routing.policy",
                 ),
                 cel(
-                    "!self.routing.balance.enabled || (self.edge.enabled && self.cloud.enabled"
-                    " && self.routing.policy in ['auto', 'edge-first', 'cloud-first'])",
+                    "!self.routing.balance.enabled || " + _BOTH_TIERS_CEL,
                     BALANCE_NEEDS,
                     ".routing.balance.enabled",
+                ),
+                cel(
+                    "!self.routing.cascade.enabled || " + _BOTH_TIERS_CEL,
+                    CASCADE_NEEDS,
+                    ".routing.cascade.enabled",
                 ),
             ]
         }
@@ -888,13 +898,16 @@ class LLMServiceSpec(_Model):
             raise ValueError("routing.policy edge-only needs spec.edge.enabled")
         if self.routing.policy == RoutingPolicy.cloud_only and not self.cloud.enabled:
             raise ValueError("routing.policy cloud-only needs spec.cloud.enabled")
-        if self.routing.balance.enabled and not (
+        both = (
             self.edge.enabled
             and self.cloud.enabled
             and self.routing.policy
             in (RoutingPolicy.auto, RoutingPolicy.edge_first, RoutingPolicy.cloud_first)
-        ):
+        )
+        if self.routing.balance.enabled and not both:
             raise ValueError(BALANCE_NEEDS)
+        if self.routing.cascade.enabled and not both:
+            raise ValueError(CASCADE_NEEDS)
         return self
 
 
