@@ -453,7 +453,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                [hi - m for m, (_, hi) in zip(med, rng, strict=True)]]  # fmt: skip
         ax.bar(range(len(names)), med, yerr=err, capsize=4,
                color=[f"C{i}" for i in range(len(names))])  # fmt: skip
-        ax.set_xticks(range(len(names)), names, rotation=15)
+        ax.set_xticks(range(len(names)), names, rotation=25, ha="right")
         ax.set_title(label, fontsize=10)
     runs = int(report["params"].get("repeats", 1))
     fig.suptitle(f"{report['params'].get('workload', 'swe-agent')} on two cores: "
