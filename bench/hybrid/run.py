@@ -523,6 +523,32 @@ DESCRIBE = {
 }
 
 
+# flags that apply to some workloads or architectures only: (flag, workloads or None, hybrid only)
+SCOPED_FLAGS = [
+    ("shape", ("workflows",), False),
+    ("chars_per_block", ("mooncake",), False),
+    ("think_time_factor", ("mooncake",), False),
+    ("system_chars", ("swe-agent",), False),
+    ("message_chars", ("swe-agent",), False),
+    ("max_calls", ("swe-agent", "mooncake"), False),
+    ("edge_quantization", None, True),
+    ("edge_max_prompt_tokens", None, True),
+    ("cascade_min_mean_logprob", None, True),
+]
+
+
+def unused_flags(args: argparse.Namespace, archs: list[str]) -> list[tuple[str, str]]:
+    """The scoped flags this run would ignore, each with where it applies: a flag given
+    for a workload or architecture that does not use it is refused, not ignored."""
+    out = []
+    for flag, workloads, hybrid_only in SCOPED_FLAGS:
+        if workloads is not None and args.workload not in workloads:
+            out.append((flag, "with --workload " + " or ".join(workloads)))
+        elif hybrid_only and not any(a.startswith("hybrid") for a in archs):
+            out.append((flag, "by the hybrid architectures"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--architectures", default=",".join(ARCHITECTURES))
@@ -566,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--architectures: {a!r} is not one of {', '.join(ARCHITECTURES)}")
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
+    for flag, applies in unused_flags(args, archs):
+        if getattr(args, flag) != ap.get_default(flag):
+            ap.error(f"--{flag.replace('_', '-')} is used only {applies}")
     scale: sessions_mod.Scale | sessions_mod.MooncakeScale | dict[str, Any]
     if args.workload == "workflows":
         sessions = shapes.as_sessions(shapes.workflow(args.shape, shapes.load_sources()),

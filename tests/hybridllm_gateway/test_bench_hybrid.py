@@ -210,6 +210,22 @@ def test_the_report_gives_medians_with_their_ranges_and_a_plot(
     assert "![" in md
 
 
+def test_a_flag_the_run_would_ignore_is_refused(
+    hybrid: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv, needle in (
+        (["--workload", "workflows", "--max-calls", "3"], "--max-calls is used only with"),
+        (["--shape", "copilot"], "--shape is used only with --workload workflows"),
+        (["--workload", "mooncake", "--system-chars", "10"], "--system-chars"),
+        (["--architectures", "monolithic", "--edge-quantization", "q8_0"],
+         "--edge-quantization is used only by the hybrid"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            hybrid.main(argv)
+        assert info.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
 def test_word_similarity(hybrid: ModuleType) -> None:
     assert hybrid.similarity("a b c d", "a b c d") == 1.0
     assert hybrid.similarity("a b c d", "a b x y") == 0.5
