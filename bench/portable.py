@@ -14,6 +14,11 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The development traces (ServeGen, Azure, Mooncake, SWE-agent) live beside the repository
+# on the project's own machines, not in it. One setting says where: $HYBRIDLLM_TRACES, else
+# ../shared/traces. Benchmarks that replay them refuse to run without them; tests that need
+# them are marked ``traces`` and skip (tests/conftest.py).
+TRACES = Path(os.environ.get("HYBRIDLLM_TRACES") or ROOT.parent / "shared" / "traces")
 
 
 def portable(text: str) -> str:

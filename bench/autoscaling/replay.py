@@ -53,10 +53,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "gateway"))
-from portable import portable  # noqa: E402
+from portable import TRACES, portable  # noqa: E402
 from procs import load_average, machine  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "servegen-2025" / "m-large-aggregate-10min.csv"
+TRACE = TRACES / "servegen-2025" / "m-large-aggregate-10min.csv"
 MODES = ("reactive", "hybrid", "predictive")
 DEFAULT_MODES = "reactive,reactive@0.5,hybrid,predictive"
 PROMPT_CHARS = 400  # the gateway counts (chars + 3) // 4 = 100 prompt tokens

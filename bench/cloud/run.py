@@ -29,10 +29,9 @@ from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from portable import git_head, model_path, portable, torch_machine_line
+from portable import TRACES, git_head, model_path, portable, torch_machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT.parent / "shared" / "traces"
 RESULTS = ROOT / "bench" / "results"
 
 

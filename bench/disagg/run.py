@@ -48,10 +48,10 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from portable import machine_line, portable
+from portable import TRACES, machine_line, portable
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "azure-2023" / "AzureLLMInferenceTrace_code.csv"
+TRACE = TRACES / "azure-2023" / "AzureLLMInferenceTrace_code.csv"
 VOCAB = (2000, 40000)  # token ids drawn for synthetic prompts (plain word pieces)
 
 

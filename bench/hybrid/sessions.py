@@ -33,14 +33,19 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from portable import TRACES
+
 ROOT = Path(__file__).resolve().parents[2]
-SWE_AGENT = ROOT.parent / "shared" / "traces" / "swe-agent"
+SWE_AGENT = TRACES / "swe-agent"
+WORDS = Path(__file__).resolve().parent / "words.txt"
 ROLES = ("system", "user", "assistant")
 
 
@@ -116,7 +121,7 @@ def load_sessions(scale: Scale, directory: Path = SWE_AGENT) -> list[Session]:
     return [s for s in sessions if len(s.calls) >= 2]
 
 
-MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake-2025" / "conversation_trace.jsonl"
+MOONCAKE = TRACES / "mooncake-2025" / "conversation_trace.jsonl"
 MOONCAKE_BLOCK = 512  # tokens per hash id in the trace
 
 
@@ -169,9 +174,10 @@ def mooncake_conversations(path: Path = MOONCAKE) -> list[list[dict[str, Any]]]:
 
 
 def trace_words() -> list[str]:
-    """The words (alphabetic) of the first SWE-agent trajectories: text to fill prompts."""
-    return sorted({w for p in sorted(SWE_AGENT.glob("*.traj"))[:4]
-                   for w in p.read_text()[:20000].split() if w.isalpha()})  # fmt: skip
+    """Words to fill prompts with: ``words.txt`` beside this file, the alphabetic words of
+    the first SWE-agent trajectories (kept in the repository, so runs and tests that make
+    up their prompts need no trace)."""
+    return WORDS.read_text().split()
 
 
 def _block_text(block_id: int, words: list[str], chars: int) -> str:
@@ -188,7 +194,7 @@ def load_mooncake_sessions(scale: MooncakeScale, path: Path = MOONCAKE) -> list[
     text for the same hash id, the last block cut to the turn's length), so turns share the
     prefix the trace says they share; answers are the trace's output length scaled like the
     prompts, at most ``max_tokens``; the wait before the next turn is the trace's gap times
-    ``think_time_factor``. Words come from the SWE-agent trajectories' text."""
+    ``think_time_factor``. Words come from ``words.txt`` (:func:`trace_words`)."""
     words = trace_words()
     sessions = []
     for n, turns in enumerate(mooncake_conversations(path)):

@@ -47,10 +47,12 @@ from hybridllm_forecaster.fluid import simulate_fluid, step_series
 from hybridllm_forecaster.stream import DemandSeries
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from portable import TRACES
 from procs import machine
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "servegen-2025" / "m-large-aggregate-10min.csv"
+TRACE = TRACES / "servegen-2025" / "m-large-aggregate-10min.csv"
 DAY = windows.DAY_S
 WARMUP_S = 2 * 3600.0  # the simulation starts this long before the rollout is asked for
 AFTER_S = DAY + 6 * 3600.0  # and runs this long after (a planned start waits up to a day)

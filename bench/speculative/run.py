@@ -40,10 +40,9 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parents[1]
 ROOT = BENCH.parent
-TRACES = ROOT.parent / "shared" / "traces" / "swe-agent"
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(BENCH))
-from portable import git_head, model_path  # noqa: E402
+from portable import TRACES, git_head, model_path  # noqa: E402
 
 Chat = list[dict[str, str]]
 
@@ -370,7 +369,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None, help="HF-layout dir (default: the store's SmolLM2)")
-    ap.add_argument("--traces", default=str(TRACES), help="folder of SWE-agent *.traj files")
+    ap.add_argument(
+        "--traces", default=str(TRACES / "swe-agent"), help="folder of SWE-agent *.traj files"
+    )
     ap.add_argument("--prompts-per-kind", type=int, default=3)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--system-chars", type=int, default=1500)

@@ -16,9 +16,7 @@ import pytest
 
 from hybridllm_cloud.engine import llm_engine
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAJ = ROOT.parent / "shared" / "traces" / "swe-agent"
-pytestmark = pytest.mark.skipif(not TRAJ.exists(), reason="shared traces not present")
+pytestmark = pytest.mark.dev_traces("swe-agent")
 
 
 @pytest.fixture(scope="module")

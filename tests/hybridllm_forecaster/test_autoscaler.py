@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from hybridllm_forecaster import autoscaler, evaluate, fluid, forecast, loaders, policies
 from hybridllm_forecaster.capacity import PoolConfig
 
-SERVEGEN = Path(__file__).resolve().parents[3] / "shared" / "traces" / "servegen-2025"
+SERVEGEN = Path(os.environ["HYBRIDLLM_TRACES"]) / "servegen-2025"
 AGGREGATE = SERVEGEN / "m-large-aggregate-10min.csv"
 
 
@@ -37,7 +38,7 @@ def _scaler(
     return autoscaler.PoolScaler(pool, mode, fc, view)  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(not AGGREGATE.exists(), reason="shared traces not present")
+@pytest.mark.dev_traces("servegen-2025/m-large-aggregate-10min.csv")
 @pytest.mark.parametrize(("mode", "family"), [("hybrid", "predictive+floor"), ("reactive", "hpa"),
                                               ("predictive", "predictive")])  # fmt: skip
 def test_online_loop_replays_a_servegen_day_with_the_simulators_decisions(mode, family):

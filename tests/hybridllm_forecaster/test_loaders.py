@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from hybridllm_forecaster import loaders
 from hybridllm_forecaster.errors import TraceFormatError
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SHARED = Path(os.environ["HYBRIDLLM_TRACES"])
 
 
 def test_azure_csv_roundtrip(tmp_path, traces, small_stream):
@@ -158,15 +159,17 @@ def test_missing_file_and_unknown_format(tmp_path):
         loaders.load_requests(tmp_path, fmt="parquet")
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared traces not present")
 @pytest.mark.parametrize(
     ("rel", "fmt"),
     [
-        ("azure-2023/AzureLLMInferenceTrace_code.csv", "requests-csv"),
-        ("mooncake-2025/conversation_trace.jsonl", "mooncake"),
-        ("servegen-2025/m-large/chunk-78-trace.csv", "servegen"),
-        ("servegen-2025/m-large-aggregate-10min.csv", "servegen"),
-        ("swe-agent", "swe-agent"),
+        pytest.param(rel, fmt, marks=pytest.mark.dev_traces(rel))
+        for rel, fmt in [
+            ("azure-2023/AzureLLMInferenceTrace_code.csv", "requests-csv"),
+            ("mooncake-2025/conversation_trace.jsonl", "mooncake"),
+            ("servegen-2025/m-large/chunk-78-trace.csv", "servegen"),
+            ("servegen-2025/m-large-aggregate-10min.csv", "servegen"),
+            ("swe-agent", "swe-agent"),
+        ]
     ],
 )
 def test_detects_the_shipped_traces(rel, fmt):

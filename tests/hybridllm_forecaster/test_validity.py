@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from hybridllm_forecaster import cli, loaders, report
 from hybridllm_forecaster.stream import RequestStream
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+TRACES = Path(os.environ["HYBRIDLLM_TRACES"])
 CONV = TRACES / "azure-2023" / "AzureLLMInferenceTrace_conv.csv"
 
 
@@ -39,8 +40,6 @@ def test_a_finding_within_the_noise_is_no_difference() -> None:
 
 
 def _conv() -> RequestStream:
-    if not CONV.exists():
-        pytest.skip(f"{CONV} is not here (the shared development traces)")
     _, stream = loaders.load_demand(CONV, loaders.detect_format(CONV))
     assert stream is not None
     return stream
@@ -67,6 +66,7 @@ def _transform(stream: RequestStream, how: str, seed: int = 0) -> RequestStream:
 
 
 @pytest.mark.slow
+@pytest.mark.dev_traces("azure-2023/AzureLLMInferenceTrace_conv.csv")
 @pytest.mark.parametrize(
     ("how", "extra"),
     [

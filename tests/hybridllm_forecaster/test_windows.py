@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from hybridllm_forecaster import windows
 
-SERVEGEN = Path(__file__).resolve().parents[3] / "shared" / "traces" / "servegen-2025"
+SERVEGEN = Path(os.environ["HYBRIDLLM_TRACES"]) / "servegen-2025"
 AGGREGATE = SERVEGEN / "m-large-aggregate-10min.csv"
 DAY = windows.DAY_S
 HOUR = 3600.0
@@ -112,7 +113,7 @@ def test_no_start_meets_the_window_so_it_starts_at_the_latest_allowed():
         assert again.start_s == max(now + waited, now + 6 * HOUR)
 
 
-@pytest.mark.skipif(not AGGREGATE.exists(), reason="shared traces not present")
+@pytest.mark.dev_traces("servegen-2025/m-large-aggregate-10min.csv")
 def test_on_servegen_planned_rollouts_run_at_lower_demand_than_rollouts_started_at_random():
     """A week of the ServeGen aggregate builds the profile; on each of the next days, a
     two-hour rollout planned from a random moment runs through less of the real demand

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -19,8 +20,8 @@ import pytest
 
 from .conftest import MODEL
 
-TRAJ = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "swe-agent"
-needs_traces = pytest.mark.skipif(not TRAJ.exists(), reason="shared traces not present")
+TRAJ = Path(os.environ["HYBRIDLLM_TRACES"]) / "swe-agent"
+needs_traces = pytest.mark.dev_traces("swe-agent")
 
 
 @pytest.fixture
@@ -396,7 +397,7 @@ def test_mooncake_turns_extend_the_full_blocks_of_the_turn_before(
     assert [c.max_tokens for c in s.calls] == [2, 8, 1]
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared traces not present")
+@pytest.mark.dev_traces("mooncake-2025/conversation_trace.jsonl")
 def test_the_mooncake_trace_gives_multi_turn_sessions(sessions: ModuleType) -> None:
     loaded = sessions.load_mooncake_sessions(sessions.MooncakeScale())
     assert len(loaded) > 100
