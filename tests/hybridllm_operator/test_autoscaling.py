@@ -369,3 +369,25 @@ def test_a_history_that_stops_short_of_now_is_said_in_the_reason():
     reason = scaler.decisions["edge"].reason
     assert "the demand history ends 10 bin(s) before now" in reason
     assert "measured load only" in reason
+
+
+def test_a_scaling_decision_reaches_the_status_before_the_deployment() -> None:
+    """The reconciler writes a pool's new replicas and their reason to the status first
+    (reconcile._decisions_first), so a user who sees the Deployment scaled finds the
+    decision that scaled it; an unchanged count writes nothing early."""
+    from hybridllm_operator import reconcile
+
+    from .conftest import scaled_service
+
+    scaling = scaled_service().scaling
+    wanted = scaling.replicas()["edge"]
+    before = {"pools": {"edge": {"desiredReplicas": 1, "readyReplicas": 1,
+                                 "scalingReason": "hold at 1: old", "capacityBound": True}}}  # fmt: skip
+    patch = reconcile.decision_patch(scaling, before)
+    assert patch["edge"]["desiredReplicas"] == wanted > 1
+    assert patch["edge"]["scalingReason"] == scaling.decisions["edge"].reason
+    assert patch["edge"]["capacityBound"] is None  # cleared in the merge patch
+    assert "readyReplicas" not in patch["edge"]  # what the Deployment says stays its own
+    before["pools"]["edge"]["desiredReplicas"] = wanted
+    assert reconcile.decision_patch(scaling, before) == {}
+    assert reconcile.decision_patch(scaling, {}) == {}  # a new pool: written with it

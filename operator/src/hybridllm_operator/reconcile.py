@@ -350,6 +350,8 @@ def reconcile(
     )
     if forecast := rollout.canary_forecast(scaling, rollout_state, spec):
         service = replace(service, forecast=forecast)
+    if scaling is not None:
+        _decisions_first(cluster, namespace, name, scaling, previous, applied)
     desired = apply_children(cluster, service, applied)
     keys = frozenset((o["kind"], o["metadata"]["name"]) for o in desired)
     if applied is None or applied.pruned_for != keys:
@@ -374,6 +376,52 @@ def reconcile(
     if applied is None or wire != previous:
         _write_status(cluster, namespace, name, new_status, known, applied)
     return new_status
+
+
+def decision_patch(
+    scaling: autoscaling.ServiceAutoscaler, previous: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The status of each existing pool whose replicas the autoscaler changes: the new
+    ``desiredReplicas`` and the decision that explains it (None clears a field)."""
+    pools = previous.get("pools") or {}
+    replicas = scaling.replicas()
+    patch: dict[str, dict[str, Any]] = {}
+    for component, decision in scaling.decisions.items():
+        old = pools.get(component)
+        if old is None or component not in replicas:
+            continue  # a new pool's status comes with it; advisory modes change no replicas
+        if old.get("desiredReplicas") == replicas[component]:
+            continue
+        fields = {
+            crd.PoolStatus.model_fields[k].alias or k: v
+            for k, v in autoscaling.pool_fields(decision).items()
+        }
+        patch[component] = {**fields, "desiredReplicas": replicas[component]}
+    return patch
+
+
+def _decisions_first(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    scaling: autoscaling.ServiceAutoscaler,
+    previous: Mapping[str, Any],
+    applied: Applied | None,
+) -> None:
+    """Write the autoscaler's new replicas and their reason to the status before the
+    Deployments take them: whoever sees a pool scaled (``kubectl get deploy``, a watch)
+    then finds the decision that did it in the status, never the one before it."""
+    patch = decision_patch(scaling, previous)
+    if not patch:
+        return
+    if applied is not None:
+        applied.status = None  # the full status below is written again
+    cluster.llmservices().subresources["status"].patch(
+        name=name,
+        namespace=namespace,
+        body={"status": {"pools": patch}},
+        content_type="application/merge-patch+json",
+    )
 
 
 def _write_status(
