@@ -54,3 +54,14 @@ def test_a_signed_request_checks_method_path_body_and_clock() -> None:
             signing.check_request(public, method, path, ts, sig, body, now=1001.0)
     with pytest.raises(signing.SignatureError, match="clock"):
         signing.check_request(public, "POST", "/v1/x?a=1", ts, sig, b"{}", now=1000.0 + 301)
+
+
+@pytest.mark.parametrize("ts", ["nan", "NaN", "inf", "-1", "1e3", "1_000", " 1000", "1000.", ""])
+def test_a_timestamp_that_is_not_plain_seconds_is_refused(ts: str) -> None:
+    """float() takes "nan", and abs(now - nan) > skew is never true: such a signed request
+    passed the clock check forever (a replayable signature)."""
+    key = signing.generate_key()
+    base = signing.request_base("POST", "/v1/x", ts, b"{}")
+    sig = base64.b64encode(key.sign(base)).decode()
+    with pytest.raises(signing.SignatureError, match="not a number of seconds"):
+        signing.check_request(key.public_key(), "POST", "/v1/x", ts, sig, b"{}", now=1000.0)

@@ -56,9 +56,21 @@ def test_every_split_of_a_body_relays_the_same_bytes(trailers: bytes) -> None:
     assert b"".join(sc.payload) == b"".join(EVENTS)
 
 
-def test_bad_chunk_size_is_an_upstream_error() -> None:
+@pytest.mark.parametrize(
+    "line",
+    # -6 stepped the scanner backwards forever (int() takes a sign, 0x and underscores)
+    [b"zz", b"-6", b"+6", b"0x6", b"1_0", b" ", b"1" * 17, b";ext=1", "\u0661".encode()],
+)
+def test_bad_chunk_size_is_an_upstream_error(line: bytes) -> None:
     with pytest.raises(relay.UpstreamError, match="bad chunk size"):
-        relay.ChunkScanner().feed(b"zz\r\nhello\r\n")
+        relay.ChunkScanner().feed(line + b"\r\nhello\r\n")
+    assert relay.chunk_size(b"1A;name=v ") == 26
+
+
+@pytest.mark.parametrize("value", [b"-5", b"+5", b"5_0", b"0x5", b"9" * 19])
+def test_a_bad_content_length_is_an_upstream_error(value: bytes) -> None:
+    with pytest.raises(relay.UpstreamError, match="bad content-length"):
+        relay.parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: " + value)
 
 
 def test_parse_head() -> None:
@@ -90,13 +102,15 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 
 
 async def start_gateway(
-    tmp_path: Path, upstream_port: int, stream_relay: str = "raw"
+    tmp_path: Path, upstream_port: int, stream_relay: str = "raw", both_tiers: bool = False
 ) -> tuple[web.AppRunner, str]:
+    backends = [{"url": f"http://127.0.0.1:{upstream_port}"}]
     routing = {
         "model": "smollm2",
-        "policy": "cloud-only",
+        "policy": "auto" if both_tiers else "cloud-only",
         "rateLimits": {"requestsPerMinute": 10**6, "tokensPerMinute": 10**9},
-        "tiers": {"cloud": {"backends": [{"url": f"http://127.0.0.1:{upstream_port}"}]}},
+        "tiers": {"cloud": {"backends": backends}}
+        | ({"edge": {"backends": backends}} if both_tiers else {}),
     }
     (tmp_path / "routing.json").write_text(json.dumps(routing))
     settings = config.GatewaySettings(
@@ -115,13 +129,15 @@ def served(
     upstream: Upstream,
     client: Callable[[str], Awaitable[None]],
     stream_relay: str = "raw",
+    both_tiers: bool = False,
 ) -> None:
-    """Runs ``client(gateway_url)`` against a gateway in front of ``upstream``, then stops both."""
+    """Runs ``client(gateway_url)`` against a gateway in front of ``upstream``, then stops
+    both; ``both_tiers``: the upstream is the edge tier's backend too."""
 
     async def main() -> None:
         server = await asyncio.start_server(upstream, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        runner, url = await start_gateway(tmp_path, port, stream_relay)
+        runner, url = await start_gateway(tmp_path, port, stream_relay, both_tiers)
         try:
             await asyncio.wait_for(client(url), timeout=60)
         finally:
@@ -319,3 +335,200 @@ def test_a_pooled_connection_closed_while_idle_is_retried_without_blame(tmp_path
         assert 'hybridllm_gateway_requests_total{code="200",tier="cloud"} 2.0' in metrics
 
     served(tmp_path, upstream, client)
+
+
+# --------------------------------------------------------------------------- hostile upstream
+
+HOSTILE = {
+    # name: (what the upstream sends after reading the request, what the client's 502 says)
+    "negative-size": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-6\r\nX", "bad chunk size"),
+    "huge-size": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 20 + b"\r\nX", "bad chunk size"),
+    "non-hex-size": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nX", "bad chunk size"),
+    "endless-head": (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 100_000, "head over 64 KiB"),
+    "error-past-cap": (b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       + b"10000\r\n" + b"e" * 0x10000 + b"\r\n", "answer is over"),
+    "slow-drip": (b"HTTP/1.1 2", "no answer within"),
+}  # fmt: skip
+BIG = 64 << 20  # what the past-cap upstreams offer: 64x the gateway's cap
+
+
+def test_hostile_upstreams_get_a_502_naming_their_fault_and_hurt_no_other_stream(
+    tmp_path: Path,
+) -> None:
+    """One gateway, two backends: the edge one answers well-behaved streams, the cloud one
+    is hostile (a negative, over-long or non-hex chunk size, a head that never ends, an
+    error body and a whole answer far past the gateway's cap, a head that stalls, a reset
+    inside a chunk). Every hostile request ends in a 502 naming the upstream's fault and
+    no address; the loop never stalls (the well-behaved streams running beside them all
+    finish with the same bytes); the gateway reads at most about its cap of each oversized
+    answer before cutting it."""
+    good_body = chunked(EVENTS)
+    offered: dict[str, int] = {}
+
+    async def good(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for part in (good_body[i : i + 7] for i in range(0, len(good_body), 7)):
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0)
+
+    async def hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = json.loads(await read_request(reader))
+        case = body["messages"][0]["content"]
+        try:
+            if case in HOSTILE:
+                writer.write(HOSTILE[case][0])
+                await writer.drain()
+                if case.endswith("past-cap"):  # more of the same, until the gateway cuts it
+                    for sent in range(0, BIG, 0x10000):
+                        writer.write(b"10000\r\n" + b"e" * 0x10000 + b"\r\n")
+                        await writer.drain()
+                        offered[case] = sent
+                await asyncio.sleep(30)  # the rest never comes (the drip stalls here)
+            elif case == "whole-past-cap":  # a non-streamed answer far past the cap
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BIG)
+                for sent in range(0, BIG, 0x10000):
+                    writer.write(b"{" * 0x10000)
+                    await writer.drain()
+                    offered[case] = sent
+            elif case == "reset-mid-chunk":
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"100\r\ndata: {\"half\": ")  # fmt: skip
+                await writer.drain()
+                writer.transport.abort()
+        except ConnectionError:
+            pass
+
+    async def send(url: str, case: str, tier: str, stream: bool = True) -> tuple[int, bytes]:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        payload = json.dumps({"model": "smollm2", "stream": stream,
+                              "messages": [{"role": "user", "content": case}]}).encode()  # fmt: skip
+        writer.write(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nx-hybridllm-tier: {tier}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        sc = relay.ChunkScanner(keep=True)
+        if b"chunked" in head.lower():
+            while not sc.done:
+                data = await reader.read(65536)
+                if not data:
+                    break  # cut: the caller checks what arrived
+                sc.feed(data)
+            body = b"".join(sc.payload)
+        else:
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            body = await reader.readexactly(length)
+        writer.close()
+        return status, body if sc.done or b"chunked" not in head.lower() else b"CUT:" + body
+
+    async def main() -> None:
+        good_server = await asyncio.start_server(good, "127.0.0.1", 0)
+        bad_server = await asyncio.start_server(hostile, "127.0.0.1", 0)
+        routing = {
+            "model": "smollm2", "policy": "auto",
+            "rateLimits": {"requestsPerMinute": 10**6, "tokensPerMinute": 10**9},
+            "tiers": {
+                "edge": {"backends": [{"url": f"http://127.0.0.1:{good_server.sockets[0].getsockname()[1]}"}]},
+                "cloud": {"backends": [{"url": f"http://127.0.0.1:{bad_server.sockets[0].getsockname()[1]}"}]},
+            },
+        }  # fmt: skip
+        (tmp_path / "routing.json").write_text(json.dumps(routing))
+        settings = config.GatewaySettings(
+            config=tmp_path / "routing.json", first_byte_timeout_s=2, max_attempts=1,
+            eject_after_failures=1000, max_upstream_body_bytes=1 << 20,
+        )  # fmt: skip
+        runner = web.AppRunner(app_mod.create_app(settings), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            goods = [send(url, "fine", "edge") for _ in range(40)]
+            bads = [send(url, case, "cloud") for case in HOSTILE]
+            bads.append(send(url, "whole-past-cap", "cloud", stream=False))
+            bads.append(send(url, "reset-mid-chunk", "cloud"))
+            results = await asyncio.wait_for(asyncio.gather(*goods, *bads), timeout=60)
+        finally:
+            await runner.cleanup()
+            good_server.close()
+            bad_server.close()
+        good_results, bad_results = results[:40], results[40:]
+        assert all(r == (200, b"".join(EVENTS)) for r in good_results), good_results[:2]
+        cases = [*HOSTILE, "whole-past-cap"]
+        for case, (status, body) in zip(cases, bad_results, strict=False):
+            assert status == 502, (case, status, body[:300])
+            message = json.loads(body)["error"]["message"]
+            want = HOSTILE[case][1] if case in HOSTILE else "answer is over 1048576 bytes"
+            assert want in message, (case, message)
+            assert "127.0.0.1" not in message, message
+            assert "http://" not in message, message
+        status, body = bad_results[-1]  # reset inside a chunk: the client's stream is cut
+        assert status == 200
+        assert body.startswith(b"CUT:"), body[:200]
+        # the oversized answers were cut near the cap (plus what the kernel's socket buffers
+        # took in), not read to their end
+        assert len(offered) == 2, offered
+        assert max(offered.values()) < 16 << 20, offered
+
+    asyncio.run(main())
+
+
+def test_the_request_model_decides_every_type_and_the_edge_limits_bind_every_route(
+    tmp_path: Path,
+) -> None:
+    """Types are strict and decided once: "stream": "false" was false to the request model
+    and true to the gateway (which then charged 0 tokens); "max_tokens": "100000" or
+    100000.0 passed validation but skipped the gateway's cap and the edge limits. An
+    image part was dropped in silence; an explicit edge tier skipped the edge limits; an
+    unknown route said model_not_found. None of these reaches a backend now."""
+    reached: list[bytes] = []
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reached.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async def client(url: str) -> None:
+        import aiohttp
+
+        base = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+        refused = {
+            "stream": ({"stream": "false"}, "stream"),
+            "max_tokens": ({"max_tokens": "100000"}, "max_tokens"),
+            "float max_tokens": ({"max_tokens": 100000.0}, "max_tokens"),
+            "n": ({"n": "2"}, "n"),
+            "image": ({"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+            ]}]}, "messages.0.content"),
+        }  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            for what, (fields, param) in refused.items():
+                async with http.post(url + "/v1/chat/completions", json={**base, **fields}) as r:
+                    error = (await r.json())["error"]
+                    assert r.status == 400, (what, error)
+                    assert error["param"] == param, (what, error)
+            async with http.post(url + "/v1/chat/completions", json=base) as r:
+                pass  # the one valid request: it reaches the backend
+            edge = {**base, "max_tokens": 4096}  # over edgeLimits.maxOutputTokens (512)
+            async with http.post(url + "/v1/chat/completions", json=edge,
+                                 headers={"x-hybridllm-tier": "edge"}) as r:  # fmt: skip
+                error = (await r.json())["error"]
+                assert r.status == 400, error
+                assert "maxOutputTokens" in error["message"], error
+            async with http.get(url + "/v1/nope") as r:
+                assert r.status == 404
+                assert (await r.json())["error"]["code"] == "not_found"
+        assert len(reached) == 1, reached
+
+    served(tmp_path, upstream, client, both_tiers=True)

@@ -181,6 +181,14 @@ def test_the_gateway_is_ready_once_it_listens_a_runtime_once_its_model_is_loaded
         "demo-edge": "/health",
         "demo-monolithic": "/health",
     }
+    # alive: the gateway while its event loop answers an HTTP probe in time (a stalled
+    # loop is restarted, an open port proves nothing), a runtime while it listens
+    lives = {n: d["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
+             for n, d in deployments.items()}  # fmt: skip
+    assert lives["demo-gateway"]["httpGet"]["path"] == "/readyz"
+    assert lives["demo-gateway"]["timeoutSeconds"] <= 2
+    assert "tcpSocket" in lives["demo-edge"]
+    assert "tcpSocket" in lives["demo-monolithic"]
 
 
 def test_served_name_and_context_length_reach_the_runtime() -> None:

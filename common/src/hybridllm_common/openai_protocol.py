@@ -15,7 +15,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 # --- stable error codes -----------------------------------------------------------------
 
@@ -107,7 +115,7 @@ def new_id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, strict=True)
 
 
 class StopField(BaseModel):
@@ -136,21 +144,24 @@ class _SamplingFields(StopField):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = ""
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
-    stream: bool = False
+    # Types are strict (JSON's own types, as OpenAI's API takes them): "false" is no
+    # boolean and "100" or 100.0 no token count. A lax parse let a gateway and a runtime
+    # read one field two ways (the gateway's limits saw a string, the runtime a number).
+    model: str = Field(default="", strict=True)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, strict=True)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, strict=True)
+    n: int = Field(default=1, ge=1, le=16, strict=True)
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    user: str | None = None
+    seed: int | None = Field(default=None, strict=True)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, strict=True)
+    user: str | None = Field(default=None, strict=True)
     # Extensions (vLLM names): top_k <= 0 means off.
-    top_k: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    top_k: int | None = Field(default=None, strict=True)
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = Field(default=False, strict=True)
     # hybridllm extension: "interactive" (default) or "batch" scheduling class.
     priority: Literal["interactive", "batch"] = "interactive"
     # Extension (vLLM's name): prefix-cache partition. Requests share cached KV blocks (and
@@ -169,6 +180,25 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(
+        cls, v: str | list[dict[str, Any]] | None
+    ) -> str | list[dict[str, Any]] | None:
+        """Content parts other than text (``image_url``, ``input_audio``, ``file``) are
+        refused by name: the models served here read text only, and a part dropped in
+        silence would be an answer to a question the client did not ask."""
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(
+                    f"content part type {str(kind)[:40]!r} is not supported: the served "
+                    "model reads text only (send parts of type 'text')"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a 'text' content part needs a string 'text'")
+        return v
+
     def text(self) -> str:
         """Content as plain text (text parts of a multi-part message are concatenated)."""
         if self.content is None:
@@ -180,9 +210,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = Field(default=False, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -195,9 +225,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
+    echo: bool = Field(default=False, strict=True)
     suffix: str | None = None
 
     def effective_max_tokens(self) -> int | None:

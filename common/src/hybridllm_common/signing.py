@@ -22,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import json
+import re
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -130,6 +131,9 @@ def sign_request(
     }
 
 
+TIMESTAMP_RE = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?")
+
+
 def check_request(
     public_key: Ed25519PublicKey,
     method: str,
@@ -140,11 +144,13 @@ def check_request(
     now: float,
 ) -> None:
     """SignatureError unless the device's key signed this request within MAX_SKEW_S of now."""
-    try:
-        sent = float(timestamp)
-    except ValueError:
-        raise SignatureError(f"{TIMESTAMP_HEADER} {timestamp!r} is not a number") from None
-    if abs(now - sent) > MAX_SKEW_S:
+    # Seconds as sign() writes them (digits, one point): float() also takes "nan" (never
+    # "more than MAX_SKEW_S away", so a signature would pass the clock check forever),
+    # "inf", exponents and underscores.
+    if len(timestamp) > 32 or not TIMESTAMP_RE.fullmatch(timestamp):
+        raise SignatureError(f"{TIMESTAMP_HEADER} {timestamp[:40]!r} is not a number of seconds")
+    sent = float(timestamp)
+    if not abs(now - sent) <= MAX_SKEW_S:
         raise SignatureError(
             f"{TIMESTAMP_HEADER} is {now - sent:+.0f} s from the server's clock "
             f"(at most {MAX_SKEW_S:.0f} s): fix the device's clock"

@@ -121,16 +121,24 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         request.app[STATE].metrics.rejected.labels(code=exc.code).inc()
         return _answered(request, error_response(exc.code, exc.message, exc.param, exc.headers))
     except web.HTTPException as exc:
-        code = oai.MODEL_NOT_FOUND if exc.status == 404 else oai.INVALID_REQUEST
-        _, body = oai.make_error(code, f"{request.method} {request.path}: {exc.reason}")
+        code = {404: oai.NOT_FOUND, 405: oai.METHOD_NOT_ALLOWED}.get(
+            exc.status, oai.INVALID_REQUEST
+        )
+        _, body = oai.make_error(code, f"{request.method} {request.path[:200]}: {exc.reason}")
         return web.json_response(body.model_dump(), status=exc.status)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as exc:
-        log.exception("request %s %s failed", request.method, request.path)
+        # The exception's text stays in the log: it may hold addresses or upstream bytes.
+        rid = request.headers.get("x-request-id", "")[:64]
+        log.exception("request %s %s failed (x-request-id %r)", request.method, request.path, rid)
         return _answered(
             request,
-            error_response(oai.INTERNAL_ERROR, f"internal error: {type(exc).__name__}: {exc}"),
+            error_response(
+                oai.INTERNAL_ERROR,
+                f"internal error ({type(exc).__name__}); the gateway's log has the details"
+                + (f" under x-request-id {rid}" if rid else ""),
+            ),
         )
 
 
@@ -144,11 +152,16 @@ def _answered(request: web.Request, response: web.Response) -> web.Response:
     return response
 
 
-def _validate(model_cls: type[BaseModel], body: Any) -> None:
+FILTER_INLINE_BYTES = 64 << 10  # bodies above this are filtered on a worker thread
+
+
+def _validate(model_cls: type[BaseModel], body: Any) -> Any:
+    """The request as the one request model parses it: every field's type is decided here,
+    for the whole gateway (and the runtimes parse the same bytes with the same model)."""
     if not isinstance(body, dict):
         raise APIError(oai.INVALID_REQUEST, "the request body must be a JSON object")
     try:
-        model_cls.model_validate(body)
+        return model_cls.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = oai.validation_error_param(tuple(first.get("loc", ())))
@@ -186,9 +199,9 @@ async def _handle(
         body = json.loads(raw)
     except ValueError as exc:
         raise APIError(oai.INVALID_REQUEST, f"the request body is not JSON: {exc}") from None
-    _validate(model_cls, body)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if isinstance(max_tokens, int) and max_tokens > s.max_tokens_limit:
+    parsed = _validate(model_cls, body)
+    max_tokens = parsed.effective_max_tokens()
+    if max_tokens is not None and max_tokens > s.max_tokens_limit:
         raise APIError(
             oai.INVALID_PARAMETER,
             f"max_tokens {max_tokens} is over this gateway's limit of {s.max_tokens_limit}",
@@ -215,10 +228,15 @@ async def _handle(
         # One prefix-cache partition per tenant: a client cannot pick another's salt.
         body["cache_salt"] = key_name
         changed = True
-    if state.filter.apply(body):
-        changed = True
+    # Admission before the content filter: a client over its limits costs no scan.
     features = classifier_mod.extract(body)
     state.limiter.admit(key_name, features.prompt_tokens)
+    if len(raw) > FILTER_INLINE_BYTES:  # linear, but a large body's scan is not the loop's
+        found = await asyncio.get_running_loop().run_in_executor(None, state.filter.apply, body)
+    else:
+        found = state.filter.apply(body)
+    if found:
+        changed = True
     route = router.choose(routing, pools, state.classifier, features, explicit)
     request[router.ROUTE_REASON] = route.reason
     request[router.ROUTE_TIER] = route.tiers[0]
@@ -226,7 +244,7 @@ async def _handle(
     cap = metrics_mod.completion_cap(body)
     state.metrics.offered.offer(route.tiers[0], features.prompt_tokens, cap)
     key = _affinity_key(state, request, body)
-    stream = bool(body.get("stream"))
+    stream = parsed.stream
     assert state.forwarder is not None
     if not stream and routing.cascade.enabled and route.tiers[0] == "edge":
         outcome = await cascade_mod.run(state.forwarder, state.metrics, request, path, body,
@@ -335,9 +353,12 @@ async def _startup(app: web.Application) -> None:
         first_byte_timeout_s=s.first_byte_timeout_s,
         request_timeout_s=s.request_timeout_s,
         max_attempts=s.max_attempts,
-        pool=relay.Pool(s.connect_timeout_s) if s.stream_relay == "raw" else None,
+        pool=relay.Pool(s.connect_timeout_s, s.max_upstream_body_bytes)
+        if s.stream_relay == "raw"
+        else None,
         hold_timeout_s=s.hold_timeout_s,
         max_held_requests=s.max_held_requests,
+        max_body_bytes=s.max_upstream_body_bytes,
     )
     state.watchers = _watchers(state)
     state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]

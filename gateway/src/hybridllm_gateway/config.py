@@ -173,6 +173,13 @@ class GatewaySettings(BaseModel):
     max_attempts: int = Field(default=3, ge=1, le=10)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_tokens_limit: int = Field(default=32_768, ge=1)
+    max_upstream_body_bytes: int = Field(
+        default=64 << 20,
+        ge=1 << 16,
+        description="An upstream answer the gateway holds whole (not streamed, or an error) "
+        "past this many bytes is refused as that replica's fault: a backend cannot fill the "
+        "gateway's memory. Streams pass through at the client's pace and are not capped.",
+    )
     eject_after_failures: int = Field(default=3, ge=1)
     eject_base_s: float = Field(default=5.0, gt=0)
     eject_max_s: float = Field(default=60.0, gt=0)

@@ -89,6 +89,7 @@ class Forwarder:
     pool: relay.Pool | None = None  # None: streams go through aiohttp's client too
     hold_timeout_s: float = 240.0
     max_held_requests: int = 256
+    max_body_bytes: int = relay.MAX_BODY_BYTES  # a whole answer held past it is a fault
     _wakers: dict[str, asyncio.Task[bool]] = field(default_factory=dict)
     _held: dict[str, int] = field(default_factory=dict)  # requests waiting, per tier
 
@@ -303,19 +304,19 @@ class Forwarder:
                     continue
                 self._fail(replica, "connect")
                 outcome.status, outcome.unsent = 0, True
-                return None, f"{url}: {type(exc).__name__}: {exc}"
+                return None, _fault(replica, f"could not connect ({type(exc).__name__})", exc)
             break
         self.metrics.upstream_latency.labels(tier=replica.tier).observe(
             time.perf_counter() - t_send
         )
         try:
             if resp.status in RETRYABLE_STATUS:
-                text = await resp.text(errors="replace")
+                text = await resp.content.read(ERROR_DETAIL_BYTES)
                 self._refused(replica, resp.status, resp.headers.get("Retry-After"), outcome)
                 resp.close()
-                return None, f"{url}: HTTP {resp.status}: {text[:200]}"
+                return None, _fault(replica, f"answered HTTP {resp.status}", text)
             if not stream or resp.status != 200:
-                body = await resp.read()
+                body = await _read_capped(resp, self.max_body_bytes)
                 self.balancer.record_success(replica)
                 outcome.status, outcome.body = resp.status, body
                 outcome.headers = {k.lower(): v for k, v in resp.headers.items()}
@@ -327,12 +328,17 @@ class Forwarder:
                 self._fail(replica, "empty_stream")
                 outcome.status = 0
                 resp.close()
-                return None, f"{url}: stream closed before the first byte"
+                return None, _fault(replica, "stream closed before the first byte")
+        except relay.UpstreamError as exc:
+            self._fail(replica, "malformed")
+            outcome.status = 0
+            resp.close()
+            return None, _fault(replica, exc.fault, exc)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self._fail(replica, "read")
             outcome.status = 0
             resp.close()
-            return None, f"{url}: {type(exc).__name__}: {exc}"
+            return None, _fault(replica, f"failed while answering ({type(exc).__name__})", exc)
         except BaseException:
             resp.close()
             raise
@@ -395,7 +401,7 @@ class Forwarder:
         outcome: Outcome,
     ) -> tuple[web.StreamResponse | None, str]:
         assert self.pool is not None
-        url = replica.url + path
+        replica.url + path
         t_send = time.perf_counter()
         pre_s = t_send - t_start
         extra = {k: v for k, v in headers.items() if k != "content-type" and "\r" not in v and "\n" not in v}  # fmt: skip
@@ -413,7 +419,7 @@ class Forwarder:
                 except (OSError, TimeoutError) as exc:
                     self._fail(replica, "connect")
                     outcome.status, outcome.unsent = 0, True
-                    return None, f"{url}: {type(exc).__name__}: {exc}"
+                    return None, _fault(replica, f"could not connect ({type(exc).__name__})", exc)
                 conn.send(path, replica.url[len("http://") :].split("/", 1)[0], payload, extra)
                 async with asyncio.timeout_at(deadline):
                     while conn.head is None and conn.lost is None:
@@ -425,9 +431,13 @@ class Forwarder:
             assert conn is not None
             head = conn.head
             if head is None:
-                self._fail(replica, "read")
+                self._fail(
+                    replica, "malformed" if isinstance(conn.lost, relay.UpstreamError) else "read"
+                )
                 outcome.status = 0
-                return None, f"{url}: {conn.lost!r} before the answer's head"
+                return None, _fault(
+                    replica, _lost(conn.lost) + " before the answer's head", conn.lost
+                )
             self.metrics.upstream_latency.labels(tier=replica.tier).observe(
                 time.perf_counter() - t_send
             )
@@ -435,12 +445,24 @@ class Forwarder:
                 async with asyncio.timeout_at(deadline):
                     while not conn.complete and conn.lost is None:
                         await conn.wait()
+                if conn.lost is not None and not conn.complete:
+                    self._fail(
+                        replica,
+                        "malformed" if isinstance(conn.lost, relay.UpstreamError) else "read",
+                    )
+                    outcome.status = 0
+                    conn.abort()
+                    return None, _fault(
+                        replica, _lost(conn.lost) + f" in its HTTP {head.status} answer", conn.lost
+                    )
                 body = conn.payload()
                 if head.status in RETRYABLE_STATUS:
                     retry_after = head.headers.get("retry-after")
                     self._refused(replica, head.status, retry_after, outcome)
                     conn.abort()
-                    return None, f"{url}: HTTP {head.status}: {body[:200].decode(errors='replace')}"
+                    return None, _fault(
+                        replica, f"answered HTTP {head.status}", body[:ERROR_DETAIL_BYTES]
+                    )
                 self.balancer.record_success(replica)
                 outcome.status, outcome.body, outcome.headers = head.status, body, head.headers
                 outcome.ttft_s = time.perf_counter() - t_start
@@ -454,13 +476,14 @@ class Forwarder:
                 self._fail(replica, "empty_stream")
                 outcome.status = 0
                 conn.abort()
-                return None, f"{url}: stream closed before the first byte"
+                fault = _lost(conn.lost) if conn.lost is not None else "closed the stream"
+                return None, _fault(replica, fault + " before the first byte", conn.lost or "")
         except TimeoutError:
             if conn is not None:
                 conn.abort()
             self._fail(replica, "read")
             outcome.status = 0
-            return None, f"{url}: no answer within {self.first_byte_timeout_s:g} s"
+            return None, _fault(replica, f"no answer within {self.first_byte_timeout_s:g} s")
         except BaseException:
             if conn is not None:
                 conn.abort()
@@ -572,6 +595,39 @@ def _stale_connection(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientOSError) and not isinstance(
         exc, aiohttp.ClientConnectorError
     )
+
+
+ERROR_DETAIL_BYTES = 200  # of an upstream's error answer, kept for the gateway's log
+
+
+def _fault(replica: balancer_mod.Replica, fault: str, detail: object = "") -> str:
+    """What a client may read of a failed attempt (the tier and what went wrong), after
+    logging it whole for the operator (the replica's address, the upstream's bytes)."""
+    log.info("attempt on %s (%s tier) failed: %s%s", replica.url, replica.tier, fault,
+             f" ({detail!r})" if detail else "")  # fmt: skip
+    return (
+        f"the {replica.tier} replica {fault}"
+        if not fault.startswith("answer")
+        else (f"the {replica.tier} replica's {fault}")
+    )
+
+
+def _lost(exc: BaseException | None) -> str:
+    if isinstance(exc, relay.UpstreamError):
+        return f"sent a malformed answer ({exc.fault})"
+    return "closed the connection"
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """A whole answer, refused past ``cap`` bytes (announced or read)."""
+    if resp.content_length is not None and resp.content_length > cap:
+        raise relay.UpstreamError(f"answer is over {cap} bytes")
+    body = bytearray()
+    while chunk := await resp.content.readany():
+        body += chunk
+        if len(body) > cap:
+            raise relay.UpstreamError(f"answer is over {cap} bytes")
+    return bytes(body)
 
 
 def usage_tokens(body: bytes | None) -> int:

@@ -35,11 +35,19 @@ from urllib.parse import urlsplit
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
+MAX_BODY_BYTES = 64 << 20  # default cap of an answer the gateway holds in memory
 IDLE_KEEP_S = 30.0
 
 
 class UpstreamError(Exception):
-    """The upstream failed: connection refused or lost, malformed answer."""
+    """The upstream failed: connection refused or lost, malformed answer.
+
+    ``fault`` says what went wrong in words a client may read (never the upstream's bytes
+    or address); ``str()`` adds the offending bytes, for the gateway's log."""
+
+    def __init__(self, fault: str, detail: bytes | str = b"") -> None:
+        super().__init__(f"{fault}: {detail!r}" if detail else fault)
+        self.fault = fault
 
 
 class ChunkScanner:
@@ -85,10 +93,7 @@ class ChunkScanner:
             if self.last:  # a trailer line; the empty one ends the message
                 self.done = not line
                 continue
-            try:
-                size = int(line.split(b";", 1)[0], 16)
-            except ValueError:
-                raise UpstreamError(f"bad chunk size line {line[:40]!r}") from None
+            size = chunk_size(line)
             if size == 0:
                 self.last, cut = True, start
                 continue
@@ -98,6 +103,20 @@ class ChunkScanner:
         if prefix or cut < n:
             return prefix + data[:cut]
         return data
+
+
+HEX_DIGITS = b"0123456789abcdefABCDEF"
+MAX_CHUNK_SIZE_DIGITS = 16  # a 64-bit size; longer is no real chunk
+
+
+def chunk_size(line: bytes) -> int:
+    """The size of a chunk size line (``1a``, ``1a;ext=v``): hex digits only. ``int(x, 16)``
+    alone also takes ``-6``, ``+6``, ``0x6`` and ``1_0``; a negative size would step the
+    scanner backwards forever on the event loop."""
+    digits = line.split(b";", 1)[0].strip()
+    if not digits or len(digits) > MAX_CHUNK_SIZE_DIGITS or digits.strip(HEX_DIGITS):
+        raise UpstreamError("bad chunk size line", line[:40])
+    return int(digits, 16)
 
 
 @dataclass
@@ -113,11 +132,11 @@ def parse_head(raw: bytes) -> Head:
     lines = raw.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-        raise UpstreamError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        raise UpstreamError("not an HTTP/1.x status line", lines[0][:80])
     try:
         status = int(parts[1])
     except ValueError:
-        raise UpstreamError(f"bad status line {lines[0][:80]!r}") from None
+        raise UpstreamError("bad status line", lines[0][:80]) from None
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
@@ -126,10 +145,10 @@ def parse_head(raw: bytes) -> Head:
     chunked = "chunked" in headers.get("transfer-encoding", "").lower()
     length = None
     if not chunked and "content-length" in headers:
-        try:
-            length = int(headers["content-length"])
-        except ValueError:
-            raise UpstreamError(f"bad content-length {headers['content-length']!r}") from None
+        value = headers["content-length"]
+        if not value.isascii() or not value.isdigit() or len(value) > 18:
+            raise UpstreamError("bad content-length", value[:40])
+        length = int(value)
     conn = headers.get("connection", "").lower()
     keep_alive = parts[0] == "HTTP/1.1" and "close" not in conn and (chunked or length is not None)
     return Head(status, headers, chunked, length, keep_alive)
@@ -140,6 +159,7 @@ class Upstream(asyncio.Protocol):
 
     def __init__(self, pool: Pool, key: tuple[str, int]) -> None:
         self.pool, self.key = pool, key
+        self.num_bytes = 0  # body bytes of the current answer held in memory
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.head: Head | None = None
@@ -164,8 +184,8 @@ class Upstream(asyncio.Protocol):
         if not self.complete:
             if self.head is not None and self.left == -1 and self.scanner is None:
                 self.complete = True  # close-delimited body ends here
-            else:
-                self.lost = exc or UpstreamError("upstream closed the connection")
+            elif self.lost is None:  # a fault found in its bytes stays the cause
+                self.lost = exc or ConnectionResetError("upstream closed the connection")
         self.pool.forget(self)
         self._wake()
 
@@ -214,9 +234,13 @@ class Upstream(asyncio.Protocol):
         else:
             body = data
         if body:
-            if self.sink is not None:
+            if self.sink is not None:  # relayed as it comes: the client's pace bounds it
                 self.sink(body)
-            else:
+            else:  # held (an error answer, a stream's first bytes): bounded here
+                self.num_bytes += len(body)
+                if self.num_bytes > self.pool.max_body_bytes:
+                    self._fail(UpstreamError(f"answer is over {self.pool.max_body_bytes} bytes"))
+                    return
                 self.body.append(body)
                 self._wake()
         if self.complete:
@@ -283,7 +307,7 @@ class Upstream(asyncio.Protocol):
         )
         if reusable and not self.closed:
             self.head, self.scanner, self.sink, self.left = None, None, None, -1
-            self.complete, self.num_reads = False, 0
+            self.complete, self.num_reads, self.num_bytes = False, 0, 0
             self.body.clear()
             self.idle_since = time.monotonic()
             self.pool.put(self)
@@ -296,6 +320,7 @@ class Pool:
     """Idle keep-alive connections per (host, port); LIFO so warm sockets are reused."""
 
     connect_timeout_s: float
+    max_body_bytes: int = MAX_BODY_BYTES
     idle: dict[tuple[str, int], list[Upstream]] = field(default_factory=dict)
 
     async def acquire(self, url: str) -> tuple[Upstream, bool]:

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import classifier as classifier_mod
 from hybridllm_gateway import config as config_mod
+from hybridllm_gateway.errors import APIError
 
 TIER_HEADER = "x-hybridllm-tier"
 TIERS = ("edge", "cloud")
@@ -66,19 +68,22 @@ def choose(
     explicit: str | None,
 ) -> Route:
     present = tuple(t for t in TIERS if t in pools and pools[t].replicas)
+    limits = routing.edge_limits
+    policy = routing.policy
+    # The edge limits bound what an edge replica is asked to do, however it was chosen.
+    edge_chosen = explicit == "edge" or (explicit is None and policy == config_mod.Policy.edge_only)
+    if edge_chosen and (over := over_edge_limits(limits, features)):
+        param = "max_tokens" if over.startswith("max_tokens") else None
+        raise APIError(oai.INVALID_PARAMETER, f"{over}: the edge tier serves no more", param)
     if explicit is not None:
         return Route((explicit,), "explicit")
-    policy = routing.policy
     if policy == config_mod.Policy.cloud_only:
         return Route(("cloud",), "policy")
     if policy == config_mod.Policy.edge_only:
         return Route(("edge",), "policy")
     if len(present) == 1:
         return Route(present, "single_tier")
-    limits = routing.edge_limits
-    if features.prompt_tokens > limits.max_prompt_tokens or (
-        features.max_tokens is not None and features.max_tokens > limits.max_output_tokens
-    ):
+    if over_edge_limits(limits, features):
         return Route(("cloud",), "edge_limits")
     if features.has_tools:
         return Route(("cloud", "edge"), "tools")
@@ -103,6 +108,21 @@ def choose(
     ):
         return Route((second, first), "balance")
     return Route((first, second), reason)
+
+
+def over_edge_limits(limits: config_mod.EdgeLimits, features: classifier_mod.Features) -> str:
+    """Which edge limit the request passes, in words ('' when none)."""
+    if features.prompt_tokens > limits.max_prompt_tokens:
+        return (
+            f"prompt of about {features.prompt_tokens} tokens is over edgeLimits."
+            f"maxPromptTokens ({limits.max_prompt_tokens})"
+        )
+    if features.max_tokens is not None and features.max_tokens > limits.max_output_tokens:
+        return (
+            f"max_tokens {features.max_tokens} is over edgeLimits.maxOutputTokens "
+            f"({limits.max_output_tokens})"
+        )
+    return ""
 
 
 def busier(a: balancer_mod.TierPool, b: balancer_mod.TierPool, margin: int) -> bool:

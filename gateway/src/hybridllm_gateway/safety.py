@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import re2
+
 from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import config as config_mod
 from hybridllm_gateway.errors import APIError
@@ -106,6 +108,7 @@ class RateLimiter:
     def __init__(self, limits: config_mod.RateLimits) -> None:
         self.limits = limits
         self.buckets: dict[str, tuple[TokenBucket, TokenBucket]] = {}
+        self.prune_above = self.PRUNE_ABOVE
 
     def update(self, limits: config_mod.RateLimits) -> None:
         self.limits = limits
@@ -113,9 +116,26 @@ class RateLimiter:
             req.per_minute = limits.requests_per_minute
             tok.per_minute = limits.tokens_per_minute
 
+    PRUNE_ABOVE = 4096  # keys held before idle ones are dropped
+
+    def prune(self, now: float) -> None:
+        """Drop the buckets of keys idle long enough to be full again: a new bucket for
+        such a key is the same as the old one, and a map of every client address ever
+        seen (limits per address when no keys are set) would only grow."""
+        for key in [
+            k
+            for k, (req, tok) in self.buckets.items()
+            if req.level + (now - req.stamp) * req.per_minute / 60.0 >= req.per_minute
+            and tok.level + (now - tok.stamp) * tok.per_minute / 60.0 >= tok.per_minute
+        ]:
+            del self.buckets[key]
+        self.prune_above = max(self.PRUNE_ABOVE, 2 * len(self.buckets))
+
     def admit(self, key: str, prompt_tokens: int) -> None:
         buckets = self.buckets.get(key)
         if buckets is None:
+            if len(self.buckets) >= self.prune_above:  # amortised: at most once per doubling
+                self.prune(time.monotonic())
             buckets = (
                 TokenBucket(self.limits.requests_per_minute),
                 TokenBucket(self.limits.tokens_per_minute),
@@ -152,13 +172,32 @@ def luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
+# RE2 syntax (linear time, no look-around): where a pattern must not start inside a longer
+# token, it takes the character before it and marks what it redacts as the group ``hit``.
 PII_PATTERNS: dict[str, str] = {
     "email": r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+",
     "credit_card": r"\b\d(?:[ -]?\d){12,18}\b",
     "us_ssn": r"\b\d{3}-\d{2}-\d{4}\b",
-    "phone": r"(?<![\w-])\+?\d{1,3}[ .-]\(?\d{2,4}\)?[ .-]\d{3,4}[ .-]?\d{3,4}\b",
+    "phone": r"(?:^|[^\w-])(?P<hit>\+?\d{1,3}[ .-]\(?\d{2,4}\)?[ .-]\d{3,4}[ .-]?\d{3,4}\b)",
     "iban": r"\b[A-Z]{2}\d{2}[A-Z0-9]{11,30}\b",
 }
+
+
+def compile_pattern(kind: str, pattern: str, ignore_case: bool = False) -> Any:
+    """A filter pattern in RE2, whose matching time is linear in the text: the prompt is
+    the client's, and a backtracking engine lets one prompt hold the event loop for
+    hours (``[\\w.+-]+@`` over a megabyte of letters is quadratic in Python's ``re``).
+    RE2 has no look-around or backreferences: a pattern that needs them is refused."""
+    options = re2.Options()
+    options.case_sensitive = not ignore_case
+    options.max_mem = 64 << 20
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        raise ValueError(
+            f"filter pattern {kind!r} is not valid RE2 syntax ({exc}); the filter takes "
+            "linear-time patterns only: no look-around, no backreferences"
+        ) from None
 
 
 class ContentFilter:
@@ -171,28 +210,31 @@ class ContentFilter:
             )
         named = {k: PII_PATTERNS[k] for k in cfg.pii} | dict(cfg.patterns)
         if cfg.deny:
-            named["deny_list"] = r"\b(?:" + "|".join(re.escape(w) for w in cfg.deny) + r")\b"
+            named["deny_list"] = r"\b(?:" + "|".join(re2.escape(w) for w in cfg.deny) + r")\b"
         self.patterns = {
-            k: re.compile(v, re.IGNORECASE if k == "deny_list" else 0) for k, v in named.items()
+            k: compile_pattern(k, v, ignore_case=k == "deny_list") for k, v in named.items()
         }
+
+    def _sub(self, text: str, found: set[str]) -> str:
+        for kind, pattern in self.patterns.items():
+            hit = pattern.groupindex.get("hit")
+
+            def repl(m: Any, kind: str = kind, hit: int | None = hit) -> str:
+                whole = m.group()
+                if kind == "credit_card" and not luhn_ok(re.sub(r"\D", "", whole)):
+                    return str(whole)
+                found.add(kind)
+                before = whole[: m.start(hit) - m.start()] if hit else ""
+                return f"{before}[REDACTED:{kind}]"
+
+            text = pattern.sub(repl, text)
+        return text
 
     @classmethod
     def load(cls, path: Path | None) -> ContentFilter:
         if path is None:
             return cls(config_mod.FilterConfig())
         return cls(config_mod.FilterConfig.model_validate_json(path.read_text()))
-
-    def _sub(self, text: str, found: set[str]) -> str:
-        for kind, pattern in self.patterns.items():
-
-            def repl(m: re.Match[str], kind: str = kind) -> str:
-                if kind == "credit_card" and not luhn_ok(re.sub(r"\D", "", m.group())):
-                    return m.group()
-                found.add(kind)
-                return f"[REDACTED:{kind}]"
-
-            text = pattern.sub(repl, text)
-        return text
 
     def apply(self, body: dict[str, Any]) -> list[str]:
         """Blocks (raises 400) or redacts the body in place; returns the kinds found."""

@@ -409,6 +409,21 @@ def ready_path(component: str) -> str:
     return "/readyz" if component == "gateway" else "/health"
 
 
+def liveness_probe(component: str) -> dict[str, Any]:
+    """A gateway is alive while its event loop answers: /readyz is served by the loop
+    itself, so a loop stalled by one request (a runaway parse) fails the probe within
+    30 s and the pod restarts; an open port alone would keep a hung gateway forever. A
+    runtime's loop waits on its model while loading (minutes), so an open port it is."""
+    if component == "gateway":
+        return {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "timeoutSeconds": 2,
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        }
+    return {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
+
+
 def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "server",
@@ -450,11 +465,7 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
-        "livenessProbe": {
-            "tcpSocket": {"port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 6,
-        },
+        "livenessProbe": liveness_probe(pool.component),
         "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
     }
     cache = service.spec.model.cache
