@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,72 @@ def pytest_configure(config: pytest.Config) -> None:
     modules read ``$HYBRIDLLM_TRACES`` (set here from bench/portable.py's default when
     unset) and mark what needs them ``dev_traces(...)``."""
     os.environ["HYBRIDLLM_TRACES"] = str(_load_bench("bench/portable.py").TRACES)
+
+
+# --- the suite's time budget -------------------------------------------------------------
+# A whole-suite run (no paths, -k or -m given) on a warm machine must finish its tests in
+# HYBRIDLLM_TEST_BUDGET_S (40 min: CI has 90 for set-up and tests on a cold machine). Past
+# it the run fails, loudly, with the slowest tests. Warm: the model store held the
+# converted models when the run started (a cold run converts them, and compiles llama.cpp
+# for the clean-venv install test, inside the tests: it is reported, not failed).
+BUDGET_S = float(os.environ.get("HYBRIDLLM_TEST_BUDGET_S", "2400"))
+_started = pytest.StashKey[tuple[float, bool]]()
+
+
+def _whole_suite(config: pytest.Config) -> bool:
+    return (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not config.option.keyword
+        and not config.option.markexpr
+        and not getattr(config.option, "lf", False)
+    )
+
+
+def _warm() -> bool:
+    from hybridllm_models import store
+
+    root = store.default_root()
+    return root.is_dir() and any(root.rglob("manifest.json"))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_started] = (time.monotonic(), _warm())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if _started not in config.stash or not _whole_suite(config) or hasattr(config, "workerinput"):
+        return
+    t0, warm = config.stash[_started]
+    took = time.monotonic() - t0
+    config.stash[_verdict] = (took, warm)
+    if warm and took > BUDGET_S and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_verdict = pytest.StashKey[tuple[float, bool]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if _verdict not in config.stash:
+        return
+    took, warm = config.stash[_verdict]
+    state = "warm" if warm else "cold: models converted during the run, not held to it"
+    line = f"::phase tests budget: {took:.0f} s of {BUDGET_S:.0f} s ({state})"
+    if not (warm and took > BUDGET_S):
+        terminalreporter.write_line(line)
+        return
+    reports = [r for key in ("passed", "failed", "skipped", "error")
+               for r in terminalreporter.stats.get(key, []) if hasattr(r, "duration")]  # fmt: skip
+    slowest = sorted(reports, key=lambda r: r.duration, reverse=True)[:15]
+    terminalreporter.section("TEST BUDGET EXCEEDED", sep="!", red=True, bold=True)
+    terminalreporter.write_line(
+        f"{line}: the suite took {(took - BUDGET_S) / 60:.1f} min more than its budget. "
+        "Make the slowest tests cheaper (share fixtures, merge walks of one path) before "
+        "adding more; the slowest:", red=True, bold=True,
+    )  # fmt: skip
+    for r in slowest:
+        terminalreporter.write_line(f"  {r.duration:8.1f} s  {r.when:8s} {r.nodeid}", red=True)
 
 
 def dev_traces_missing(item: pytest.Item) -> list[Path]:
