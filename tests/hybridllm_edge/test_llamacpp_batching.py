@@ -156,3 +156,35 @@ def test_engine_takes_a_prompt_prefix_from_a_free_slot_or_copies_it_from_a_runni
         eng._finish(r, keep=False)
     assert [backend.slot_length(s) for s in range(3)] == [0, 0, eng.cached_length(2)]
     _release_all(backend)
+
+
+def test_a_tenant_never_reuses_another_tenants_cached_prefix(backend: Backend) -> None:
+    """The prompt cache is partitioned by cache_salt (the gateway sets it to the tenant):
+    tenant B's request, sharing a long prefix with tenant A's, finds none of it cached,
+    neither in A's running slot nor in A's free one (its usage would report how much of
+    A's prompt it guessed right); a second request of A's reuses it."""
+    _release_all(backend)
+    eng = engine.Engine(backend, max_num_batched_tokens=64)  # not started: driven by hand
+    params = sampling.SamplingParams(max_tokens=4, temperature=0)
+    secret = list(range(200, 200 + engine.MIN_PREFIX_TOKENS + 8))
+
+    def request(name: str, prompt: list[int], salt: str) -> engine.EngineRequest:
+        req = engine.EngineRequest(name, prompt, params, lambda _: None, cache_salt=salt)
+        eng.add(req)
+        eng._drain(block=False)
+        eng._admit()
+        return req
+
+    a = request("a", [1, *secret, 7], "tenant-a")
+    eng._step()  # running, its prompt computed
+    b = request("b", [1, *secret, 8], "tenant-b")
+    assert b.num_cached == 0  # not copied from A's running slot
+    eng._finish(a)  # A's slot is free and keeps A's prompt
+    eng._finish(b, keep=False)
+    b2 = request("b2", [1, *secret, 9], "tenant-b")
+    assert b2.num_cached == 0
+    eng._finish(b2, keep=False)
+    a2 = request("a2", [1, *secret, 9], "tenant-a")
+    assert a2.num_cached == 1 + len(secret)
+    eng._finish(a2, keep=False)
+    _release_all(backend)

@@ -78,6 +78,10 @@ class EngineRequest:
     params: sampling.SamplingParams
     emit: Emit
     arrival: float = field(default_factory=time.monotonic)
+    # The prompt cache's partition (the request's cache_salt, which the gateway sets to the
+    # tenant): a slot's KV is reused only by a request of the same salt, so no tenant reads
+    # the length of another's cached prefix from its usage.
+    cache_salt: str = ""
     # --- engine-owned state below ---
     slot: int = -1
     num_cached: int = 0  # tokens already in the slot's KV
@@ -122,6 +126,7 @@ class Engine:
         self._free_slots = list(range(self.info.num_slots))  # a heap: lowest slot first
         # the tokens whose KV each free slot still holds (the prompt cache)
         self._slot_tokens: list[list[int]] = [[] for _ in range(self.info.num_slots)]
+        self._slot_salts: list[str] = ["" for _ in range(self.info.num_slots)]  # their owners
         self._num_waiting = 0  # in the inbox, not yet seen by the engine; under _count_lock
         self._count_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -210,7 +215,7 @@ class Engine:
     def _admit(self) -> None:
         while self._free_slots and self._waiting:
             req = self._waiting.popleft()
-            slot, prefix, source = self._pick_slot(req.prompt_ids)
+            slot, prefix, source = self._pick_slot(req.prompt_ids, req.cache_salt)
             self._free_slots.remove(slot)
             heapq.heapify(self._free_slots)
             if source is not None:
@@ -218,25 +223,30 @@ class Engine:
             req.slot = slot
             req.num_cached = req.num_prompt_cached = self.backend.truncate(slot, prefix)
             self._slot_tokens[slot] = []
+            self._slot_salts[slot] = req.cache_salt
             if req.params.temperature > 0:
                 req.rng = np.random.default_rng(req.params.seed)
             self._running.append(req)
 
-    def _pick_slot(self, prompt: list[int]) -> tuple[int, int, int | None]:
+    def _pick_slot(self, prompt: list[int], salt: str = "") -> tuple[int, int, int | None]:
         """(slot, prefix to keep, slot to copy the KV from first) for a prompt.
 
         The slot that holds the longest prefix, free (its tokens) or running (what it
         has computed), if that prefix reaches ``MIN_PREFIX_TOKENS``: a free one is taken
         as it is (the lowest of equals), a running one is copied into the lowest free
-        slot. Otherwise the lowest free slot, emptied. The last prompt token is always
-        computed again: its logits are the first sample's."""
+        slot. Otherwise the lowest empty free slot (else the lowest), emptied. Only slots of the request's own
+        ``cache_salt`` count. The last prompt token is always computed again: its logits
+        are the first sample's."""
         limit = len(prompt) - 1
         held = [(common_prefix(self._slot_tokens[s], prompt, limit), -s, s, True)
-                for s in self._free_slots]  # fmt: skip
+                for s in self._free_slots if self._slot_salts[s] == salt]  # fmt: skip
         held += [(common_prefix(r.tokens[: r.num_cached], prompt, limit), -r.slot, r.slot, False)
-                 for r in self._running]  # fmt: skip
+                 for r in self._running if r.cache_salt == salt]  # fmt: skip
         n, _, source, free = max(held, default=(0, 0, -1, True))
-        lowest = self._free_slots[0]
+        # without a prefix worth keeping: the lowest empty slot, so that another prompt's
+        # cache (another tenant's included) is evicted only when every free slot holds one
+        lowest = min((s for s in self._free_slots if not self._slot_tokens[s]),
+                     default=self._free_slots[0])  # fmt: skip
         if n < MIN_PREFIX_TOKENS:
             return lowest, 0, None
         if free:

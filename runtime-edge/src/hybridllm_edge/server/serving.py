@@ -81,7 +81,7 @@ class Serving(responses.ResponseShapes):
         return cache.make_key(revision, endpoint, prompt, body.model_dump(exclude_unset=False))
 
     def _start(
-        self, prompt: list[int], params: sampling.SamplingParams, n: int
+        self, prompt: list[int], params: sampling.SamplingParams, n: int, salt: str = ""
     ) -> tuple[list[str], asyncio.Queue[tuple[int, Any]]]:
         if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
             raise self.error(
@@ -102,7 +102,7 @@ class Serving(responses.ResponseShapes):
             def emit(item: Any, tag: int = i) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
 
-            self.engine.add(engine.EngineRequest(rid, list(prompt), p, emit))
+            self.engine.add(engine.EngineRequest(rid, list(prompt), p, emit, cache_salt=salt))
         self.metrics.prompt_tokens.inc(len(prompt) * n)
         return ids, queue
 
@@ -187,7 +187,7 @@ class Serving(responses.ResponseShapes):
         key: str | None,
         echo: str,
     ) -> Response:
-        ids, queue = self._start(prompt, params, body.n)
+        ids, queue = self._start(prompt, params, body.n, body.cache_salt or "")
         items = self._items(ids, queue)
         choices = [ChoiceState() for _ in ids]
         status = "miss" if key is not None else "bypass"
