@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pydantic
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
 
-from hybridllm_common import metrics, openai_protocol
+from hybridllm_common import http_errors, metrics, openai_protocol
 
 
 def test_chat_request_accepts_openai_client_payload() -> None:
@@ -88,3 +90,22 @@ def test_metric_names_are_prefixed() -> None:
     names = [v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)]
     assert names
     assert all(n.startswith(metrics.PREFIX) for n in names)
+
+
+def test_a_runtime_refuses_a_body_past_its_limit_announced_or_streamed() -> None:
+    """The runtimes' shared error layer bounds the body: a Content-Length over the cap is
+    refused before a byte is read, and a chunked body as its count passes the cap."""
+    app = FastAPI()
+    http_errors.install(app, lambda code: None, max_body_bytes=1000)
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"n": len(await request.body())}
+
+    client = TestClient(app)
+    assert client.post("/echo", content=b"x" * 1000).json() == {"n": 1000}
+    for body in (b"x" * 1001, iter([b"x" * 600, b"x" * 600])):  # announced; chunked
+        r = client.post("/echo", content=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_request"
+        assert "over 1000 bytes" in r.json()["error"]["message"]

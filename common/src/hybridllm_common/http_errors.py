@@ -7,6 +7,7 @@ Every answer that is not a success has the OpenAI shape
 - a request body that fails validation: 400 ``invalid_parameter`` naming the parameter;
 - an unknown path or method: 404 ``not_found`` / 405 ``method_not_allowed`` (FastAPI's
   own ``{"detail": "Not Found"}`` would break clients that parse errors);
+- a body over ``MAX_BODY_BYTES``: 400 ``invalid_request`` (:class:`BodyLimit`);
 - anything else: 500 ``internal_error`` carrying a request id, never the exception's text
   (which can hold paths, prompts or other tenants' data); the log has the traceback
   under the same id. The id is the client's ``x-request-id`` when it sent one.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,8 +45,52 @@ def request_id(request: Request) -> str:
     return sent[:128] if sent.isprintable() and sent else oai.new_id("req")
 
 
-def install(app: FastAPI, on_reject: Callable[[str], None]) -> None:
-    """Register the handlers; ``on_reject(code)`` counts every error answer (metrics)."""
+MAX_BODY_BYTES = 4 << 20  # a request body past it is refused (the gateway's cap is 1 MiB)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 400 ``invalid_request``,
+    whether announced by Content-Length (refused before a byte is read) or sent chunked
+    (refused as the count passes the cap: the rest is never read). Without it a runtime
+    read any body whole into memory, for whoever reaches it."""
+
+    def __init__(self, app: Any, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._refuse()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message.get("type") == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise oai.APIError(oai.INVALID_REQUEST, self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"request body is over {self.max_bytes} bytes"
+
+    def _refuse(self) -> JSONResponse:
+        return error_response(oai.INVALID_REQUEST, self._message())
+
+
+def install(
+    app: FastAPI, on_reject: Callable[[str], None], max_body_bytes: int = MAX_BODY_BYTES
+) -> None:
+    """Register the handlers and the body limit; ``on_reject(code)`` counts every error
+    answer (metrics)."""
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(oai.APIError)
     async def _api_error(request: Request, exc: oai.APIError) -> JSONResponse:
