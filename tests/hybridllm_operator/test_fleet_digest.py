@@ -5,6 +5,7 @@ of a device kept, and a takeover that merges what the other replicas heard."""
 from __future__ import annotations
 
 import base64
+import math
 import re
 import time
 from typing import Any
@@ -148,3 +149,30 @@ def test_a_fleet_status_patch_removes_the_revisions_no_device_runs_any_more() ->
     assert server_mod._with_nulls(stored, new) == {
         "revisions": {"v1": None, "v2": 4}, "devices": 4, "rollout": None,
     }  # fmt: skip
+
+
+def test_a_forged_digest_entry_is_left_out_and_planning_goes_on() -> None:
+    """A digest is a ConfigMap anyone who writes ConfigMaps in the namespace can write:
+    each entry passes the checks a device's own heartbeat passes, and its time must be a
+    finite number (a report with a wrong type crashed the planning loop of every fleet in
+    the namespace). The good entries of the same digest still count."""
+    srv = _server("fleet-a")
+    now = time.time()
+    forged = {
+        "dev-0": (now - 1, {**_report(0), "healthy": "yes"}),  # a wrong type
+        "dev-1": (now - 1, {**_report(1), "endpoint": "file:///etc/passwd"}),  # no http(s) URL
+        "dev-2": (now - 1, {**_report(2), "admin": True}),  # a field no device sends
+    }
+    cm = _config_map("fleet-b", now, forged)
+    found = digest.decode(cm, server_mod._check_report)
+    assert set(found.refused) == {"dev-0", "dev-1", "dev-2"}
+    assert not found.seen
+    srv._on_digest("ADDED", "b", _config_map("fleet-b", now, {
+        **forged, "dev-0": (now - 1, _report(0, "v7")),
+    }))  # fmt: skip
+    srv.lead(True)
+    assert srv.devices["dev-0"].report["revision"] == "v7"  # the valid entry counts
+    assert not srv.devices["dev-1"].report and not srv.devices["dev-2"].report
+    srv._on_digest("MODIFIED", "b", _config_map("fleet-b", math.nan, {}))  # no time at all
+    assert "b" in srv.digests  # the readable digest before it is kept
+    srv.lead(False)

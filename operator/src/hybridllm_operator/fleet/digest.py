@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import base64
 import gzip
+import io
 import json
+import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm_common import crd
@@ -55,6 +58,7 @@ class Digest:
     replica: str
     written_at: float
     seen: dict[str, tuple[float, dict[str, Any]]]
+    refused: dict[str, str] = field(default_factory=dict)  # device -> why its entry was left out
 
     def dated(self, observed_at: float) -> dict[str, tuple[float, dict[str, Any]]]:
         """The entries with their times on the reader's clock, for a digest the reader
@@ -92,17 +96,42 @@ def _text(replica: str, written_at: float, seen: dict[str, tuple[float, dict[str
     return base64.b64encode(gzip.compress(raw, 6)).decode()
 
 
-def decode(obj: dict[str, Any]) -> Digest:
+MAX_DIGEST_BYTES = 64 << 20  # of a part, unzipped: ten thousand devices are ~240 KB
+
+
+def decode(
+    obj: dict[str, Any], check: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> Digest:
     """A digest from its ConfigMap (as the API server's JSON); ValueError when it is not
-    one this version can read."""
+    one this version can read. Anyone who may write ConfigMaps in the namespace can write
+    one, so nothing in it is trusted: times must be finite numbers, and each report passes
+    ``check`` (the checks a device's own heartbeat passes); an entry that does not is left
+    out, with the reason in ``Digest.refused``."""
     text = (obj.get("binaryData") or {}).get(KEY)
     if not text:
         raise ValueError(f"no binaryData.{KEY}")
     try:
-        body = json.loads(gzip.decompress(base64.b64decode(text)))
-        seen = {
-            str(name): (float(entry[0]), dict(entry[1])) for name, entry in body["devices"].items()
-        }
-        return Digest(str(body["replica"]), float(body["writtenAt"]), seen)
-    except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raw = gzip.GzipFile(fileobj=io.BytesIO(base64.b64decode(text))).read(MAX_DIGEST_BYTES + 1)
+        if len(raw) > MAX_DIGEST_BYTES:
+            raise ValueError(f"over {MAX_DIGEST_BYTES} bytes unzipped")
+        body = json.loads(raw)
+        written_at = _finite(body["writtenAt"])
+        seen: dict[str, tuple[float, dict[str, Any]]] = {}
+        refused: dict[str, str] = {}
+        for name, entry in body["devices"].items():
+            try:
+                if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], dict):
+                    raise ValueError("not [time, report]")
+                report = check(entry[1]) if check is not None else dict(entry[1])
+                seen[str(name)] = (_finite(entry[0]), report)
+            except ValueError as exc:
+                refused[str(name)[:253]] = str(exc)[:200]
+        return Digest(str(body["replica"]), written_at, seen, refused)
+    except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise ValueError(f"unreadable digest: {exc}") from exc
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"time {value!r} is not a finite number")
+    return float(value)

@@ -338,10 +338,12 @@ class FleetServer:
             self.digests.pop(name, None)
             return
         try:
-            found = digests.decode(obj)
+            found = digests.decode(obj, _check_report)
         except ValueError as exc:
             log.warning("ConfigMap %s: %s; ignored", name, exc)
             return
+        for device, why in list(found.refused.items())[:10]:
+            log.warning("ConfigMap %s: the entry of device %s is left out: %s", name, device, why)
         if found.replica == self.identity:  # one of an earlier process of this pod
             if name not in self._digest_parts:
                 self._digest_parts.append(name)  # deleted or replaced by the next write
