@@ -172,7 +172,8 @@ def test_a_forged_digest_entry_is_left_out_and_planning_goes_on() -> None:
     }))  # fmt: skip
     srv.lead(True)
     assert srv.devices["dev-0"].report["revision"] == "v7"  # the valid entry counts
-    assert not srv.devices["dev-1"].report and not srv.devices["dev-2"].report
+    assert not srv.devices["dev-1"].report
+    assert not srv.devices["dev-2"].report
     srv._on_digest("MODIFIED", "b", _config_map("fleet-b", math.nan, {}))  # no time at all
     assert "b" in srv.digests  # the readable digest before it is kept
     srv.lead(False)
