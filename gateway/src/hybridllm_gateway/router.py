@@ -3,7 +3,9 @@
 In order of precedence:
 
 1. An explicit choice wins: the ``x-hybridllm-tier: edge|cloud`` header, or a model name
-   suffix (``smollm2:edge``). No spill: the client asked for that tier.
+   suffix (``smollm2:edge``). No spill: the client asked for that tier. An explicit edge
+   choice, like an ``edge-only`` policy, is still held to ``edgeLimits`` (a 400 naming
+   the limit): the limits bound what an edge replica is asked to do.
 2. ``cloud-only`` / ``edge-only`` policies, or a table with one tier, leave no choice.
 3. Requests with tools go to the cloud (reason ``tools``): the edge runtime's small models
    and llama.cpp chat templates do not do function calling reliably.
