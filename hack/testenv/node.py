@@ -303,16 +303,20 @@ def start(cluster: Any, bin_dir: Path, start_process: Any, wait: Any) -> None:
         "lo_address_added": False,
         "forward_rules": [],
     }
-    (node_dir / "host.json").write_text(json.dumps(host, indent=2))
+    record = lambda: (node_dir / "host.json").write_text(json.dumps(host, indent=2))  # noqa: E731
+    record()
+    # Each change is recorded before it is made (stop() undoes what is recorded and
+    # tolerates a change that never happened), so a failure half-way leaves nothing behind.
     addresses = _run("ip", "-json", "addr", "show", "dev", "lo").stdout
     if NODE_IP not in addresses:
-        _run("ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo")
         host["lo_address_added"] = True
+        record()
+        _run("ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo")
     # The bridge plugin turns IP forwarding on; nothing may be forwarded off the machine.
     for interface in _default_interfaces():
-        _run("iptables", "-I", *_forward_rule(interface))
         host["forward_rules"].append(interface)
-    (node_dir / "host.json").write_text(json.dumps(host, indent=2))
+        record()
+        _run("iptables", "-I", *_forward_rule(interface))
 
     paths = _write_configs(node_dir, cluster)
     start_process("containerd", ["containerd", "--config", str(paths["containerd"])])
