@@ -2,6 +2,9 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
+# Two workers: the control-plane tests (one unit, they mostly wait) beside the model-bound
+# modules (tests/conftest.py groups them). PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: help setup setup-python up down demo test lint crds bench-index cluster-up cluster-down testenv dashboard-screenshot
 
@@ -39,7 +42,7 @@ lint:
 	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check && uv run --no-sync hybridllm chart docs --check && uv run --no-sync hybridllm observability generate --check && uv run --no-sync python bench/index.py --check'
 
 test: setup lint
-	@hack/phase.sh pytest uv run --no-sync pytest $(PYTEST_ARGS)
+	@hack/phase.sh pytest uv run --no-sync pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 crds:
 	uv run --no-sync hybridllm crds generate

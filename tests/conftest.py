@@ -139,7 +139,26 @@ def bench_module() -> Any:
     return _load_bench
 
 
+# --- two workers (pytest-xdist, `make test`: -n 2 --dist loadgroup) ------------------------
+# A module is one unit of work (its module fixtures, a loaded model or a running local
+# service, are built once), and every test that uses a Kubernetes control plane is one
+# unit together: they share the session's control plane and in-process operator, the
+# real node's host changes allow one at a time, and they mostly wait on the cluster, so
+# the other worker runs the model-bound modules beside them.
+CLUSTER_FIXTURES = frozenset({"k8s_cluster", "kube", "namespace", "operator"})
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    uses = set(getattr(item, "fixturenames", ()))
+    if uses & CLUSTER_FIXTURES or item.get_closest_marker("k8s"):
+        return "cluster"
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     for item in items:
         if missing := dev_traces_missing(item):
             item.add_marker(pytest.mark.skip(
