@@ -78,10 +78,10 @@ def _until(what: str, ok, timeout_s: float = 20.0) -> None:
 def test_offered_demand_counts_requests_on_arrival_not_on_answer(procs, table, ask):
     """A queued request, or one its tier never answers, is offered load all the same; its
     completion tokens are the tier's mean answer, capped by its max_tokens."""
-    edge = procs.tokenserver("edge-a", "--max-concurrency", "2", "--rate", "20")
+    edge = procs.tokenserver("edge-a", "--max-concurrency", "2", "--rate", "5")
     gw = procs.gateway(table(edge=[edge.url]))
     content = "x" * 40  # 10 prompt tokens by the gateway's estimate
-    long = {"headers": {"x-hybridllm-tier": "edge"}, "max_tokens": 2000}  # 100 s to answer
+    long = {"headers": {"x-hybridllm-tier": "edge"}, "max_tokens": 500}  # 100 s to answer
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(ask, gw.url, content, **long)
         _until("the first request upstream", lambda: edge.stats()["requests"] == 1)
