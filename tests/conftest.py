@@ -149,18 +149,24 @@ def bench_module() -> Any:
 CLUSTER_FIXTURES = frozenset({"k8s_cluster", "kube", "namespace", "operator"})
 
 
-def _xdist_group(item: pytest.Item) -> str:
-    uses = set(getattr(item, "fixturenames", ()))
-    if uses & CLUSTER_FIXTURES or item.get_closest_marker("k8s"):
-        return "cluster"
+def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
+
+
+def _uses_cluster(item: pytest.Item) -> bool:
+    uses = set(getattr(item, "fixturenames", ()))
+    return bool(uses & CLUSTER_FIXTURES) or item.get_closest_marker("k8s") is not None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # a module any of whose tests uses the cluster goes whole into the cluster unit: its
+    # module fixtures (a real node) must never be set up on both workers at once
+    cluster_modules = {_module(item) for item in items if _uses_cluster(item)}
     for item in items:
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+            group = "cluster" if _module(item) in cluster_modules else _module(item)
+            item.add_marker(pytest.mark.xdist_group(group))
     for item in items:
         if missing := dev_traces_missing(item):
             item.add_marker(pytest.mark.skip(
