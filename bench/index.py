@@ -618,6 +618,22 @@ def fleet(r: Results) -> Headline:
 OPERATOR_WRITES = ("PATCH", "APPLY", "DELETE")  # bench/operator/scale.py: the operator's verbs
 
 
+def cli_start(r: Results) -> Headline:
+    d = r.json("cli-start.json")
+    rows = {row["command"]: row["median_s"] for row in d["rows"]}
+    slowest = d["slowest"]
+    peers = [f"{k} {v:.2f} s" for k, v in rows.items() if k.startswith(("kubectl", "helm"))]
+    result = (
+        f"`hybridllm --help` {rows['hybridllm --help']:.2f} s, `status` "
+        f"{rows['hybridllm status']:.2f} s; slowest `{slowest['command']}` "
+        f"{slowest['median_s']:.2f} s" + (f" ({', '.join(peers)})" if peers else "")
+    )
+    met = MET if d["all_under_goal"] else NOT_MET
+    floor = rows.get("python -c 'import pydantic'")
+    detail = f"the interpreter with pydantic alone: {floor:.2f} s" if floor else ""
+    return Headline(result, met, detail)
+
+
 def operator_scale(r: Results) -> Headline:
     rows = r.json("operator-scale.json")["rows"]
     top = max(row["operator"]["services"] for row in rows)
@@ -1042,6 +1058,17 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         "",
         rollout_schedule,
         short="forecast-planned, capacity-safe rollouts",
+    ),
+    Experiment(
+        "`hybridllm` start-up: `--help`, every `COMMAND --help`, `status`, `logs`, `down` and "
+        "`rollout status`, each in a fresh process",
+        "uv run python bench/cli/start.py --repeats 7",
+        ("cli-start.md", "cli-start.json"),
+        "`kubectl --help` and `helm --help` (Go binaries) on the same machine",
+        "every command under 1 s on the 2-core machine (#55)",
+        cli_start,
+        short="`hybridllm` start-up",
+        pending=True,
     ),
     Experiment(
         "the fleet server at 1,000 and 10,000 simulated devices, one and two replicas",

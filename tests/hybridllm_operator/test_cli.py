@@ -6,10 +6,12 @@ import os
 import socket
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from hybridllm_common import cli as common_cli
 from hybridllm_operator import cli
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hybrid-cpu.yaml"
@@ -26,19 +28,57 @@ def test_the_namespace_comes_from_the_flag_then_the_environment(
     assert cli.watched_namespaces("team-a") == ["team-a"]
 
 
-def test_a_subcommand_loads_only_its_own_distribution() -> None:
-    """`hybridllm up` (and `operator run`) must not pay for torch and scikit-learn, which
-    only `cloud` and `forecast` need: each entry point is named after its subcommand."""
-    code = (
-        "import sys; from hybridllm_common import cli; "
-        "p = cli.build_parser(only=sys.argv[1]); "
-        "print(sorted(m for m in ('torch', 'sklearn') if m in sys.modules))"
-    )
-    for command in ("up", "operator", "status"):
-        out = subprocess.run(
-            [sys.executable, "-c", code, command], capture_output=True, text=True, check=True
-        )
-        assert out.stdout.strip() == "[]", (command, out.stdout)
+HEAVY = ("torch", "transformers", "pandas", "sklearn", "onnxruntime", "llama_cpp")
+# what a user types to find their way and to look at a running service: each loads its
+# own command's module and none of the libraries above
+LIGHT = [
+    ["--help"],
+    *([command, "--help"] for command in common_cli.COMMANDS),
+    ["status"],
+    ["logs"],
+    ["down"],
+    ["rollout", "status", "svc", "--local"],
+]
+LOADED = (
+    "import sys\n"
+    "from hybridllm_common import cli\n"
+    "try:\n"
+    "    cli.main(sys.argv[1:])\n"
+    "except SystemExit:\n"
+    "    pass\n"
+    f"mods = [m for m in sys.modules if m.split('.')[0] in {set(HEAVY)!r} or m.startswith('hybridllm_')]\n"
+    "print('LOADED', ' '.join(sorted(mods)))\n"
+)
+
+
+def test_the_command_list_and_the_looking_commands_load_no_heavy_library(
+    tmp_path: Path,
+) -> None:
+    """`hybridllm --help` lists every installed command from `COMMANDS` without importing
+    any; `hybridllm COMMAND --help`, `status`, `logs`, `down` and `rollout status` import
+    their own command and none of torch, transformers, pandas, scikit-learn, onnxruntime or
+    llama.cpp (each in a fresh interpreter, all at once)."""
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}  # no local service here
+    procs = [
+        (argv, subprocess.Popen([sys.executable, "-c", LOADED, *argv], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for argv in LIGHT
+    ]  # fmt: skip
+    for argv, proc in procs:
+        out, err = proc.communicate(timeout=120)
+        loaded = out.rsplit("LOADED", 1)[1].split()
+        heavy = [m for m in loaded if m.split(".")[0] in HEAVY]
+        assert heavy == [], (argv, heavy)
+        if argv == ["--help"]:
+            assert {m.split(".")[0] for m in loaded} == {"hybridllm_common"}, loaded
+            listed = out.split("options:")[0]
+            for entry_point in metadata.entry_points(group=common_cli.ENTRY_POINT_GROUP):
+                assert f"    {entry_point.name}" in listed, (entry_point.name, out)
+                assert common_cli.summary(entry_point.name).split()[0] in listed
+        elif argv[1:] == ["--help"]:
+            assert f"usage: hybridllm {argv[0]}" in out, (argv, out, err)
+        else:  # the command ran and said what it found: no local service
+            assert "no local service" in err or "svc is not running" in err, (argv, err)
 
 
 def test_the_operator_process_loads_no_data_science_libraries() -> None:

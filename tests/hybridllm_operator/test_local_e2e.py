@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from hybridllm_common import metrics as names
-from hybridllm_operator.local import supervisor as sup
+from hybridllm_operator.local import files
 
 from . import browser
 
@@ -263,7 +263,7 @@ def test_down_drains_a_stream_in_flight_then_leaves_nothing(hybrid: Local) -> No
     assert tier == "cloud"
     assert finish in ("stop", "length")
     for pid, start_time in pids:
-        assert not sup.is_alive(pid, start_time), f"pid {pid} outlived `down`"
+        assert not files.is_alive(pid, start_time), f"pid {pid} outlived `down`"
     assert all(_port_free(p) for p in ports)
     assert not (hybrid.root / hybrid.name / "state.json").exists()
     assert (
@@ -300,7 +300,7 @@ def test_ctrl_c_on_a_foreground_up_stops_every_process(tmp_path: Path) -> None:
             up.kill()
     assert up.returncode == 0, rest
     assert "SIGINT: draining, then stopping" in rest
-    assert all(not sup.is_alive(pid, t) for pid, t in pids)
+    assert all(not files.is_alive(pid, t) for pid, t in pids)
     assert _port_free(port)
     assert not (tmp_path / "smollm2-cpu" / "state.json").exists()
 
@@ -334,7 +334,7 @@ def test_disaggregated_cloud_prefills_remotely_and_a_dead_supervisor_takes_its_c
         os.kill(state["supervisor_pid"], signal.SIGKILL)
         wait_for(
             "every child exits with its supervisor",
-            lambda: not any(sup.is_alive(pid, t) for pid, t in children),
+            lambda: not any(files.is_alive(pid, t) for pid, t in children),
             timeout_s=60,
         )
         status = hybridllm("status", local.name, "--state-root", str(local.root), check=False)
@@ -456,7 +456,7 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
     metrics_port = _free_port()
     prometheus_state = tmp_path / "prometheus-state"
     prometheus = testenv.prometheus_up(
-        prometheus_state, targets=tmp_path / "root" / "scaler" / sup.SCRAPE_FILE
+        prometheus_state, targets=tmp_path / "root" / "scaler" / files.SCRAPE_FILE
     )
     try:
         _autoscale_and_look(tmp_path, manifest, metrics_port, prometheus)
@@ -610,7 +610,7 @@ def test_a_local_rollout_promotes_a_requantized_revision_and_rolls_back_bad_ones
     root = tmp_path / "root"
     local = _up_detached(root, manifest, "canary")
     state_root = ("--state-root", str(root))
-    log = root / "canary" / sup.SUPERVISOR_LOG
+    log = root / "canary" / files.SUPERVISOR_LOG
 
     def rollout() -> dict[str, Any]:
         return local.status().get("rollout") or {}

@@ -24,21 +24,61 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hybridllm.cli"
 
+# The commands of this repository's distributions, by group, with their one-line
+# summaries: `hybridllm --help` lists the installed ones from here without importing any
+# (as git lists its commands), and each command's own parser takes its summary from here.
+# A command's module loads only when that command is chosen, so `hybridllm status` never
+# pays for torch. A command another distribution adds that is not listed here is loaded
+# to be listed.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("local mode", "run an LLMService manifest on this machine (local mode)"),
+    "apply": (
+        "local mode",
+        "give a running local service a changed manifest (a new model revision rolls out)",
+    ),
+    "status": ("local mode", "a local service's processes"),
+    "logs": ("local mode", "a local service's logs"),
+    "down": ("local mode", "stop a local service (drain, then stop)"),
+    "rollout": ("cluster", "see or steer the rollout of an LLMService's new model revision"),
+    "operator": ("cluster", "run the Kubernetes operator"),
+    "fleet": ("cluster", "the edge fleet server, device approval and bootstrap tokens"),
+    "crds": ("cluster", "generate the CustomResourceDefinitions"),
+    "chart": ("cluster", "chores of the Helm chart (charts/hybridllm)"),
+    "observability": ("cluster", "the metrics catalogue, Grafana dashboards and alerts"),
+    "gateway": ("servers", "the OpenAI-compatible gateway"),
+    "cloud": ("servers", "cloud runtime (our paged-KV engine)"),
+    "edge": ("servers", "edge runtime (llama.cpp / onnxruntime) and agent"),
+    "model": ("tools", "model store: pull, convert, list, verify"),
+    "forecast": ("tools", "demand forecasting and scaling simulation"),
+}
+
+
+def summary(command: str) -> str:
+    """The one-line help of a command of :data:`COMMANDS`."""
+    return COMMANDS[command][1]
+
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The parser with every installed subcommand, or only ``only`` when one is installed
-    under that name: each entry point's name is the subcommand it adds, so
-    ``hybridllm up`` never imports torch for ``hybridllm cloud``'s flags."""
+    """The parser of ``hybridllm``: with ``only``, an installed command's name, that
+    command's whole parser (its module imported, no other); without, the list of the
+    installed commands, each from :data:`COMMANDS` (none imported)."""
     parser = argparse.ArgumentParser(
         prog="hybridllm",
         description="hybridllm: one LLM service across edge devices and cloud GPUs.",
+        epilog="`hybridllm COMMAND --help` describes a command.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    entry_points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
-    if any(e.name == only for e in entry_points):
-        entry_points = [e for e in entry_points if e.name == only]
-    for entry_point in entry_points:
+    order = list(COMMANDS)  # by use: local mode, the cluster, the servers, the tools
+    entry_points = sorted(
+        metadata.entry_points(group=ENTRY_POINT_GROUP),
+        key=lambda e: (order.index(e.name) if e.name in COMMANDS else len(order), e.name),
+    )
+    chosen = [e for e in entry_points if e.name == only]
+    for entry_point in chosen or entry_points:
+        if not chosen and entry_point.name in COMMANDS:
+            subparsers.add_parser(entry_point.name, help=summary(entry_point.name))
+            continue
         try:
             register: Callable[[Any], None] = entry_point.load()
         except ImportError as exc:

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from hybridllm_forecaster import evaluate, loaders, plots, report
+from hybridllm_common import cli as common_cli
+from hybridllm_forecaster import formats
 from hybridllm_forecaster.capacity import DEFAULT_POOLS, PoolConfig, Slo
 from hybridllm_forecaster.errors import TraceFormatError
 
@@ -29,7 +30,7 @@ AUTO_MEAN_REPLICAS = 8.0  # --demand-scale auto: the mean load needs this many r
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("forecast", help="demand forecasting and scaling simulation")
+    parser = subparsers.add_parser("forecast", help=common_cli.summary("forecast"))
     sub = parser.add_subparsers(dest="forecast_command", metavar="ACTION", required=True)
 
     ev = sub.add_parser(
@@ -76,7 +77,7 @@ def register(subparsers: Any) -> None:
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, required=True, help="trace file or folder")
-    p.add_argument("--format", default=None, help=f"one of {', '.join(loaders.FORMATS)} "
+    p.add_argument("--format", default=None, help=f"one of {', '.join(formats.FORMATS)} "
                    "(default: detected from the content)")  # fmt: skip
     p.add_argument("--bin-s", type=float, default=None, help="forecast bin width in seconds")
     p.add_argument("--mean-input-tokens", type=float, default=None,
@@ -106,7 +107,9 @@ def parse_slo(text: str) -> Slo:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    fmt = loaders.normalise_format(args.format) or loaders.detect_format(args.trace)
+    from hybridllm_forecaster import loaders
+
+    fmt = formats.normalise_format(args.format) or loaders.detect_format(args.trace)
     kwargs = {}
     if args.mean_input_tokens:
         kwargs["mean_input_tokens"] = args.mean_input_tokens
@@ -190,6 +193,8 @@ def _pool(args: argparse.Namespace, demand: Any) -> tuple[PoolConfig, float]:
 
 def run_eval(args: argparse.Namespace) -> int:
     from rich.progress import Progress
+
+    from hybridllm_forecaster import evaluate, plots, report
 
     started = time.monotonic()
     try:

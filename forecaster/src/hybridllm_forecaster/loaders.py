@@ -32,12 +32,10 @@ import pandas as pd
 
 from hybridllm_forecaster import servegen, sessions
 from hybridllm_forecaster.errors import TraceFormatError
+from hybridllm_forecaster.formats import normalise_format
 from hybridllm_forecaster.stream import DemandSeries, RequestStream
 
 log = logging.getLogger(__name__)
-
-FORMATS = ("requests-csv", "mooncake", "servegen", "swe-agent")
-FORMAT_ALIASES = {"azure": "requests-csv", "csv": "requests-csv", "swe": "swe-agent"}
 
 _TIME_COLS = (
     "timestamp", "arrival_time", "arrival_timestamp", "time", "ts", "t", "time_s", "timestamp_s",
@@ -52,15 +50,6 @@ _OUTPUT_COLS = (
     "completion_tokens", "response tokens", "response_tokens", "num_output_tokens", "output_len",
 )  # fmt: skip
 _SKIP_NAMES = re.compile(r"^(license|readme|notice|copying)", re.IGNORECASE)
-
-
-def normalise_format(fmt: str | None) -> str | None:
-    if fmt is None:
-        return None
-    fmt = FORMAT_ALIASES.get(fmt.lower(), fmt.lower())
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown trace format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    return fmt
 
 
 def detect_format(path: Path) -> str:

@@ -141,7 +141,7 @@ def _add_commands(sub: Any) -> None:
 
 def register(subparsers: Any) -> None:
     """Entry point of ``hybridllm gateway ...``."""
-    gw = subparsers.add_parser("gateway", help="the OpenAI-compatible gateway")
+    gw = subparsers.add_parser("gateway", help=common_cli.summary("gateway"))
     _add_commands(gw.add_subparsers(dest="gateway_command", metavar="COMMAND", required=True))
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hybridllm_common import cli as common_cli
 from hybridllm_models import convert, errors, store, uri
 from hybridllm_models.progress import Advance, Progress
 
@@ -166,7 +167,7 @@ def _run(func: Any) -> Any:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("model", help="model store: pull, convert, list, verify")
+    parser = subparsers.add_parser("model", help=common_cli.summary("model"))
     commands = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
     pull = commands.add_parser("pull", help="fetch a model into the store")

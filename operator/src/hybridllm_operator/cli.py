@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridllm_common import cli as common_cli
 from hybridllm_operator import crdgen
 
 # Where the generator writes: the repository's crds/ (kubectl apply) and the Helm chart's
@@ -39,7 +40,7 @@ def _crds_generate(args: argparse.Namespace) -> int:
 
 
 def register_crds(subparsers: Any) -> None:
-    parser = subparsers.add_parser("crds", help="generate the CustomResourceDefinitions")
+    parser = subparsers.add_parser("crds", help=common_cli.summary("crds"))
     sub = parser.add_subparsers(dest="crds_command", required=True, metavar="ACTION")
     generate = sub.add_parser("generate", help="write crds/*.yaml from the pydantic models")
     generate.add_argument(
@@ -77,7 +78,7 @@ def _chart_docs(args: argparse.Namespace) -> int:
 
 
 def register_chart(subparsers: Any) -> None:
-    parser = subparsers.add_parser("chart", help="chores of the Helm chart (charts/hybridllm)")
+    parser = subparsers.add_parser("chart", help=common_cli.summary("chart"))
     sub = parser.add_subparsers(dest="chart_command", required=True, metavar="ACTION")
     docs = sub.add_parser("docs", help="write the README's values table from values.yaml")
     docs.add_argument("--chart", default="charts/hybridllm", help="the chart's folder")
@@ -271,7 +272,7 @@ def _lead(
 
 
 def register_operator(subparsers: Any) -> None:
-    parser = subparsers.add_parser("operator", help="run the Kubernetes operator")
+    parser = subparsers.add_parser("operator", help=common_cli.summary("operator"))
     sub = parser.add_subparsers(dest="operator_command", required=True, metavar="ACTION")
     run = sub.add_parser("run", help="reconcile LLMServices in the current kubeconfig's cluster")
     run.add_argument(

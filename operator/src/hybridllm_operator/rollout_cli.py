@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+from hybridllm_common import cli as common_cli
 from hybridllm_common import crd
 
 
@@ -140,9 +141,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register_rollout(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "rollout", help="see or steer the rollout of an LLMService's new model revision"
-    )
+    parser = subparsers.add_parser("rollout", help=common_cli.summary("rollout"))
     sub = parser.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
     helps = {
         "status": "phase, step, weight and the last analysis",

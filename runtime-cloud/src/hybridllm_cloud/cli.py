@@ -49,7 +49,7 @@ def _add_serve(subparsers: Any) -> None:
 
 def register(subparsers: Any) -> None:
     """Entry point of ``hybridllm cloud ...``."""
-    cloud = subparsers.add_parser("cloud", help="cloud runtime (our paged-KV engine)")
+    cloud = subparsers.add_parser("cloud", help=common_cli.summary("cloud"))
     _add_serve(cloud.add_subparsers(dest="cloud_command", metavar="COMMAND", required=True))
 
 

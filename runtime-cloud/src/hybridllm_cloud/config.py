@@ -8,13 +8,15 @@ environment (``HYBRIDLLM_CLOUD_MAX_NUM_SEQS=32``) or from a Helm value.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:  # the engine (torch) loads when a server starts, not for `--help`
+    from hybridllm_cloud.engine import llm_engine
 
 DEFAULT_VERIFIER_KV_FRACTION = 0.25
 
@@ -270,6 +272,8 @@ class ServeSettings(BaseSettings):
         )
 
     def engine_config(self) -> llm_engine.EngineConfig:
+        from hybridllm_cloud.engine import llm_engine
+
         return llm_engine.EngineConfig(
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,

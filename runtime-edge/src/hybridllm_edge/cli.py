@@ -58,7 +58,7 @@ def _add_commands(subparsers: Any) -> None:
 
 def register(subparsers: Any) -> None:
     """Entry point of ``hybridllm edge ...``."""
-    edge = subparsers.add_parser("edge", help="edge runtime (llama.cpp / onnxruntime) and agent")
+    edge = subparsers.add_parser("edge", help=common_cli.summary("edge"))
     _add_commands(edge.add_subparsers(dest="edge_command", metavar="COMMAND", required=True))
 
 

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybridllm_common import cli as common_cli
+
 
 def _serve(args: argparse.Namespace) -> int:
     from hybridllm_operator.fleet import kube, server
@@ -193,9 +195,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def register_fleet(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "fleet", help="the edge fleet server, device approval and bootstrap tokens"
-    )
+    parser = subparsers.add_parser("fleet", help=common_cli.summary("fleet"))
     sub = parser.add_subparsers(dest="fleet_command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="serve the device API of a namespace's EdgeFleets")
     serve.add_argument("-n", "--namespace", default="default", help="namespace of the fleets")

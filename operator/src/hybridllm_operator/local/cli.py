@@ -14,21 +14,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pydantic
+from hybridllm_common import cli as common_cli
+from hybridllm_operator.local import files
 
-from hybridllm_operator import reconcile
-from hybridllm_operator.local import plan as plan_mod
-from hybridllm_operator.local import supervisor as sup
-from hybridllm_operator.observability import metrics as observed
-from hybridllm_operator.settings import OperatorSettings
+if TYPE_CHECKING:
+    from hybridllm_operator.local import plan as plan_mod
+
+# `status`, `logs` and `down` import only `files`: the planner, the supervisor and what
+# they import (the renderer, the autoscaler, the Kubernetes client) load for `up` and
+# `apply` alone, so the light commands answer at once.
 
 EXIT_INVALID = 2
 
 
 def _root(args: argparse.Namespace) -> Path:
-    return Path(args.state_root) if args.state_root else plan_mod.state_root()
+    return Path(args.state_root) if args.state_root else files.state_root()
 
 
 def _error(message: str, code: int = 1) -> int:
@@ -38,7 +40,7 @@ def _error(message: str, code: int = 1) -> int:
 
 def _read_state(service_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((service_dir / sup.STATE_FILE).read_text())  # type: ignore[no-any-return]
+        return json.loads((service_dir / files.STATE_FILE).read_text())  # type: ignore[no-any-return]
     except (OSError, ValueError):
         return None
 
@@ -46,7 +48,7 @@ def _read_state(service_dir: Path) -> dict[str, Any] | None:
 def running_state(service_dir: Path) -> dict[str, Any] | None:
     """The state of a live supervisor in ``service_dir``, else None."""
     state = _read_state(service_dir)
-    if state and sup.is_alive(state.get("supervisor_pid"), state.get("supervisor_start_time")):
+    if state and files.is_alive(state.get("supervisor_pid"), state.get("supervisor_start_time")):
         return state
     return None
 
@@ -61,7 +63,7 @@ def _pick(args: argparse.Namespace) -> Path:
     root = _root(args)
     if args.name:
         return root / str(args.name)
-    known = sorted(p.parent for p in root.glob(f"*/{sup.STATE_FILE}"))
+    known = sorted(p.parent for p in root.glob(f"*/{files.STATE_FILE}"))
     if len(known) == 1:
         return known[0]
     if not known:
@@ -74,6 +76,13 @@ def _pick(args: argparse.Namespace) -> Path:
 
 
 def _up(args: argparse.Namespace) -> int:
+    import pydantic
+
+    from hybridllm_operator.local import plan as plan_mod
+    from hybridllm_operator.local import supervisor as sup
+    from hybridllm_operator.observability import metrics as observed
+    from hybridllm_operator.settings import OperatorSettings
+
     try:
         manifest = plan_mod.load_manifest(Path(args.file), args.name)
     except plan_mod.ManifestError as exc:
@@ -128,7 +137,7 @@ def _up(args: argparse.Namespace) -> int:
                 EXIT_INVALID,
             )
     service_dir.mkdir(parents=True, exist_ok=True)
-    (service_dir / sup.PLAN_FILE).write_text(plan.to_json())
+    (service_dir / files.PLAN_FILE).write_text(plan.to_json())
     if not args.detach:
         try:
             supervisor = sup.Supervisor(
@@ -142,7 +151,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _up_detached(args: argparse.Namespace, plan: plan_mod.Plan, service_dir: Path) -> int:
-    log_path = service_dir / sup.SUPERVISOR_LOG
+    log_path = service_dir / files.SUPERVISOR_LOG
     with log_path.open("ab") as log:
         start = log.tell()
         child = subprocess.Popen(
@@ -196,6 +205,10 @@ def _apply(args: argparse.Namespace) -> int:
     operator's rollout, run by the supervisor), changed runtime settings restart the
     replicas one at a time, a changed routing reloads the gateway; what shapes the
     processes themselves needs a new `up`."""
+    from hybridllm_operator import reconcile
+    from hybridllm_operator.local import plan as plan_mod
+    from hybridllm_operator.local import supervisor as sup
+
     try:
         manifest = plan_mod.load_manifest(Path(args.file), args.name)
     except plan_mod.ManifestError as exc:
@@ -206,7 +219,7 @@ def _apply(args: argparse.Namespace) -> int:
         return _error(f"{manifest.name} is not running; `hybridllm up -f {args.file}` starts it")
     try:
         current = reconcile.parse_spec(
-            manifest.name, json.loads((service_dir / sup.SPEC_FILE).read_text())
+            manifest.name, json.loads((service_dir / files.SPEC_FILE).read_text())
         )
     except (OSError, ValueError, reconcile.InvalidSpec) as exc:
         return _error(f"{manifest.name}: the running spec cannot be read ({exc})")
@@ -266,22 +279,22 @@ def _down(args: argparse.Namespace) -> int:
     if state is None:
         return _error(f"{name} is not running (no state in {service_dir})")
     pid, start_time = int(state.get("supervisor_pid") or 0), state.get("supervisor_start_time")
-    if sup.is_alive(pid, start_time):
+    if files.is_alive(pid, start_time):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + args.timeout
-        while sup.is_alive(pid, start_time) and time.monotonic() < deadline:
+        while files.is_alive(pid, start_time) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if sup.is_alive(pid, start_time):
+        if files.is_alive(pid, start_time):
             print(f"{name}: the supervisor did not stop in {args.timeout:.0f}s; killing it")
             os.kill(pid, signal.SIGKILL)
     # Whatever the supervisor could not stop (it was killed, say): the recorded process
     # groups, each checked against its start time so a reused pid is left alone.
-    leftovers = [p for p in state["processes"] if sup.is_alive(p.get("pid"), p.get("start_time"))]
+    leftovers = [p for p in state["processes"] if files.is_alive(p.get("pid"), p.get("start_time"))]
     for p in leftovers:
         print(f"{name}: stopping leftover {p['name']} (pid {p['pid']})")
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p["pid"], signal.SIGKILL)
-    (service_dir / sup.STATE_FILE).unlink(missing_ok=True)
+    (service_dir / files.STATE_FILE).unlink(missing_ok=True)
     print(f"{name} stopped")
     return 0
 
@@ -297,7 +310,7 @@ def _status(args: argparse.Namespace) -> int:
     state = _read_state(service_dir)
     if state is None:
         return _error(f"{service_dir.name} is not running")
-    alive = sup.is_alive(state.get("supervisor_pid"), state.get("supervisor_start_time"))
+    alive = files.is_alive(state.get("supervisor_pid"), state.get("supervisor_start_time"))
     if args.json:
         print(json.dumps({**state, "supervisor_alive": alive}, indent=2))
         return 0 if alive else 1
@@ -337,10 +350,10 @@ def _logs(args: argparse.Namespace) -> int:
         service_dir = _pick(args)
     except LookupError as exc:
         return _error(str(exc))
-    log_dir = service_dir / sup.LOG_DIR
+    log_dir = service_dir / files.LOG_DIR
     available = sorted(p.stem for p in log_dir.glob("*.log"))
     if args.process == "supervisor":
-        paths = [service_dir / sup.SUPERVISOR_LOG]
+        paths = [service_dir / files.SUPERVISOR_LOG]
     elif args.process:
         paths = [log_dir / f"{n}.log" for n in available if n == args.process]
         paths = paths or [
@@ -383,7 +396,7 @@ def _state_root_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-root",
         default=None,
-        help=f"where local services keep state, logs and plans (default {plan_mod.state_root()})",
+        help=f"where local services keep state, logs and plans (default {files.state_root()})",
     )
 
 
@@ -395,22 +408,22 @@ def _manifest_flags(parser: argparse.ArgumentParser) -> None:
 def register_up(subparsers: Any) -> None:
     up = subparsers.add_parser(
         "up",
-        help="run an LLMService manifest on this machine (local mode)",
+        help=common_cli.summary("up"),
         description="Validate an LLMService manifest as the API server and operator would, "
         "render the pools the operator renders, and run each replica as a supervised "
         "process on this machine behind the gateway.",
     )
     _manifest_flags(up)
     up.add_argument("-d", "--detach", action="store_true", help="run in the background")
-    up.add_argument("--host", default=plan_mod.LOOPBACK, help="gateway listen address")
-    up.add_argument("--port", type=int, default=plan_mod.DEFAULT_GATEWAY_PORT, help="gateway port")
+    up.add_argument("--host", default=files.LOOPBACK, help="gateway listen address")
+    up.add_argument("--port", type=int, default=files.DEFAULT_GATEWAY_PORT, help="gateway port")
     up.add_argument(
         "--api-keys-file", help="gateway API keys (the Secret of spec.gateway.apiKeysSecret)"
     )
     up.add_argument(
         "--grace-period",
         type=float,
-        default=sup.DEFAULT_GRACE_S,
+        default=files.DEFAULT_GRACE_S,
         help="seconds a process gets to drain after SIGTERM (default %(default)s)",
     )
     up.add_argument(
@@ -441,7 +454,7 @@ def register_up(subparsers: Any) -> None:
 def register_apply(subparsers: Any) -> None:
     apply = subparsers.add_parser(
         "apply",
-        help="give a running local service a changed manifest (a new model revision rolls out)",
+        help=common_cli.summary("apply"),
         description="Validate the manifest as `up` does and hand it to the running service's "
         "supervisor: a new spec.model.revision rolls out as spec.rollout says (canary steps "
         "analysed on the gateway's metrics, or blueGreen, or rolling); changed runtime "
@@ -455,7 +468,7 @@ def register_apply(subparsers: Any) -> None:
 
 
 def register_down(subparsers: Any) -> None:
-    down = subparsers.add_parser("down", help="stop a local service (drain, then stop)")
+    down = subparsers.add_parser("down", help=common_cli.summary("down"))
     down.add_argument("name", nargs="?", help="the service (default: the only one running)")
     down.add_argument(
         "--timeout", type=float, default=90.0, help="seconds to wait for a clean stop"
@@ -465,7 +478,7 @@ def register_down(subparsers: Any) -> None:
 
 
 def register_status(subparsers: Any) -> None:
-    status = subparsers.add_parser("status", help="a local service's processes")
+    status = subparsers.add_parser("status", help=common_cli.summary("status"))
     status.add_argument("name", nargs="?", help="the service (default: the only one running)")
     status.add_argument("--json", action="store_true", help="the state file as JSON")
     _state_root_flag(status)
@@ -473,7 +486,7 @@ def register_status(subparsers: Any) -> None:
 
 
 def register_logs(subparsers: Any) -> None:
-    logs = subparsers.add_parser("logs", help="a local service's logs")
+    logs = subparsers.add_parser("logs", help=common_cli.summary("logs"))
     logs.add_argument("name", nargs="?", help="the service (default: the only one running)")
     logs.add_argument(
         "process", nargs="?", help="edge-0, gateway, supervisor, ... (default: every process)"

@@ -27,9 +27,8 @@ import yaml
 
 from hybridllm_common import crd
 from hybridllm_operator import builders, reconcile
+from hybridllm_operator.local.files import DEFAULT_GATEWAY_PORT, LOOPBACK
 
-LOOPBACK = "127.0.0.1"
-DEFAULT_GATEWAY_PORT = 8080
 NAMESPACE = "local"  # what the routing table and metrics call the namespace locally
 
 
@@ -438,9 +437,3 @@ def make_plan(
         routing_path=str(routing_path),
         gateway_url=f"http://{shown_host}:{gateway_port}",
     )
-
-
-def state_root() -> Path:
-    """Where local services keep their state: ``$XDG_STATE_HOME/hybridllm/local``."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "hybridllm" / "local"

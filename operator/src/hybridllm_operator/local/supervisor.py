@@ -55,19 +55,23 @@ from hybridllm_common import crd
 from hybridllm_forecaster.autoscaler import DECIDING, Decision
 from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
 from hybridllm_operator.local import plan as plan_mod
-from hybridllm_operator.local.plan import LOOPBACK, Plan, Replica, local_scaled_pools
+from hybridllm_operator.local.files import (
+    ACTION_FILE,
+    DEFAULT_GRACE_S,
+    LOCK_FILE,
+    LOG_DIR,
+    LOOPBACK,
+    PLAN_FILE,
+    SCRAPE_FILE,
+    SPEC_FILE,
+    STATE_FILE,
+    atomic_write,
+    proc_start_time,
+)
+from hybridllm_operator.local.plan import Plan, Replica, local_scaled_pools
 from hybridllm_operator.observability import metrics as observed
 from hybridllm_operator.observability import page
 from hybridllm_operator.settings import OperatorSettings
-
-PLAN_FILE = "plan.json"
-STATE_FILE = "state.json"
-LOCK_FILE = "supervisor.lock"
-SCRAPE_FILE = "scrape-targets.json"  # Prometheus file_sd: what to scrape, labelled
-SPEC_FILE = "spec.json"  # the spec the service runs now; `hybridllm apply` replaces it
-ACTION_FILE = "rollout-action"  # a hand command for the rollout (`hybridllm rollout --local`)
-SUPERVISOR_LOG = "supervisor.log"
-LOG_DIR = "logs"
 
 PROBE_STARTING_S = 0.5
 PROBE_READY_S = 2.0
@@ -76,7 +80,6 @@ UNREADY_AFTER_FAILURES = 3
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 BACKOFF_RESET_AFTER_S = 60.0
-DEFAULT_GRACE_S = 30.0
 RETIRE_DELAY_S = 3.0  # a retired replica's wait between leaving the table and SIGTERM
 
 _PR_SET_PDEATHSIG = 1
@@ -86,32 +89,9 @@ class AlreadyRunning(Exception):
     pass
 
 
-def proc_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat):
-    with the pid it names one process, so a pid the kernel reused is never mistaken."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def is_alive(pid: int | None, start_time: int | None) -> bool:
-    if not pid:
-        return False
-    now = proc_start_time(pid)
-    return now is not None and (start_time is None or now == start_time)
-
-
 def _child_setup() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def describe_exit(code: int) -> str:
@@ -231,8 +211,8 @@ class Supervisor:
         if self.rollouts.state is not None:
             state["revision"] = self.spec.model.revision
             state["rollout"] = self.rollouts.state.to_wire()
-        _atomic_write(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
-        _atomic_write(self.state_dir / SCRAPE_FILE, json.dumps(self.scrape_targets(), indent=2))
+        atomic_write(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
+        atomic_write(self.state_dir / SCRAPE_FILE, json.dumps(self.scrape_targets(), indent=2))
 
     def scrape_targets(self) -> list[dict[str, Any]]:
         """The running processes, labelled as the chart's PodMonitor labels pods
@@ -331,7 +311,7 @@ class Supervisor:
             # ejection handle dead backends) rather than one the gateway would refuse.
             return
         self._routing = table
-        _atomic_write(
+        atomic_write(
             Path(self.plan.routing_path), json.dumps(table, indent=2, sort_keys=True) + "\n"
         )
         if self._routing_ready.is_set():
@@ -900,12 +880,12 @@ def autoscaler_from_env() -> autoscaling.ServiceAutoscaler:
 
 def write_spec(state_dir: Path, spec: crd.LLMServiceSpec) -> None:
     """The spec a service runs, for `hybridllm apply` to compare with and replace."""
-    _atomic_write(state_dir / SPEC_FILE, json.dumps(spec.to_wire(), indent=2) + "\n")
+    atomic_write(state_dir / SPEC_FILE, json.dumps(spec.to_wire(), indent=2) + "\n")
 
 
 def write_action(state_dir: Path, action: str) -> None:
     """A hand command for the service's rollout (the operator's annotation, locally)."""
-    _atomic_write(state_dir / ACTION_FILE, action + "\n")
+    atomic_write(state_dir / ACTION_FILE, action + "\n")
 
 
 def _last_line(path: Path) -> str:

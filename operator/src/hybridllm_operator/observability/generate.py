@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from hybridllm_common import cli as common_cli
 from hybridllm_operator.observability import alerts, catalogue, panels
 
 DASHBOARDS_DIR = Path("charts/hybridllm/files/dashboards")
@@ -86,9 +87,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "observability", help="the metrics catalogue, Grafana dashboards and alerts"
-    )
+    parser = subparsers.add_parser("observability", help=common_cli.summary("observability"))
     sub = parser.add_subparsers(dest="observability_command", required=True, metavar="ACTION")
     gen = sub.add_parser(
         "generate",
