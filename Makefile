@@ -2,12 +2,10 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
-# PYTEST_WORKERS=2 runs two pytest-xdist workers: the control-plane tests as one unit
-# (they mostly wait) beside the model-bound modules (tests/conftest.py groups them). It
-# measured 43.5 and 44.2 min against about 47 serially, but timing-bound end-to-end tests (a
-# rollout's pause, the gateway's books) missed their deadlines with the other worker
-# busy, so one process stays the default until those waits are made robust.
-PYTEST_WORKERS ?= 0
+# Two pytest-xdist workers: the control-plane tests as one unit, started first (they
+# mostly wait), beside the model-bound modules, the slow ones first (tests/conftest.py
+# groups and orders them). PYTEST_WORKERS=0 runs one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: help setup setup-python up down demo test lint crds bench-index cluster-up cluster-down testenv dashboard-screenshot
 

@@ -167,6 +167,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not item.get_closest_marker("xdist_group"):
             group = "cluster" if _module(item) in cluster_modules else _module(item)
             item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "numprocesses", None):
+        # the workers take units in this order, each the next when it runs dry: the cluster
+        # unit (the longest) first, then the modules with slow tests, so that no long
+        # module starts last while the other worker idles (a module stays in one piece)
+        slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: (0 if _module(item) in cluster_modules else
+                                     1 if _module(item) in slow_modules else 2))  # fmt: skip
     for item in items:
         if missing := dev_traces_missing(item):
             item.add_marker(pytest.mark.skip(

@@ -7,6 +7,7 @@ exercised on shapes the development traces do not have."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -39,6 +40,7 @@ def test_a_finding_within_the_noise_is_no_difference() -> None:
     assert report.finding(math.nan, math.nan) == "no difference"
 
 
+@functools.cache  # read once for every case below (a few seconds each time)
 def _conv() -> RequestStream:
     _, stream = loaders.load_demand(CONV, loaders.detect_format(CONV))
     assert stream is not None

@@ -264,7 +264,9 @@ def test_a_good_revision_is_promoted_and_a_bad_one_rolled_back_with_no_failed_re
             )
             assert missing == [], missing
             cli("pause")
-            kube.eventually(lambda: rollout_status().get("phase") == "Paused", what="paused")
+            kube.eventually(
+                lambda: rollout_status().get("phase") == "Paused", timeout=120, what="paused"
+            )
             assert "Paused" in cli("status")
             cli("resume")
             kube.eventually(lambda: rollout_status().get("step") == 1, timeout=120, what="step 2")
