@@ -57,6 +57,16 @@ def test_completion_prompt_forms() -> None:
         openai_protocol.CompletionRequest(prompt="")
 
 
+def test_the_generation_cap_counts_every_candidate_and_a_missing_max_tokens() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = openai_protocol.ChatCompletionRequest
+    assert chat(messages=msgs, max_tokens=100).generation_cap(4096) == 100
+    assert chat(messages=msgs, max_completion_tokens=50, n=2).generation_cap(4096) == 100
+    assert chat(messages=msgs).generation_cap(4096) == 4096  # to the end of the context
+    best = openai_protocol.CompletionRequest(prompt="x", max_tokens=10, n=2, best_of=5)
+    assert best.generation_cap(4096) == 50
+
+
 def test_make_error_shape_and_status() -> None:
     status, body = openai_protocol.make_error(
         openai_protocol.CONTEXT_LENGTH_EXCEEDED, "too long", param="messages"

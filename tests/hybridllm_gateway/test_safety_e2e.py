@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
+
+import httpx
 
 from hybridllm_gateway import safety
 
@@ -39,6 +43,34 @@ def test_request_and_token_rate_limits(procs, table, ask) -> None:
     r = ask(gw2.url, "hi")
     assert r.status_code == 429
     assert "tokens per minute" in r.json()["error"]["message"]
+
+
+def test_tokens_are_reserved_at_admission_and_settled_on_completion(procs, table, ask) -> None:
+    """The bucket is charged what a request may generate (max_tokens x best_of) when it
+    is admitted, so requests in flight together cannot overspend it; the answer's end gives
+    back what it did not use."""
+    edge = procs.tokenserver("edge-short", "--max-tokens", "20", "--ttft-s", "1.5")
+    tokens = {"requestsPerMinute": 1000, "tokensPerMinute": 1000}
+    gw = procs.gateway(table(edge=[edge.url], rateLimits=tokens))
+    first: dict[str, httpx.Response] = {}
+    asker = threading.Thread(
+        target=lambda: first.update(r=ask(gw.url, "hi", max_tokens=600, stream=True))
+    )
+    asker.start()
+    deadline = time.monotonic() + 30
+    while edge.stats()["in_flight"] < 1:  # the first holds its 600 tokens, answering
+        assert time.monotonic() < deadline, edge.stats()
+        time.sleep(0.05)
+    r = ask(gw.url, "hi", max_tokens=600)
+    assert r.status_code == 429, r.text  # 600 of 1000 reserved: no room for 600 more
+    assert "tokens per minute" in r.json()["error"]["message"]
+    # best_of counts: 3 candidates of 200 tokens need 600 too
+    assert ask(gw.url, "hi", max_tokens=200, best_of=3).status_code == 429
+    asker.join(timeout=60)
+    assert first["r"].status_code == 200
+    assert first["r"].text.count('"content": " tok"') == 20, first["r"].text[-500:]
+    # it used 20 of its 600: the rest came back, and the same request is admitted now
+    assert ask(gw.url, "hi", max_tokens=600).status_code == 200
 
 
 def test_content_filter_blocks_and_redacts(procs, table, ask, tmp_path) -> None:

@@ -172,6 +172,20 @@ class _SamplingFields(StopField):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def generation_cap(self, default_max_tokens: int) -> int:
+        """The most tokens a runtime may generate for this request: ``max_tokens`` (else
+        ``default_max_tokens``, the most any answer may hold) for each candidate, of
+        which there are ``n``, or ``best_of`` when a runtime samples more and keeps the
+        best (an extension field, so read from the extras)."""
+        best_of = (self.model_extra or {}).get("best_of")
+        width = self.n
+        if isinstance(best_of, int) and not isinstance(best_of, bool):
+            width = max(width, best_of)
+        return (self.effective_max_tokens() or default_max_tokens) * width
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -229,9 +243,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     echo: bool = Field(default=False, strict=True)
     suffix: str | None = None
-
-    def effective_max_tokens(self) -> int | None:
-        return self.max_tokens
 
 
 # --- responses --------------------------------------------------------------------------

@@ -230,64 +230,76 @@ async def _handle(
         changed = True
     # Admission before the content filter: a client over its limits costs no scan.
     features = classifier_mod.extract(body)
-    state.limiter.admit(key_name, features.prompt_tokens)
-    if len(raw) > FILTER_INLINE_BYTES:  # linear, but a large body's scan is not the loop's
-        found = await asyncio.get_running_loop().run_in_executor(None, state.filter.apply, body)
-    else:
-        found = state.filter.apply(body)
-    if found:
-        changed = True
-    route = router.choose(routing, pools, state.classifier, features, explicit)
-    request[router.ROUTE_REASON] = route.reason
-    request[router.ROUTE_TIER] = route.tiers[0]
-    state.metrics.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
-    cap = metrics_mod.completion_cap(body)
-    state.metrics.offered.offer(route.tiers[0], features.prompt_tokens, cap)
-    key = _affinity_key(state, request, body)
-    stream = parsed.stream
-    assert state.forwarder is not None
-    if not stream and routing.cascade.enabled and route.tiers[0] == "edge":
-        outcome = await cascade_mod.run(state.forwarder, state.metrics, request, path, body,
-                                        route, key, t_start, routing.cascade.min_mean_logprob,
-                                        features.prompt_tokens)  # fmt: skip
-        response: web.StreamResponse | None = None
-    else:
-        payload = json.dumps(body).encode() if changed else raw
-        response, outcome = await state.forwarder.forward(
-            request, path, payload, route.tiers, key, stream, t_start
-        )
-    if response is None:
-        response = web.Response(
-            body=outcome.body,
-            status=outcome.status,
-            content_type="application/json",
-            headers={
-                "x-hybridllm-tier": outcome.tier,
-                "x-hybridllm-route": request[router.ROUTE_REASON],
-            },
-        )
-        tokens = proxy.usage_tokens(outcome.body)
-    else:
-        tokens = outcome.num_chunks
-    m = state.metrics
-    m.requests.labels(tier=outcome.tier, code=str(outcome.status)).inc()
-    if 200 <= outcome.status < 300:
-        m.prompt_tokens.labels(tier=outcome.tier).inc(features.prompt_tokens)
-        m.completion_tokens.labels(tier=outcome.tier).inc(tokens)
-    m.added.observe(outcome.added_s)
-    m.ttft.labels(tier=outcome.tier).observe(outcome.ttft_s)
-    e2e_s = time.perf_counter() - t_start
-    m.e2e.labels(tier=outcome.tier).observe(e2e_s)
-    if outcome.status < 500 and not outcome.broken:
-        m.revision_attempts.labels(tier=outcome.tier, revision=outcome.revision, result="ok").inc()
-    if 200 <= outcome.status < 300 and not outcome.broken:
-        m.offered.answered(outcome.tier, tokens)
-        m.revision_ttft.labels(tier=outcome.tier, revision=outcome.revision).observe(outcome.ttft_s)
-        if stream and tokens >= 2:  # a whole answer at once says nothing of token times
-            m.revision_tpot.labels(tier=outcome.tier, revision=outcome.revision).observe(
-                (e2e_s - outcome.ttft_s) / (tokens - 1)
+    reservation = state.limiter.admit(
+        key_name, features.prompt_tokens, parsed.generation_cap(s.max_tokens_limit)
+    )
+    try:
+        if len(raw) > FILTER_INLINE_BYTES:  # linear, but a large body's scan is not the loop's
+            found = await asyncio.get_running_loop().run_in_executor(None, state.filter.apply, body)
+        else:
+            found = state.filter.apply(body)
+        if found:
+            changed = True
+        route = router.choose(routing, pools, state.classifier, features, explicit)
+        request[router.ROUTE_REASON] = route.reason
+        request[router.ROUTE_TIER] = route.tiers[0]
+        state.metrics.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
+        cap = metrics_mod.completion_cap(body)
+        state.metrics.offered.offer(route.tiers[0], features.prompt_tokens, cap)
+        key = _affinity_key(state, request, body)
+        stream = parsed.stream
+        assert state.forwarder is not None
+        if not stream and routing.cascade.enabled and route.tiers[0] == "edge":
+            outcome = await cascade_mod.run(state.forwarder, state.metrics, request, path, body,
+                                            route, key, t_start, routing.cascade.min_mean_logprob,
+                                            features.prompt_tokens)  # fmt: skip
+            response: web.StreamResponse | None = None
+        else:
+            payload = json.dumps(body).encode() if changed else raw
+            response, outcome = await state.forwarder.forward(
+                request, path, payload, route.tiers, key, stream, t_start
             )
-    state.limiter.charge(key_name, tokens)
+        if response is None:
+            response = web.Response(
+                body=outcome.body,
+                status=outcome.status,
+                content_type="application/json",
+                headers={
+                    "x-hybridllm-tier": outcome.tier,
+                    "x-hybridllm-route": request[router.ROUTE_REASON],
+                },
+            )
+            tokens = proxy.usage_tokens(outcome.body)
+        else:
+            tokens = outcome.num_chunks
+        m = state.metrics
+        m.requests.labels(tier=outcome.tier, code=str(outcome.status)).inc()
+        if 200 <= outcome.status < 300:
+            m.prompt_tokens.labels(tier=outcome.tier).inc(features.prompt_tokens)
+            m.completion_tokens.labels(tier=outcome.tier).inc(tokens)
+        m.added.observe(outcome.added_s)
+        m.ttft.labels(tier=outcome.tier).observe(outcome.ttft_s)
+        e2e_s = time.perf_counter() - t_start
+        m.e2e.labels(tier=outcome.tier).observe(e2e_s)
+        if outcome.status < 500 and not outcome.broken:
+            m.revision_attempts.labels(
+                tier=outcome.tier, revision=outcome.revision, result="ok"
+            ).inc()
+        if 200 <= outcome.status < 300 and not outcome.broken:
+            m.offered.answered(outcome.tier, tokens)
+            m.revision_ttft.labels(tier=outcome.tier, revision=outcome.revision).observe(
+                outcome.ttft_s
+            )
+            if stream and tokens >= 2:  # a whole answer at once says nothing of token times
+                m.revision_tpot.labels(tier=outcome.tier, revision=outcome.revision).observe(
+                    (e2e_s - outcome.ttft_s) / (tokens - 1)
+                )
+    except asyncio.CancelledError:
+        raise  # the client went away: what was reserved stays charged
+    except BaseException:
+        reservation.settle(0)  # refused or failed before any answer: nothing was generated
+        raise
+    reservation.settle(tokens)
     return response
 
 

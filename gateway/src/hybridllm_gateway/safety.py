@@ -131,7 +131,12 @@ class RateLimiter:
             del self.buckets[key]
         self.prune_above = max(self.PRUNE_ABOVE, 2 * len(self.buckets))
 
-    def admit(self, key: str, prompt_tokens: int) -> None:
+    def admit(self, key: str, prompt_tokens: int, reserve: int = 0) -> Reservation:
+        """One request of ``key`` in, or 429 with Retry-After. The token bucket is charged
+        the prompt and ``reserve``, the most the answer can hold, at once: requests in
+        flight together cannot spend more than the bucket holds, and what a client never
+        reads (it went away mid-stream) stays charged. :meth:`Reservation.settle` gives
+        back what the answer did not use."""
         buckets = self.buckets.get(key)
         if buckets is None:
             if len(self.buckets) >= self.prune_above:  # amortised: at most once per doubling
@@ -145,7 +150,9 @@ class RateLimiter:
         now = time.monotonic()
         req.refill(now)
         tok.refill(now)
-        wait = max(req.wait_s(1.0), tok.wait_s(min(1.0, tok.per_minute)))
+        # a request larger than a whole minute's tokens waits for a full bucket, no more
+        need = min(float(prompt_tokens + reserve), tok.per_minute)
+        wait = max(req.wait_s(1.0), tok.wait_s(max(need, min(1.0, tok.per_minute))))
         if wait > 0:
             what = "requests" if req.level < 1.0 else "tokens"
             raise APIError(
@@ -154,12 +161,25 @@ class RateLimiter:
                 headers={"Retry-After": str(math.ceil(wait))},
             )
         req.level -= 1.0
-        tok.level -= prompt_tokens
+        tok.level -= prompt_tokens + reserve
+        return Reservation(tok, reserve)
 
-    def charge(self, key: str, tokens: int) -> None:
-        buckets = self.buckets.get(key)
-        if buckets is not None and tokens > 0:
-            buckets[1].level -= tokens
+
+@dataclass
+class Reservation:
+    """The completion tokens a request was charged at admission, until it settles."""
+
+    bucket: TokenBucket
+    reserved: int
+    settled: bool = False
+
+    def settle(self, used: int) -> None:
+        """The answer held ``used`` tokens: give back the rest of the reservation (or
+        charge what went past it). Once; a request that never settles keeps it all."""
+        if self.settled:
+            return
+        self.settled = True
+        self.bucket.level = min(self.bucket.per_minute, self.bucket.level + self.reserved - used)
 
 
 def luhn_ok(digits: str) -> bool:
