@@ -152,7 +152,10 @@ def test_the_operator_reads_a_window_per_revision_from_the_gateway(procs, table)
     # the gateway counts an answer once its handler returns, just after the client has it
     deadline = time.monotonic() + 30
     while sum((w := source.read(100.0, 130.0)).revision("edge", v).ok for v in served) < 40:
-        assert time.monotonic() < deadline, "the gateway never counted every answer"
+        assert time.monotonic() < deadline, (
+            f"the gateway never counted every answer: served {dict(served)}, counted "
+            f"{ {k: (r.ok, r.errors) for k, r in w.revisions.items()} }"
+        )
         time.sleep(0.05)
     window = w
     for revision in ("v1", "v2"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -94,18 +95,31 @@ def own_control_plane(
     CRDs (unless ``crds`` is false) and ``namespace``; ``images`` are loaded into the real
     node. Needs the session cluster fixture first (it loads hack/testenv)."""
     testenv = sys.modules["hybridllm_testenv"]
-    cluster = testenv.up(state_dir, real_node=real_node)
-    try:
+    with contextlib.ExitStack() as stack:
+        if real_node:
+            stack.enter_context(_one_real_node_at_a_time(testenv))
+        cluster = testenv.up(state_dir, real_node=real_node)
+        stack.callback(testenv.down, state_dir)
+        own = Kube(cluster)
         if images:
             testenv.node.load_images(cluster, list(images))
-        own = Kube(cluster)
         if crds:
             own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
             own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
         own.run("create", "namespace", namespace)
         yield cluster, own
-    finally:
-        testenv.down(state_dir)
+
+
+@contextlib.contextmanager
+def _one_real_node_at_a_time(testenv: Any) -> Iterator[None]:
+    """Held from a real node's start to the end of its teardown: every real node keeps its
+    images in one containerd store (cached across runs), whose database a second containerd
+    cannot open, so a second test process (an xdist worker) waits here for the first."""
+    root = testenv.node.CONTAINERD_ROOT
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with (root.parent / "containerd.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -82,7 +82,7 @@ def format_status(obj: dict[str, Any]) -> str:
 
 def _run_local(args: argparse.Namespace, verb: str) -> int:
     from hybridllm_operator.local import cli as local_cli
-    from hybridllm_operator.local import supervisor as sup
+    from hybridllm_operator.local import files
 
     service_dir = local_cli.service_dir(args)
     state = local_cli.running_state(service_dir)
@@ -99,7 +99,7 @@ def _run_local(args: argparse.Namespace, verb: str) -> int:
         else:
             print(format_status(obj))
         return 0
-    sup.write_action(service_dir, f"{verb}@{time.time():.3f}")
+    files.write_action(service_dir, f"{verb}@{time.time():.3f}")
     os.kill(int(state["supervisor_pid"]), signal.SIGUSR1)
     phase = (state.get("rollout") or {}).get("phase", "unknown")
     print(

@@ -51,3 +51,8 @@ def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_action(state_dir: Path, action: str) -> None:
+    """A hand command for the service's rollout (the operator's annotation, locally)."""
+    atomic_write(state_dir / ACTION_FILE, action + "\n")

@@ -883,11 +883,6 @@ def write_spec(state_dir: Path, spec: crd.LLMServiceSpec) -> None:
     atomic_write(state_dir / SPEC_FILE, json.dumps(spec.to_wire(), indent=2) + "\n")
 
 
-def write_action(state_dir: Path, action: str) -> None:
-    """A hand command for the service's rollout (the operator's annotation, locally)."""
-    atomic_write(state_dir / ACTION_FILE, action + "\n")
-
-
 def _last_line(path: Path) -> str:
     """A process's last words: the last line of its log (what a pod's termination
     message would say), cut to 300 characters."""
