@@ -168,7 +168,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             group = "cluster" if _module(item) in cluster_modules else _module(item)
             item.add_marker(pytest.mark.xdist_group(group))
     if getattr(config.option, "numprocesses", None):
-        # the workers take units in this order, each the next when it runs dry: the cluster
+        # the workers take units in this order (`--no-loadscope-reorder`: xdist would put
+        # the units with most tests first), each the next when it runs dry: the cluster
         # unit (the longest) first, then the modules with slow tests, so that no long
         # module starts last while the other worker idles (a module stays in one piece)
         slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}

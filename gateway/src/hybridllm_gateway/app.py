@@ -233,46 +233,11 @@ async def _handle(
     reservation = state.limiter.admit(
         key_name, features.prompt_tokens, parsed.generation_cap(s.max_tokens_limit)
     )
-    try:
-        if len(raw) > FILTER_INLINE_BYTES:  # linear, but a large body's scan is not the loop's
-            found = await asyncio.get_running_loop().run_in_executor(None, state.filter.apply, body)
-        else:
-            found = state.filter.apply(body)
-        if found:
-            changed = True
-        route = router.choose(routing, pools, state.classifier, features, explicit)
-        request[router.ROUTE_REASON] = route.reason
-        request[router.ROUTE_TIER] = route.tiers[0]
-        state.metrics.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
-        cap = metrics_mod.completion_cap(body)
-        state.metrics.offered.offer(route.tiers[0], features.prompt_tokens, cap)
-        key = _affinity_key(state, request, body)
-        stream = parsed.stream
-        assert state.forwarder is not None
-        if not stream and routing.cascade.enabled and route.tiers[0] == "edge":
-            outcome = await cascade_mod.run(state.forwarder, state.metrics, request, path, body,
-                                            route, key, t_start, routing.cascade.min_mean_logprob,
-                                            features.prompt_tokens)  # fmt: skip
-            response: web.StreamResponse | None = None
-        else:
-            payload = json.dumps(body).encode() if changed else raw
-            response, outcome = await state.forwarder.forward(
-                request, path, payload, route.tiers, key, stream, t_start
-            )
-        if response is None:
-            response = web.Response(
-                body=outcome.body,
-                status=outcome.status,
-                content_type="application/json",
-                headers={
-                    "x-hybridllm-tier": outcome.tier,
-                    "x-hybridllm-route": request[router.ROUTE_REASON],
-                },
-            )
-            tokens = proxy.usage_tokens(outcome.body)
-        else:
-            tokens = outcome.num_chunks
-        m = state.metrics
+    m = state.metrics
+    stream = parsed.stream
+
+    def account(outcome: proxy.Outcome, tokens: int) -> None:
+        """The answer's metrics (synchronous: it runs in a cancelled handler too)."""
         m.requests.labels(tier=outcome.tier, code=str(outcome.status)).inc()
         if 200 <= outcome.status < 300:
             m.prompt_tokens.labels(tier=outcome.tier).inc(features.prompt_tokens)
@@ -294,12 +259,57 @@ async def _handle(
                 m.revision_tpot.labels(tier=outcome.tier, revision=outcome.revision).observe(
                     (e2e_s - outcome.ttft_s) / (tokens - 1)
                 )
+        reservation.settle(tokens)
+
+    outcome = proxy.Outcome()
+    try:
+        if len(raw) > FILTER_INLINE_BYTES:  # linear, but a large body's scan is not the loop's
+            found = await asyncio.get_running_loop().run_in_executor(None, state.filter.apply, body)
+        else:
+            found = state.filter.apply(body)
+        if found:
+            changed = True
+        route = router.choose(routing, pools, state.classifier, features, explicit)
+        request[router.ROUTE_REASON] = route.reason
+        request[router.ROUTE_TIER] = route.tiers[0]
+        m.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
+        cap = metrics_mod.completion_cap(body)
+        m.offered.offer(route.tiers[0], features.prompt_tokens, cap)
+        key = _affinity_key(state, request, body)
+        assert state.forwarder is not None
+        if not stream and routing.cascade.enabled and route.tiers[0] == "edge":
+            outcome = await cascade_mod.run(state.forwarder, m, request, path, body,
+                                            route, key, t_start, routing.cascade.min_mean_logprob,
+                                            features.prompt_tokens)  # fmt: skip
+            response: web.StreamResponse | None = None
+        else:
+            payload = json.dumps(body).encode() if changed else raw
+            response, outcome = await state.forwarder.forward(
+                request, path, payload, route.tiers, key, stream, t_start, outcome
+            )
     except asyncio.CancelledError:
-        raise  # the client went away: what was reserved stays charged
+        # the client closed its connection: after the whole answer (it had it all, as
+        # clients do on the last byte), accounted as answered; else what was reserved
+        # stays charged
+        if outcome.delivered:
+            account(outcome, outcome.num_chunks)
+        raise
     except BaseException:
         reservation.settle(0)  # refused or failed before any answer: nothing was generated
         raise
-    reservation.settle(tokens)
+    if response is None:
+        response = web.Response(
+            body=outcome.body,
+            status=outcome.status,
+            content_type="application/json",
+            headers={
+                "x-hybridllm-tier": outcome.tier,
+                "x-hybridllm-route": request[router.ROUTE_REASON],
+            },
+        )
+        account(outcome, proxy.usage_tokens(outcome.body))
+    else:
+        account(outcome, outcome.num_chunks)
     return response
 
 

@@ -73,6 +73,9 @@ class Outcome:
     unsent: bool = False  # the last attempt could not connect: the request never left
     revision: str = ""  # model revision of the replica that answered (the last attempt)
     broken: bool = False  # the answer started and then broke (counted as a failed attempt)
+    # the upstream's whole stream reached the client's socket: a client that closes its
+    # connection at once (cancelling the handler) has had its answer
+    delivered: bool = False
     busy: int = 0  # attempts a replica refused as full (503 with Retry-After)
     retry_after: str = ""  # the last such refusal's Retry-After
 
@@ -126,9 +129,12 @@ class Forwarder:
         key: str | None,
         stream: bool,
         t_start: float,
+        outcome: Outcome | None = None,
     ) -> tuple[web.StreamResponse | None, Outcome]:
-        """Sends the request; for a stream, writes the answer and returns the response."""
-        outcome = Outcome()
+        """Sends the request; for a stream, writes the answer and returns the response.
+        ``outcome``, when given, is filled in as the attempts go (the caller reads it even
+        when the handler is cancelled)."""
+        outcome = Outcome() if outcome is None else outcome
         tried: set[str] = set()
         headers = {"content-type": "application/json"}
         rid = request.headers.get("x-request-id")
@@ -385,6 +391,8 @@ class Forwarder:
                 resp.release()
             else:
                 resp.close()
+        if completed and not outcome.broken:
+            outcome.delivered = True  # every byte written: the rest is the terminator
         if completed:
             await _finish(out)
         return out
@@ -541,7 +549,8 @@ class Forwarder:
             outcome.broken = True
             conn.abort()
             return out
-        except BaseException:
+        except BaseException:  # cancelled: the client closed its connection
+            outcome.delivered = conn.complete and conn.lost is None and not gone
             conn.abort()
             raise
         if gone:
@@ -562,6 +571,7 @@ class Forwarder:
             await out.write_eof()
             return out
         conn.release()
+        outcome.delivered = True  # every byte written: the rest is the terminator
         await _finish(out)
         return out
 
