@@ -373,6 +373,7 @@ class Forwarder:
             outcome.num_chunks = token_events(first)
             async for chunk in resp.content.iter_any():
                 outcome.num_chunks += token_events(chunk)
+                outcome.delivered = b"data: [DONE]" in chunk  # a client may close now
                 await out.write(chunk)
             completed = True
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -530,6 +531,8 @@ class Forwarder:
                     conn.complete = True
                     return
                 outcome.num_chunks += token_events(data)
+                if b"data: [DONE]" in data:  # the answer's last event: a client may close now
+                    outcome.delivered = True
                 down.write(data if framed else b"%x\r\n%b\r\n" % (len(data), data))
                 if down.get_write_buffer_size() > high:
                     conn.pause()
@@ -550,7 +553,9 @@ class Forwarder:
             conn.abort()
             return out
         except BaseException:  # cancelled: the client closed its connection
-            outcome.delivered = conn.complete and conn.lost is None and not gone
+            outcome.delivered = outcome.delivered or (
+                conn.complete and conn.lost is None and not gone
+            )
             conn.abort()
             raise
         if gone:
