@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -98,3 +99,36 @@ def test_content_filter_blocks_and_redacts(procs, table, ask, tmp_path) -> None:
     assert "[REDACTED:credit_card]" in upstream_saw
     assert "[REDACTED:us_ssn]" in upstream_saw
     assert "[REDACTED:email]" in upstream_saw
+
+
+def test_a_stream_whose_client_closes_on_its_last_event_is_booked(procs, table) -> None:
+    """Clients close the connection once they have read ``data: [DONE]``, which can be
+    before the body's end reaches the gateway (the upstream holds it back here): the
+    handler is cancelled then, and the answer must still be counted and its reservation
+    settled, not lost."""
+    edge = procs.tokenserver("edge-held", "--hold-end-s", "5", "--rate", "1000")
+    gw = procs.gateway(table(edge=[edge.url]))
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "smollm2", "max_tokens": 4, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: "
+            b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        seen = b""
+        while b"data: [DONE]" not in seen:
+            chunk = sock.recv(65536)
+            assert chunk, seen
+            seen += chunk
+    # closed before the body's end: the gateway books the answer all the same
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(gw.url + "/metrics", timeout=5).text
+        booked = [line for line in text.splitlines()
+                  if line.startswith("hybridllm_gateway_requests_total{") and 'code="200"' in line]  # fmt: skip
+        if booked and booked[0].endswith(" 1.0"):
+            break
+        assert time.monotonic() < deadline, text[-2000:]
+        time.sleep(0.1)
+    assert edge.stats()["in_flight"] <= 1  # the upstream was let go or is ending

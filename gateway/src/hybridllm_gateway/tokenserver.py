@@ -189,6 +189,8 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
         if not chat and n > 1:
             await asyncio.sleep(max(0.0, t0 + (n - 1) * interval - loop.time()))
         await resp.write(last_b)
+        if opts.hold_end_s:  # the answer's last event sent, the end of the body held back
+            await asyncio.sleep(opts.hold_end_s)
         stats["completed"] += 1
     except (asyncio.CancelledError, ConnectionResetError, RuntimeError):
         stats["cancelled"] += 1
@@ -258,6 +260,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-concurrency", type=_non_negative_int, default=0,
         help="answer at most this many requests at once, queue the rest (0: no limit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--hold-end-s", type=float, default=0.0,
+        help="after a stream's last event (data: [DONE]), wait this long before ending the body",
     )  # fmt: skip
     p.add_argument(
         "--startup-s", type=float, default=0.0,
