@@ -28,8 +28,7 @@ if ! uv sync --all-packages --frozen --offline --compile-bytecode --quiet 2>/dev
   uv sync --all-packages --frozen --compile-bytecode
 fi
 # the workspace's own packages are installed editable (their source folders): the same
-uv run --no-sync python -m compileall -q -j 0 common/src gateway/src operator/src runtime-cloud/src \
-  runtime-edge/src kernels/src forecaster/src models/src >/dev/null
+uv run --no-sync python -m compileall -q -j 0 ./*/src >/dev/null
 
 if [ "${HYBRIDLLM_SKIP_TESTENV:-0}" != "1" ]; then
   # The real node of the test environment (hack/testenv/node.py) and the image builder
