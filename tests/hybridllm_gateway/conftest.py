@@ -91,7 +91,13 @@ class Procs:
         self.started.append(server)
         return server
 
-    def gateway(self, routing: dict[str, Any], *args: str, name: str = "routing.json") -> Server:
+    def gateway(
+        self,
+        routing: dict[str, Any],
+        *args: str,
+        name: str = "routing.json",
+        env: dict[str, str] | None = None,
+    ) -> Server:
         path = self.tmp / name
         path.write_text(json.dumps(routing))
         port = free_port()
@@ -99,7 +105,9 @@ class Procs:
                "--port", str(port), "--host", "127.0.0.1", "--reload-interval-s", "0.1",
                "--eject-base-s", "30", *args]  # fmt: skip
         log = (self.tmp / f"gateway-{port}.log").open("wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         server = Server(f"http://127.0.0.1:{port}", proc, "gateway")
         self.started.append(server)
         wait_healthy(server.url, proc)

@@ -1,12 +1,17 @@
-"""The gateway gives each tenant its own prefix-cache partition (``cache_salt``).
+"""The gateway gives each tenant its own prefix-cache partition (``cache_salt``), and shows
+the backend token to the service's runtimes, never to an enrolled device.
 
-A real gateway process in front of a small recording upstream (an HTTP server in this
-test that answers a fixed completion and keeps every body it received).
+A real gateway process in front of small recording upstreams (HTTP servers in this test
+that answer a fixed completion and keep every body and Authorization header received).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 
+from hybridllm_common import backend_auth
 from hybridllm_gateway import safety
 
 MODEL = "smollm2"
@@ -22,6 +28,7 @@ MODEL = "smollm2"
 
 class _Recorder(BaseHTTPRequestHandler):
     bodies: list[dict[str, Any]] = []
+    authorization: list[tuple[int, str | None]] = []  # (the upstream's port, the header)
 
     def do_GET(self) -> None:
         self._json({"status": "ok"} if self.path == "/health" else {"object": "list", "data": []})
@@ -29,6 +36,8 @@ class _Recorder(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         type(self).bodies.append(body)
+        port = self.server.server_address[1]
+        type(self).authorization.append((port, self.headers.get("authorization")))
         self._json(
             {
                 "id": "chatcmpl-1",
@@ -58,9 +67,8 @@ class _Recorder(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def upstream() -> Iterator[str]:
-    _Recorder.bodies = []
+@contextlib.contextmanager
+def _recording() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -69,6 +77,43 @@ def upstream() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def upstream() -> Iterator[str]:
+    _Recorder.bodies, _Recorder.authorization = [], []
+    with _recording() as url:
+        yield url
+
+
+def test_the_backend_token_goes_to_the_runtimes_and_never_to_a_device(procs, table, upstream):
+    token = "t" * 40
+    with _recording() as device:
+        routing = table(cloud=[upstream], edge=[device])
+        routing["tiers"]["edge"]["backends"][0]["device"] = True  # as the operator marks them
+        gw = procs.gateway(routing, env={backend_auth.TOKEN_ENV: token})
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        for tier in ("cloud", "edge", "cloud"):
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                extra_headers={"x-hybridllm-tier": tier},
+            )  # fmt: skip
+        port = {url: int(url.rsplit(":", 1)[1]) for url in (upstream, device)}
+        assert _Recorder.authorization == [
+            (port[upstream], f"Bearer {token}"), (port[device], None),
+            (port[upstream], f"Bearer {token}"),
+        ]  # fmt: skip
+    # a token too short to be one is a gateway that does not start, not one that is open
+    bad = procs.tmp / "short.log"
+    with bad.open("wb") as out:
+        refused = subprocess.run(
+            [sys.executable, "-m", "hybridllm_gateway.cli", "serve", "--config",
+             str(procs.tmp / "routing.json"), "--port", "0"],
+            env={**os.environ, backend_auth.TOKEN_ENV: "short"}, stdout=out,
+            stderr=subprocess.STDOUT, timeout=60,
+        )  # fmt: skip
+    assert refused.returncode != 0
+    assert "at least 32 printable characters" in bad.read_text()
 
 
 def test_each_tenant_gets_its_own_salt_and_cannot_choose_another(procs, table, upstream) -> None:

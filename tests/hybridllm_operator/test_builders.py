@@ -144,7 +144,12 @@ def test_routing_config_points_at_the_tier_services() -> None:
     assert config["policy"] == "edge-first"
     assert config["model"] == "demo"
     assert config["tiers"]["edge"]["backends"] == [
-        {"url": "http://demo-edge.team-a.svc:8000", "revision": "v7", "weight": 100}
+        {
+            "url": "http://demo-edge.team-a.svc:8000",
+            "revision": "v7",
+            "weight": 100,
+            "device": False,
+        }
     ]
     assert config["tiers"]["cloud"]["backends"][0]["url"] == "http://demo-decode.team-a.svc:8000"
     assert config["edgeLimits"]["maxPromptTokens"] == 2048
@@ -277,7 +282,51 @@ def test_serving_edge_devices_are_edge_backends_and_replace_an_empty_pool() -> N
     assert [(r["url"], r["revision"], r["weight"]) for r in rows] == [
         ("http://10.0.0.7:8000", "v2", 100), ("http://10.0.0.8:8000", "v1", 100)
     ]  # fmt: skip
+    assert all(r["device"] is True for r in rows)  # the gateway never shows them the token
     # with edge pods too, the pool's Service stays beside the devices
     spec.edge.pool.replicas = 1
     table = builders.build_routing_config(builders.Service("s", "ns", "u", spec, devices=devices))
     assert len(table["tiers"]["edge"]["backends"]) == 3
+
+
+def test_runtimes_answer_their_gateway_only_token_in_every_pod_and_a_network_policy() -> None:
+    service = make(
+        cloud={"mode": "disaggregated", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    )
+    objects = builders.build_children(service)
+    assert len(by_kind(objects, "Deployment")) == 4
+    for name, deployment in by_kind(objects, "Deployment").items():
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        token = [e for e in env if e["name"] == "HYBRIDLLM_BACKEND_TOKEN"]
+        assert token == [{"name": "HYBRIDLLM_BACKEND_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": "demo-backend-token", "key": "token"}}}], name  # fmt: skip
+    policy = by_kind(objects, "NetworkPolicy")["demo-runtimes"]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    selector = spec["podSelector"]
+    assert selector["matchLabels"] == {"app.kubernetes.io/name": "hybridllm",
+                                       "app.kubernetes.io/instance": "demo"}  # fmt: skip
+    assert selector["matchExpressions"][0]["values"] == ["edge", "cloud", "prefill", "decode"]
+    http, kv = spec["ingress"]
+    assert http["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert http["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
+        "gateway"
+    )
+    assert http["from"][1] == {
+        "namespaceSelector": {"matchLabels": {"hybridllm.io/metrics": "scrape"}}
+    }
+    assert kv["ports"] == [{"protocol": "TCP", "port": 8001}]
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in kv["from"]] == [
+        "decode"
+    ]
+    # the gateway pods are not selected: they are the front door
+    gateway = by_kind(objects, "Deployment")["demo-gateway"]["spec"]["template"]["metadata"]
+    assert (
+        gateway["labels"]["app.kubernetes.io/component"]
+        not in (selector["matchExpressions"][0]["values"])
+    )
+    secret = builders.build_token_secret(service)
+    assert secret["metadata"]["name"] == "demo-backend-token"
+    assert len(secret["stringData"]["token"]) >= 32
+    assert secret["stringData"] != builders.build_token_secret(service)["stringData"]

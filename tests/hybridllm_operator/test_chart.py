@@ -165,6 +165,8 @@ def test_install_serve_upgrade_a_crd_roll_back_and_uninstall_keeping_crds_and_se
         ("create", "deployments.apps", "-n", APPS),
         ("delete", "services", "-n", APPS),
         ("patch", "poddisruptionbudgets.policy", "-n", APPS),
+        ("patch", "networkpolicies.networking.k8s.io", "-n", APPS),
+        ("create", "secrets", "-n", APPS),  # the backend token, made once
         ("list", "pods", "-A"),
         ("create", "events", "-n", APPS),
         ("create", "leases.coordination.k8s.io", "-n", RELEASE_NAMESPACE),

@@ -34,12 +34,15 @@ OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "r
 ITERATIONS = 50
 SERVICES = ("alpha", "beta", "gamma", "delta")
 NAMESPACE = "faults"
-CHILD_KINDS = ("configmaps", "deployments", "services", "poddisruptionbudgets")
+CHILD_KINDS = (
+    "configmaps", "deployments", "services", "poddisruptionbudgets", "networkpolicies"
+)  # fmt: skip
 KIND_OF = {
     "configmaps": "ConfigMap",
     "deployments": "Deployment",
     "services": "Service",
     "poddisruptionbudgets": "PodDisruptionBudget",
+    "networkpolicies": "NetworkPolicy",
 }
 
 

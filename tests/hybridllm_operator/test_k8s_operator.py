@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -64,6 +65,19 @@ def test_create_builds_every_pool_and_reports_ready(
         "demo-gateway",
         "demo-monolithic",
     ]
+    # the runtimes answer their gateway only: a token Secret made once, read by every pod,
+    # and a NetworkPolicy on the runtime pods (isolation.py)
+    assert kube.names("networkpolicies", namespace, SELECTOR.format(name="demo")) == [
+        "demo-runtimes"
+    ]
+    secret = kube.get("secret", "demo-backend-token", namespace)
+    assert secret is not None
+    assert secret["metadata"]["ownerReferences"][0]["name"] == "demo"
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32
+    deployment = kube.get("deployment", "demo-edge", namespace)
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HYBRIDLLM_BACKEND_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "demo-backend-token", "key": "token"}}} in env  # fmt: skip
     status = obj["status"]
     assert status["edgeReplicas"] == "2/2"
     assert status["cloudReplicas"] == "1/1"
@@ -183,7 +197,7 @@ def test_delete_garbage_collects_children(kube: Any, operator: Any, namespace: s
         lambda: (
             not any(
                 kube.names(kind, namespace, selector)
-                for kind in ("deployments", "services", "configmaps")
+                for kind in ("deployments", "services", "configmaps", "networkpolicies", "secrets")
             )
         ),
         90,

@@ -79,11 +79,12 @@ def hybridllm(
 
 
 def wait_for(what: str, condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
     while not condition():
-        if time.monotonic() > deadline:
+        if time.monotonic() > start + timeout_s:
             raise TimeoutError(f"not within {timeout_s:.0f}s: {what}")
         time.sleep(0.2)
+    print(f"[{time.monotonic() - start:6.1f}s] {what}", file=sys.stderr)  # shown with -s
 
 
 @dataclass
@@ -191,6 +192,18 @@ def test_up_serves_both_tiers_through_the_gateway(hybrid: Local) -> None:
         assert tier == expected
         assert text.strip()
         assert finish in ("stop", "length")
+    # a runtime answers its gateway only (the supervisor's backend token): a client that
+    # skips the gateway (its keys, limits, filter and tenant salt) is refused by name;
+    # probes and metrics stay open
+    for name in ("edge-0", "monolithic-0"):
+        url = hybrid.process(name)["url"]
+        direct = httpx.post(url + "/v1/chat/completions", timeout=10, json={
+            "model": MODEL, "messages": SHORT, "max_tokens": 4, "cache_salt": "tenant-a"})  # fmt: skip
+        assert direct.status_code == 401, direct.text
+        assert direct.json()["error"]["code"] == "unauthorized"
+        assert "answers its gateway only" in direct.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
 
 
 def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(hybrid: Local) -> None:

@@ -109,7 +109,9 @@ def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path)
     }
     assert table["tiers"] == {
         "edge": {
-            "backends": [{"url": edge.replica.url, "revision": "v1", "weight": 100}],
+            "backends": [
+                {"url": edge.replica.url, "revision": "v1", "weight": 100, "device": False}
+            ],
             "scaleFromZero": False,
         }
     }
@@ -133,8 +135,8 @@ def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path)
     assert table["generation"] == 4
     assert table["revision"] == "v1"
     assert table["tiers"]["edge"]["backends"] == [
-        {"url": edge.replica.url, "revision": "v1", "weight": 75},
-        {"url": canary.replica.url, "revision": "v2", "weight": 25},
+        {"url": edge.replica.url, "revision": "v1", "weight": 75, "device": False},
+        {"url": canary.replica.url, "revision": "v2", "weight": 25, "device": False},
     ]
 
 

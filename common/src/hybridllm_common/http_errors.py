@@ -8,6 +8,8 @@ Every answer that is not a success has the OpenAI shape
 - an unknown path or method: 404 ``not_found`` / 405 ``method_not_allowed`` (FastAPI's
   own ``{"detail": "Not Found"}`` would break clients that parse errors);
 - a body over ``MAX_BODY_BYTES``: 400 ``invalid_request`` (:class:`BodyLimit`);
+- a request without the gateway's token, where one is configured: 401 ``unauthorized``
+  (:class:`RequireBackendToken`);
 - anything else: 500 ``internal_error`` carrying a request id, never the exception's text
   (which can hold paths, prompts or other tenants' data); the log has the traceback
   under the same id. The id is the client's ``x-request-id`` when it sent one.
@@ -26,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from hybridllm_common import backend_auth
 from hybridllm_common import openai_protocol as oai
 
 log = logging.getLogger(__name__)
@@ -85,12 +88,39 @@ class BodyLimit:
         return error_response(oai.INVALID_REQUEST, self._message())
 
 
+class RequireBackendToken:
+    """ASGI middleware: every path but the probes' and Prometheus' answers 401 without the
+    gateway's token (:mod:`hybridllm_common.backend_auth`), before the body is read."""
+
+    def __init__(self, app: Any, token: str, on_reject: Callable[[str], None]) -> None:
+        self.app, self.token, self.on_reject = app, token, on_reject
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in backend_auth.OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if backend_auth.matches(self.token, dict(scope.get("headers") or ()).get(b"authorization")):
+            await self.app(scope, receive, send)
+            return
+        self.on_reject(oai.UNAUTHORIZED)
+        refusal = error_response(
+            oai.UNAUTHORIZED,
+            "this runtime answers its gateway only: send requests to the service's gateway",
+        )
+        await refusal(scope, receive, send)
+
+
 def install(
     app: FastAPI, on_reject: Callable[[str], None], max_body_bytes: int = MAX_BODY_BYTES
 ) -> None:
     """Register the handlers and the body limit; ``on_reject(code)`` counts every error
-    answer (metrics)."""
+    answer (metrics). Where a backend token is configured, only requests carrying it are
+    served (a misconfigured one raises :class:`backend_auth.TokenError`)."""
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    token = backend_auth.load_token()
+    if token is not None:
+        # added last, so it runs first: a refused request's body is never read
+        app.add_middleware(RequireBackendToken, token=token, on_reject=on_reject)
 
     @app.exception_handler(oai.APIError)
     async def _api_error(request: Request, exc: oai.APIError) -> JSONResponse:

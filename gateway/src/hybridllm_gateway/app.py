@@ -30,6 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from hybridllm_common import backend_auth
 from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import cascade as cascade_mod
@@ -52,6 +53,8 @@ class State:
     limiter: safety.RateLimiter
     filter: safety.ContentFilter
     metrics: metrics_mod.GatewayMetrics
+    # sent to every backend (hybridllm_common.backend_auth): empty where none is configured
+    backend_headers: dict[str, str] = field(default_factory=dict)
     forwarder: proxy.Forwarder | None = None
     watchers: list[config_mod.FileWatcher] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -80,6 +83,9 @@ def new_state(settings: config_mod.GatewaySettings) -> State:
         filter=safety.ContentFilter.load(settings.filter_config),
         metrics=metrics_mod.GatewayMetrics(),
     )
+    token = backend_auth.load_token()
+    if token is not None:
+        state.backend_headers = backend_auth.header(token)
     state.set_routing(routing)
     return state
 
@@ -369,6 +375,7 @@ async def _startup(app: web.Application) -> None:
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     state.forwarder = proxy.Forwarder(
         session=session,
+        backend_headers=state.backend_headers,
         balancer=state.balancer,
         metrics=state.metrics,
         connect_timeout_s=s.connect_timeout_s,
@@ -384,7 +391,9 @@ async def _startup(app: web.Application) -> None:
     )
     state.watchers = _watchers(state)
     state.tasks = [asyncio.create_task(w.run()) for w in state.watchers]
-    checker = golden.GoldenChecker(session, state.metrics, lambda: state.routing)
+    checker = golden.GoldenChecker(
+        session, state.metrics, lambda: state.routing, state.backend_headers
+    )
     state.tasks.append(asyncio.create_task(checker.run()))
     # Everything alive now (modules, the classifier, the app, the event loop's and the
     # server's own objects) lives as long as the process: collected once, then out of the

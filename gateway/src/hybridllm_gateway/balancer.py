@@ -57,6 +57,7 @@ class Replica:
     tier: str
     revision: str = ""
     weight: int = 100
+    device: bool = False  # outside the cluster: not sent the backend token
     num_outstanding: int = 0
     num_consecutive_failures: int = 0
     num_ejections_in_row: int = 0
@@ -201,7 +202,7 @@ class Balancer:
             replicas = []
             for b in tier.backends:
                 r = self.by_url.get((name, b.url)) or Replica(url=b.url.rstrip("/"), tier=name)
-                r.revision, r.weight = b.revision, b.weight
+                r.revision, r.weight, r.device = b.revision, b.weight, b.device
                 self.by_url[(name, b.url)] = r
                 replicas.append(r)
             tiers[name] = TierPool(name, replicas, self.settings.load_factor, tier.scale_from_zero)

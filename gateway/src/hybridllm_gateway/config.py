@@ -50,6 +50,9 @@ class Backend(_Wire):
     url: str = Field(min_length=1)
     revision: str = ""
     weight: int = Field(default=100, ge=0, le=1_000_000)
+    # an enrolled device outside the cluster: never sent the backend token, which opens
+    # the service's runtimes (hybridllm_common.backend_auth)
+    device: bool = False
 
 
 class Tier(_Wire):

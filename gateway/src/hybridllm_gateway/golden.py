@@ -44,7 +44,11 @@ class Unreachable(Exception):
 
 
 async def ask(
-    session: aiohttp.ClientSession, url: str, model: str, golden: config_mod.GoldenPrompt
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    golden: config_mod.GoldenPrompt,
+    headers: dict[str, str] | None = None,
 ) -> tuple[bool, str]:
     """One golden prompt to one backend: (passed, what it answered or why it failed)."""
     body = {
@@ -58,6 +62,7 @@ async def ask(
         async with session.post(
             url.rstrip("/") + "/v1/chat/completions",
             json=body,
+            headers=headers,
             timeout=aiohttp.ClientTimeout(total=TIMEOUT_S),
         ) as resp:
             text = await resp.text()
@@ -82,8 +87,10 @@ class GoldenChecker:
         session: aiohttp.ClientSession,
         metrics: metrics_mod.GatewayMetrics,
         routing: Callable[[], config_mod.RoutingConfig],
+        backend_headers: dict[str, str] | None = None,
     ) -> None:
         self.session, self.metrics, self.routing = session, metrics, routing
+        self.backend_headers = backend_headers or {}  # for backends in the cluster only
         # (url, revision, prompts) -> a verdict per prompt
         self.results: dict[tuple[str, str, str], list[bool]] = {}
         self.asking: dict[tuple[str, str, str], asyncio.Task[None]] = {}
@@ -119,7 +126,7 @@ class GoldenChecker:
                     verdicts.setdefault(backend.revision, []).append(self.results[key])
                 elif key not in self.asking:
                     self.asking[key] = asyncio.get_running_loop().create_task(
-                        self._ask_all(key, tier_name, table)
+                        self._ask_all(key, tier_name, table, backend.device)
                     )
             for revision, per_backend in verdicts.items():
                 for index in range(len(table.golden_prompts)):
@@ -129,13 +136,18 @@ class GoldenChecker:
                     ).set(1 if passed else 0)
 
     async def _ask_all(
-        self, key: tuple[str, str, str], tier: str, table: config_mod.RoutingConfig
+        self,
+        key: tuple[str, str, str],
+        tier: str,
+        table: config_mod.RoutingConfig,
+        device: bool = False,
     ) -> None:
         url, revision, _ = key
+        headers = None if device else self.backend_headers
         try:
             verdicts = []
             for index, golden in enumerate(table.golden_prompts):
-                passed, answer = await ask(self.session, url, table.model, golden)
+                passed, answer = await ask(self.session, url, table.model, golden, headers)
                 if not passed:
                     log.warning(
                         "golden prompt %d failed on %s (%s tier, revision %s): expected /%s/, "

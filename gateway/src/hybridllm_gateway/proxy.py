@@ -93,8 +93,17 @@ class Forwarder:
     hold_timeout_s: float = 240.0
     max_held_requests: int = 256
     max_body_bytes: int = relay.MAX_BODY_BYTES  # a whole answer held past it is a fault
+    backend_headers: dict[str, str] = field(default_factory=dict)  # the backend token's
     _wakers: dict[str, asyncio.Task[bool]] = field(default_factory=dict)
     _held: dict[str, int] = field(default_factory=dict)  # requests waiting, per tier
+
+    def headers_for(
+        self, replica: balancer_mod.Replica, headers: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """``headers`` and the backend token, for a replica in the cluster (a device is never
+        shown it: it would open every runtime of the service)."""
+        base = dict(headers or {})
+        return base if replica.device else {**base, **self.backend_headers}
 
     def _fail(self, replica: balancer_mod.Replica, kind: str) -> None:
         self.metrics.upstream_errors.labels(tier=replica.tier, kind=kind).inc()
@@ -208,6 +217,7 @@ class Forwarder:
         tried: set[str],
     ) -> tuple[web.StreamResponse | None, str]:
         """One attempt on one replica, counted in its outstanding requests."""
+        headers = self.headers_for(replica, headers)
         tried.add(replica.url)
         outcome.attempts.append(replica.url)
         outcome.tier, outcome.unsent = replica.tier, False

@@ -28,6 +28,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from hybridllm_common import crd, termination
 from hybridllm_forecaster import rollouts
+from hybridllm_operator import isolation
 from hybridllm_operator import rollout as rollout_mod
 
 MANAGED_BY = "hybridllm-operator"
@@ -447,6 +448,8 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
                 else []
             ),
             *({"name": k, "value": v} for k, v in sorted(pool.env.items())),
+            # the gateway sends it, the runtimes ask for it (isolation.py)
+            isolation.token_env(service.name),
         ],
         "resources": _resources(pool.resources),
         # Leaving (a scale-down, a rollout, a drain): the pod is taken out of its Service's
@@ -658,11 +661,11 @@ def routing_config(
     for tier in sorted(set(backends) | set(canary or {}) | device_tier):
         weight = rollout_mod.canary_weight(service.rollout, tier)
         rows = [
-            {"url": u, "revision": stable_revision, "weight": 100 - weight}
+            {"url": u, "revision": stable_revision, "weight": 100 - weight, "device": False}
             for u in backends.get(tier, [])
         ]
         rows += [
-            {"url": u, "revision": canary_revision, "weight": weight}
+            {"url": u, "revision": canary_revision, "weight": weight, "device": False}
             for u in (canary or {}).get(tier, [])
         ]
         if tier == "edge":  # devices: at their revision's weight (a rollout's, or the rest)
@@ -671,6 +674,7 @@ def routing_config(
                     "url": u,
                     "revision": rev,
                     "weight": weight if rev == canary_revision else 100 - weight,
+                    "device": True,  # never sent the backend token
                 }
                 for u, rev in service.devices
             ]
@@ -719,7 +723,22 @@ def build_children(service: Service) -> list[dict[str, Any]]:
         pdb = build_pdb(service, pool)
         if pdb is not None:
             objects.append(pdb)
+    objects.append(build_network_policy(service))
     return objects
+
+
+def build_network_policy(service: Service) -> dict[str, Any]:
+    """The runtime pods' ingress: the gateway, the metrics scrapers, decode -> prefill KV."""
+    meta = _metadata(service, f"{service.name}-runtimes", "runtimes", revisioned=False)
+    return isolation.build_network_policy(
+        meta, lambda component: selector_labels(service, component), LABEL_COMPONENT, PORT, KV_PORT
+    )
+
+
+def build_token_secret(service: Service) -> dict[str, Any]:
+    """The backend token's Secret, with a new token: created once (reconcile.py)."""
+    name = isolation.token_secret_name(service.name)
+    return isolation.build_token_secret(_metadata(service, name, "gateway", revisioned=False))
 
 
 def endpoints(service: Service) -> crd.Endpoints:

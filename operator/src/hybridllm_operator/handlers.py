@@ -163,6 +163,7 @@ SERVED = (
     ("/api/v1", "pods"),
     ("/apis/apps/v1", "deployments"),
     ("/apis/policy/v1", "poddisruptionbudgets"),
+    ("/apis/networking.k8s.io/v1", "networkpolicies"),
     (f"/apis/{crd.API_VERSION}", "llmservices"),
 )
 
@@ -874,6 +875,7 @@ def _index_gateway(
 @kopf.on.event("", "v1", "services", labels=OWNED)
 @kopf.on.event("", "v1", "configmaps", labels=OWNED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=OWNED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
 async def child_changed(
     type: str | None,
     body: kopf.Body,

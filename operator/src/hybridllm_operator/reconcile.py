@@ -40,6 +40,7 @@ CHILD_KINDS = (
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 
 
@@ -137,6 +138,7 @@ class Applied:
 def apply_children(
     cluster: Cluster, service: builders.Service, applied: Applied | None = None
 ) -> list[dict[str, Any]]:
+    ensure_token_secret(cluster, service, applied)
     desired = builders.build_children(service)
     for obj in desired:
         key, digest = (obj["kind"], obj["metadata"]["name"]), manifest_hash(obj)
@@ -152,6 +154,24 @@ def apply_children(
         if applied is not None:
             applied.record(key, digest, result.to_dict())
     return desired
+
+
+def ensure_token_secret(
+    cluster: Cluster, service: builders.Service, applied: Applied | None = None
+) -> None:
+    """The backend token's Secret (isolation.py), made once: an existing one is kept as it
+    is (a new token would lock the running pods out until they restarted)."""
+    secret = builders.build_token_secret(service)
+    key = ("Secret", secret["metadata"]["name"])
+    if applied is not None and key in applied.ours:
+        return
+    try:
+        cluster.resource("v1", "Secret").create(body=secret, namespace=service.namespace)
+    except k8s_errors.ApiException as exc:
+        if exc.status != 409:  # 409: it exists
+            raise
+    if applied is not None:
+        applied.ours[key] = applied.seen[key] = ""
 
 
 def prune_children(

@@ -51,7 +51,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from hybridllm_common import crd
+from hybridllm_common import backend_auth, crd
 from hybridllm_forecaster.autoscaler import DECIDING, Decision
 from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
 from hybridllm_operator.local import plan as plan_mod
@@ -174,6 +174,8 @@ class Supervisor:
         self.tasks: list[asyncio.Task[None]] = []
         self.scaling: autoscaling.ServiceAutoscaler | None = None
         self.spec = plan.service().spec  # the plan's, until `hybridllm apply` gives another
+        # the gateway shows it to the runtimes, which answer nobody else (backend_auth)
+        self.backend_token = backend_auth.new_token()
         self.rollouts = rollout.Controller()
         self._spec_stamp: tuple[int, int] | None = None
         self._wake = asyncio.Event()  # SIGUSR1 (a new spec, a hand command), a process change
@@ -339,6 +341,8 @@ class Supervisor:
             log.write((header + " ".join(r.command) + "\n").encode())
             log.flush()
             env = {**os.environ, **r.env, "PYTHONUNBUFFERED": "1"}
+            env.pop(backend_auth.TOKEN_FILE_ENV, None)
+            env[backend_auth.TOKEN_ENV] = self.backend_token
             proc.process = await asyncio.create_subprocess_exec(
                 *r.command,
                 stdin=asyncio.subprocess.DEVNULL,
