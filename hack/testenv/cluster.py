@@ -590,6 +590,10 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
     for name in extra:
         stop(state_dir, name)
     if (state_dir / "node").exists():
+        # Nothing may make or place a pod while the node drains: a ReplicaSet would replace
+        # each deleted pod at once and the drain would wait out its deadline.
+        for name in ("kube-controller-manager", "kube-scheduler"):
+            stop(state_dir, name)
         if _alive(state_dir, "kube-apiserver") and (state_dir / "bin").exists():
             node.drain(Cluster(state_dir, state_dir / "kubeconfig", ""), state_dir / "bin")
         node.stop(state_dir, lambda name: stop(state_dir, name))

@@ -70,12 +70,15 @@ class Kube:
     @staticmethod
     def eventually(check: Callable[[], T], timeout: float = 60, what: str = "condition") -> T:
         """Poll ``check`` until it returns something truthy; fail with the last value otherwise."""
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         delay = 0.1
         last: Any = None
         while time.monotonic() < deadline:
             last = check()
             if last:
+                # where a walk spends its time: shown with a failure, or with -s
+                print(f"[{time.monotonic() - start:6.1f}s] {what}", file=sys.stderr)
                 return last
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)

@@ -34,7 +34,7 @@ import openai
 import pytest
 
 from hybridllm_common import metrics as names
-from hybridllm_models import sources, uri
+from hybridllm_models import sources, store, uri
 from hybridllm_operator import builders
 from hybridllm_operator.fleet import cli as fleet_cli
 from hybridllm_operator.observability import panels
@@ -138,7 +138,7 @@ class Agent:
         self.argv = [
             *CLI, "edge", "agent", "--server", server, "--fleet", "shops", "--name", name,
             "--token", token, "--ca-file", str(ca), "--labels", f"site={site},kind=shop-pc",
-            "--state-dir", str(self.state), "--model-cache", str(tmp / "models"),
+            "--state-dir", str(self.state), "--model-cache", str(store.Store().root),
             "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1",
             "--drain-seconds", "8",
         ]  # fmt: skip
@@ -389,7 +389,11 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
             # other test worker is loading models too
             kube.eventually(lambda: set(revisions().values()) == {"v2"}, timeout=360,
                             what="every device back on v2")  # fmt: skip
-            assert "config" in ((device("dev-2").get("status") or {}).get("message") or "")
+            # seen as soon as the runtime exited, though the port's holder accepts and
+            # never answers: not after the health check's 120 s
+            message = (device("dev-2").get("status") or {}).get("message") or ""
+            assert "config 3 failed: the runtime exited" in message, message
+            assert "address already in use" in message, message
         finally:
             taken.close()
         assert fleet()["currentRevision"] == "v2"

@@ -54,6 +54,7 @@ CURRENT = "config.json"  # the last config accepted (running, or failed: see fai
 LAST_GOOD = "last-good.json"  # the last config that passed its health check and served
 FAILED = "failed.json"
 CLOCK_SKEW_S = 300.0
+HEALTH_PROBE_S = 2.0  # one /health probe of a starting runtime, on loopback
 # What starting a config can fail with: the model store, the process, the health check.
 START_ERRORS = (
     model_errors.ModelStoreError,
@@ -415,7 +416,11 @@ class Agent:
                     raise RuntimeError(f"the runtime exited with {runtime.process.returncode}: "
                                        f"{_tail(runtime.log_path)}")  # fmt: skip
                 try:
-                    if (await http.get("/health")).status_code == 200:
+                    # each probe briefly: whatever holds the port may accept and never
+                    # answer (another process bound it first), and an exited runtime must
+                    # be seen at once, not after the whole check's deadline
+                    probe = await http.get("/health", timeout=HEALTH_PROBE_S)
+                    if probe.status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
