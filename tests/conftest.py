@@ -23,6 +23,15 @@ def pytest_configure(config: pytest.Config) -> None:
     modules read ``$HYBRIDLLM_TRACES`` (set here from bench/portable.py's default when
     unset) and mark what needs them ``dev_traces(...)``."""
     os.environ["HYBRIDLLM_TRACES"] = str(_load_bench("bench/portable.py").TRACES)
+    if (getattr(config.option, "numprocesses", None) or 0) > 1 and not hasattr(
+        config, "workerinput"
+    ):
+        # Workers as many as cores: each process (a worker, a server a test starts) gets
+        # one OpenMP thread. With torch's default (a thread per core, spinning at each op's
+        # barrier) two busy workers fought over the cores: the speculative-decoding tests
+        # took 1,027 s beside the cluster tests against 188 s alone. Set before the workers
+        # start, so they and their children inherit it.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # --- the suite's time budget -------------------------------------------------------------
