@@ -85,6 +85,16 @@ class Kube:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
+RESTRICTED = "pod-security.kubernetes.io/enforce=restricted"
+
+
+def restricted_namespace(kube: Kube, name: str) -> None:
+    """A namespace that enforces Pod Security "restricted", as every test's is: the API
+    server's PodSecurity admission refuses any pod the operator generates that falls short."""
+    kube.run("create", "namespace", name)
+    kube.run("label", "namespace", name, RESTRICTED)
+
+
 @contextlib.contextmanager
 def own_control_plane(
     state_dir: Path,
@@ -109,7 +119,7 @@ def own_control_plane(
         if crds:
             own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
             own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
-        own.run("create", "namespace", namespace)
+        restricted_namespace(own, namespace)
         yield cluster, own
 
 
@@ -149,7 +159,7 @@ def chart_operator_env(
     ``POD_NAME`` is fixed, as it is for a container restarted in its pod: a restarted
     operator takes its own Lease back at once instead of waiting out its duration."""
     if kube.run("get", "namespace", RELEASE_NAMESPACE, check=False).returncode != 0:
-        kube.run("create", "namespace", RELEASE_NAMESPACE)
+        restricted_namespace(kube, RELEASE_NAMESPACE)
     rendered = helm(
         "template", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
         "--show-only", "templates/operator-serviceaccount.yaml",
@@ -225,7 +235,7 @@ def kube(k8s_cluster: Any) -> Kube:
 @pytest.fixture
 def namespace(kube: Kube) -> Iterator[str]:
     name = f"t{next(_counter)}-{int(time.time()) % 100000}"
-    kube.run("create", "namespace", name)
+    restricted_namespace(kube, name)
     yield name
     kube.run("delete", "namespace", name, "--wait=false", check=False)
 

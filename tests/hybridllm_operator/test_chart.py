@@ -27,11 +27,13 @@ from .conftest import (
     OPERATOR_ACCOUNT,
     RELEASE,
     RELEASE_NAMESPACE,
+    RESTRICTED,
     ROOT,
     Kube,
     helm,
     operator_account_env,
     own_control_plane,
+    restricted_namespace,
 )
 
 OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
@@ -96,16 +98,19 @@ def test_the_values_table_is_generated_from_values_yaml(tmp_path: Path) -> None:
 )
 def test_rendered_chart_is_accepted_by_the_api_server(kube: Kube, values: tuple[str, ...]) -> None:
     """Every object `helm template` makes passes the real API server's validation and
-    admission (server-side dry run: nothing is stored)."""
+    admission (server-side dry run: nothing is stored), Pod Security "restricted" included:
+    the namespaces enforce it, and a pod template that falls short is warned of."""
     for ns in (RELEASE_NAMESPACE, "team-a", "team-b"):
         if kube.run("get", "namespace", ns, check=False).returncode != 0:
             kube.run("create", "namespace", ns)
+        kube.run("label", "--overwrite", "namespace", ns, RESTRICTED)
     flags = [flag for value in values for flag in ("--set", value)]
     rendered = helm("template", "dryrun", str(CHART), "-n", RELEASE_NAMESPACE, *flags).stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(rendered) if d)
     assert "Deployment" in kinds
-    out = kube.run("apply", "--dry-run=server", "-f", "-", stdin=rendered).stdout
-    assert out.count("(server dry run)") == len(kinds), out
+    result = kube.run("apply", "--dry-run=server", "-f", "-", stdin=rendered)
+    assert result.stdout.count("(server dry run)") == len(kinds), result.stdout
+    assert "PodSecurity" not in result.stderr, result.stderr
 
 
 # ---------------------------------------------------------------- install against a cluster
@@ -142,7 +147,9 @@ def test_install_serve_upgrade_a_crd_roll_back_and_uninstall_keeping_crds_and_se
         conditions = ((obj or {}).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
-    # install: the README's command
+    # install: the README's command, into a namespace that enforces Pod Security
+    # "restricted" (the operator's pods are admitted, then Ready below)
+    restricted_namespace(kube, RELEASE_NAMESPACE)
     out = helm(
         "install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
         "--wait", "--timeout=3m", *kubeconfig,

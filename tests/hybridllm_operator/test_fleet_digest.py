@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hybridllm_common import signing
-from hybridllm_operator.fleet import digest
+from hybridllm_operator.fleet import digest, endpoints
 from hybridllm_operator.fleet import kube as kube_mod
 from hybridllm_operator.fleet import server as server_mod
 
@@ -176,4 +176,29 @@ def test_a_forged_digest_entry_is_left_out_and_planning_goes_on() -> None:
     assert not srv.devices["dev-2"].report
     srv._on_digest("MODIFIED", "b", _config_map("fleet-b", math.nan, {}))  # no time at all
     assert "b" in srv.digests  # the readable digest before it is kept
+    srv.lead(False)
+
+
+def test_an_endpoint_the_gateways_must_not_be_sent_to_is_left_out_of_a_digest() -> None:
+    """A digest entry passes the endpoint rule a device's own heartbeat does
+    (fleet/endpoints.py): an IP address, not loopback, link-local or the like, or inside
+    the fleet's endpointNetworks where it lists them."""
+    srv = _server("fleet-a")
+    srv._on_fleet("ADDED", "shops", {"metadata": {"name": "shops"}, "spec": {"service": "chat"}})
+    now = time.time()
+    srv._on_digest("ADDED", "b", _config_map("fleet-b", now, {
+        "dev-0": (now - 1, {**_report(0), "endpoint": "http://169.254.169.254:80"}),
+        "dev-1": (now - 1, {**_report(1), "endpoint": "http://kubernetes.default.svc:443"}),
+        "dev-2": (now - 1, _report(2)),  # 10.0.0.2: a site's address
+    }))  # fmt: skip
+    srv.lead(True)
+    assert not srv.devices["dev-0"].report
+    assert not srv.devices["dev-1"].report
+    assert srv.devices["dev-2"].report["endpoint"] == "http://10.0.0.2:8000"
+    assert endpoints.problem("http://10.0.0.2:8000", ["192.168.0.0/16"]) == (
+        "endpoint http://10.0.0.2:8000: 10.0.0.2 is outside the fleet's "
+        "spec.enrollment.endpointNetworks (192.168.0.0/16)"
+    )
+    assert endpoints.problem("http://127.0.0.1:8000", ["127.0.0.0/8"]) is None  # allowed
+    assert endpoints.problem("http://[::1]:8000", None) is not None
     srv.lead(False)

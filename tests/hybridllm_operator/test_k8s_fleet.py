@@ -82,6 +82,8 @@ FLEET = {
         "configPollSeconds": 5,
         "rollout": {"waves": [{"count": 1, "matchLabels": {"site": "lab"}}]},
         "healthCheck": {"maxTokens": 4, "timeoutSeconds": 120},
+        # the agents serve on loopback, which a fleet refuses unless it allows it
+        "enrollment": {"endpointNetworks": ["127.0.0.0/8"]},
     },
 }  # fmt: skip
 DEVICES = {"dev-0": "lab", "dev-1": "shop", "dev-2": "shop"}

@@ -342,6 +342,30 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
             what="dev-0's record Offline, the others Ready",
         )  # fmt: skip
         assert all(not d.refused for d in devices), [d.refused for d in devices]
+
+        # ---- one key, one device: a second name for an enrolled key is refused, and a
+        # revoked device does not come back under a new one
+        def enroll_as(name: str, key: Any) -> httpx.Response:
+            return http.post(f"{urls[follow]}/v1/enroll", json={
+                "fleet": "shops", "name": name, "token": token,
+                "publicKey": signing.public_key_text(key)})  # fmt: skip
+
+        taken = enroll_as("dev-9", devices[1].key)
+        assert taken.status_code == 409, taken.text
+        assert "enrolled as dev-1" in taken.text
+        subprocess.run([*CLI, "fleet", "revoke", "dev-3", "-n", namespace], env=env,
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        kube.eventually(lambda: enroll_as("dev-8", devices[3].key).status_code == 403,
+                        what="the revoked key refused under a new name")  # fmt: skip
+        assert "revoked" in enroll_as("dev-8", devices[3].key).text
+        # ---- an endpoint the gateways must not be sent to: a heartbeat naming it is refused
+        for endpoint, why in (("http://127.0.0.1:8000", "loopback"),
+                              ("http://169.254.169.254:80", "link-local"),
+                              ("http://kubernetes.default.svc:443", "must be an IP address")):  # fmt: skip
+            beat = devices[1]._call(http, "POST", "/v1/devices/dev-1/heartbeat",
+                                    json={"endpoint": endpoint})  # fmt: skip
+            assert beat.status_code == 403, beat.text
+            assert why in beat.json()["error"]["message"], beat.text
         assert "Forbidden" not in log(lead) + log(follow)  # the chart's Role sufficed
     finally:
         for d in devices:

@@ -74,6 +74,12 @@ def test_create_builds_every_pool_and_reports_ready(
     assert secret is not None
     assert secret["metadata"]["ownerReferences"][0]["name"] == "demo"
     assert len(base64.b64decode(secret["data"]["token"])) >= 32
+    # every pod was admitted by a namespace that enforces Pod Security "restricted"
+    # (conftest.restricted_namespace), whose admission does refuse what falls short
+    refused = kube.run("run", "privileged", "--image=x", "--dry-run=server", "-n", namespace,
+                       "--overrides", '{"spec": {"hostNetwork": true}}', check=False)  # fmt: skip
+    assert refused.returncode != 0
+    assert 'violates PodSecurity "restricted' in refused.stderr, refused.stderr
     deployment = kube.get("deployment", "demo-edge", namespace)
     env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "HYBRIDLLM_BACKEND_TOKEN", "valueFrom": {"secretKeyRef": {

@@ -18,12 +18,13 @@ Field names are camelCase on the wire (``minReplicas``) and snake_case in Python
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "hybridllm.io"
@@ -36,6 +37,7 @@ MAX_SERVICE_NAME_LENGTH = 42
 
 _QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 _MODEL_URI = r"^(pypi|file|hf|s3|gs|https?)://.+"
+CIDR_PATTERN = r"^[0-9a-fA-F.:]+/[0-9]{1,3}$"  # parsed for real by ipaddress
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
@@ -1226,6 +1228,28 @@ class FleetEnrollment(_Model):
     auto_approve_labels: dict[str, str] | None = Field(
         default=None, description="Auto-approve only devices with these labels."
     )
+    endpoint_networks: list[Annotated[str, Field(pattern=CIDR_PATTERN, max_length=49)]] | None = (
+        Field(
+            default=None,
+            max_length=32,
+            description=(
+                "Networks (CIDRs, e.g. 10.20.0.0/16) a device's endpoint address must be in: the "
+                "gateways send tenants' prompts there. Unset: any IP address but loopback, "
+                "link-local (the cloud metadata address), unspecified and multicast ones. A host "
+                "name is always refused (it could name a Service inside the cluster)."
+            ),
+        )
+    )
+
+    @field_validator("endpoint_networks")
+    @classmethod
+    def _networks(cls, value: list[str] | None) -> list[str] | None:
+        for text in value or []:
+            try:
+                ipaddress.ip_network(text, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"endpointNetworks: {exc}") from exc
+        return value
 
 
 class HealthCheck(_Model):

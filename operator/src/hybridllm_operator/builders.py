@@ -40,6 +40,24 @@ ROUTING_CONFIG_KEY = "routing.json"
 ROUTING_MOUNT = "/etc/hybridllm"
 MODEL_CACHE_MOUNT = "/var/cache/hybridllm"
 IMAGE_UID = 10001  # USER in docker/*.Dockerfile
+SCRATCH_MOUNT = "/tmp"
+# Every generated pod meets Pod Security "restricted" (a namespace that enforces it admits
+# them: tests/hybridllm_operator/test_real_node.py serves from one). The images run as uid
+# 10001; a claim's files become writable to it (the model store takes locks and writes
+# conversions), checked at the root only once.
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": IMAGE_UID,
+    "runAsGroup": IMAGE_UID,
+    "fsGroup": IMAGE_UID,
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -450,6 +468,9 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
             *({"name": k, "value": v} for k, v in sorted(pool.env.items())),
             # the gateway sends it, the runtimes ask for it (isolation.py)
             isolation.token_env(service.name),
+            # the root filesystem is read-only: whatever a library caches under ~ goes to
+            # the pod's scratch /tmp
+            {"name": "HOME", "value": SCRATCH_MOUNT},
         ],
         "resources": _resources(pool.resources),
         # Leaving (a scale-down, a rollout, a drain): the pod is taken out of its Service's
@@ -469,7 +490,11 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
             "failureThreshold": 3,
         },
         "livenessProbe": liveness_probe(pool.component),
-        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT},
+            {"name": "scratch", "mountPath": SCRATCH_MOUNT},
+        ],
+        "securityContext": CONTAINER_SECURITY,
     }
     cache = service.spec.model.cache
     volumes: list[dict[str, Any]] = [
@@ -480,7 +505,8 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
             "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim},
         }
         if cache is not None
-        else {"name": "model-cache", "emptyDir": {}}
+        else {"name": "model-cache", "emptyDir": {}},
+        {"name": "scratch", "emptyDir": {}},
     ]
     if pool.component == "gateway":
         container["volumeMounts"].append(
@@ -501,9 +527,9 @@ def build_deployment(service: Service, pool: Pool) -> dict[str, Any]:
         # the preStop delay plus the longest request the gateway lets run: nothing in
         # flight is cut off (a replica that has drained exits at once)
         "terminationGracePeriodSeconds": termination.TERMINATION_GRACE_SECONDS,
-        # The images run as uid 10001; a claim's files become writable to it (the model
-        # store takes locks and writes conversions), checked at the root only once.
-        "securityContext": {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"},
+        "securityContext": POD_SECURITY,
+        # no pod of a service talks to the API server
+        "automountServiceAccountToken": False,
     }
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)

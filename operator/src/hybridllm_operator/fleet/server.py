@@ -62,8 +62,8 @@ from hybridllm_common import crd, signing
 from hybridllm_common import metrics as names
 from hybridllm_operator import builders, leader, reconcile, rollout
 from hybridllm_operator.fleet import digest as digests
+from hybridllm_operator.fleet import endpoints, waves
 from hybridllm_operator.fleet import kube as kube_mod
-from hybridllm_operator.fleet import waves
 
 log = logging.getLogger(__name__)
 
@@ -358,9 +358,20 @@ class FleetServer:
             device = self.devices.get(name)
             if device is None or (device.heard_at is not None and device.heard_at >= seen_at):
                 continue
+            refused = self._endpoint_problem(device, report)
+            if refused is not None:  # a digest is another pod's word, checked as a heartbeat
+                log.warning("a digest's heartbeat of device %s is left out: %s", name, refused)
+                continue
             device.report, device.heard_at, device.heard_here = report, seen_at, False
             if device.last_seen is None or device.last_seen < seen_at:
                 device.last_seen = seen_at
+
+    def _endpoint_problem(self, device: Device, report: dict[str, Any]) -> str | None:
+        """Why the endpoint a heartbeat reports is refused by its fleet (fleet/endpoints.py)."""
+        fleet = self.fleets.get(device.fleet)
+        if "endpoint" not in report or fleet is None or fleet.spec is None:
+            return None
+        return endpoints.problem(report["endpoint"], fleet.spec.enrollment.endpoint_networks)
 
     def lead(self, leading: bool) -> None:
         """Take over (True) or hand over (False) the planning and the writes."""
@@ -931,6 +942,17 @@ class FleetServer:
             want = ",".join(f"{k}={v}" for k, v in (fleet.spec.selector or {}).items())
             return self._refuse("not_a_member", 403, f"labels do not match the fleet's "
                                                      f"spec.selector ({want})")  # fmt: skip
+        for other in self.devices.values():
+            # one key, one device: a revoked device does not come back under a new name
+            same_key = (
+                other.public_key is not None
+                and signing.public_key_text(other.public_key) == public_text
+            )
+            if same_key and other.revoked:
+                return self._refuse("revoked", 403, "this device key is revoked")
+            if same_key and other.name != name:
+                return self._refuse("key_taken", 409, f"this device key is enrolled as "
+                                                      f"{other.name}")  # fmt: skip
         existing = self.devices.get(name)  # type: ignore[arg-type]
         if existing is not None:
             if (
@@ -1062,10 +1084,14 @@ class FleetServer:
             report = _check_report(report)
         except ValueError as exc:
             return _error(400, f"heartbeat: {exc}", "invalid_heartbeat")
+        fleet = self.fleets.get(device.fleet)
+        bad_endpoint = self._endpoint_problem(device, report)
+        if bad_endpoint is not None:
+            log.warning("device %s: %s", device.name, bad_endpoint)
+            return _error(403, f"heartbeat: {bad_endpoint}", "endpoint_refused")
         now = time.time()
         device.report, device.last_seen, device.heard_at = report, now, now
         device.heard_here, self._heard = True, True
-        fleet = self.fleets.get(device.fleet)
         out: dict[str, Any] = {"approved": device.approved}
         if fleet is not None and fleet.spec is not None:
             if self.leading:
