@@ -22,6 +22,39 @@ def _ready(kube: Any, pod: str, namespace: str) -> str | None:
     return next((c["status"] for c in conds if c["type"] == "Ready"), None)
 
 
+def _web(kube: Any, namespace: str) -> None:
+    """One kwok pod, rolled out. Test namespaces enforce Pod Security "restricted", so the
+    pod meets it (the operator's pods share the same settings)."""
+    from hybridllm_operator.builders import CONTAINER_SECURITY, POD_SECURITY
+
+    labels = {"app": "web"}
+    kube.apply(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "web", "labels": labels},
+            "spec": {
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "securityContext": POD_SECURITY,
+                        "containers": [
+                            {
+                                "name": "web",
+                                "image": "registry.invalid/web:1",
+                                "securityContext": CONTAINER_SECURITY,
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+        namespace,
+    )
+    kube.run("rollout", "status", "deployment/web", "-n", namespace, "--timeout=60s")
+
+
 def test_a_pod_marked_not_ready_by_the_node_controller_becomes_ready_again(
     kube: Any, namespace: str
 ) -> None:
@@ -29,8 +62,7 @@ def test_a_pod_marked_not_ready_by_the_node_controller_becomes_ready_again(
     that missed lease renewals not Ready; a kubelet readies them again once its node
     reports. kwok's nodes must too, or a service stays not Ready for good after the
     fault tests kill the API server."""
-    kube.run("create", "deployment", "web", "--image=registry.invalid/web:1", "-n", namespace)
-    kube.run("rollout", "status", "deployment/web", "-n", namespace, "--timeout=60s")
+    _web(kube, namespace)
     pod = kube.names("pods", namespace, "app=web")[0]
     patch = {
         "status": {"conditions": [{"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}
@@ -86,8 +118,7 @@ def test_a_connect_to_a_kwok_pod_fails_on_this_host(kube: Any, namespace: str) -
     default route."""
     if os.geteuid() != 0:
         pytest.skip("the route is set as root")
-    kube.run("create", "deployment", "web", "--image=registry.invalid/web:1", "-n", namespace)
-    kube.run("rollout", "status", "deployment/web", "-n", namespace, "--timeout=60s")
+    _web(kube, namespace)
     pod = kube.get("pod", kube.names("pods", namespace, "app=web")[0], namespace)
     ip = pod["status"]["podIP"]
     with socket.socket() as s:
