@@ -267,8 +267,9 @@ def test_a_token_id_outside_the_vocabulary_fails_only_its_own_request(
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"suffix": "x"}, "suffix"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"no_such_option": 1}, "no_such_option"),

@@ -17,9 +17,7 @@ def _chat(**fields: object) -> oai.ChatCompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"best_of": 3}, "best_of"),
         ({"made_up": True}, "made_up"),
@@ -50,6 +48,10 @@ def test_no_op_values_and_implemented_extensions_pass() -> None:
     )
     completion = oai.CompletionRequest.model_validate({"prompt": "x", "suffix": ""})
     admission.refuse_unsupported(completion)
+    with pytest.raises(oai.APIError, match="tools: tool calls are served on /v1/chat"):
+        admission.refuse_unsupported(
+            oai.CompletionRequest.model_validate({"prompt": "x", "tools": [{"type": "function"}]})
+        )
     with pytest.raises(oai.APIError, match="suffix: not supported yet"):
         admission.refuse_unsupported(
             oai.CompletionRequest.model_validate({"prompt": "x", "suffix": "y"})

@@ -15,11 +15,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridllm_common import openai_protocol as oai
+from hybridllm_common import structured
 
 Body = oai.ChatCompletionRequest | oai.CompletionRequest
 
-# Extension fields a runtime reads from the body besides the declared ones.
-KNOWN_EXTRAS = frozenset({"cache"})
+# Extension fields a runtime reads from the body besides the declared ones: the edge's
+# response cache switch, vLLM's structured-output fields (structured.py) and the chat
+# tool fields (tool_calls.py, read from the extras of a chat request).
+KNOWN_EXTRAS = frozenset(
+    {"cache", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+    | structured.EXTRA_FIELDS
+)
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def _is_noop(name: str, value: Any) -> bool:
@@ -37,12 +44,9 @@ def _is_noop(name: str, value: Any) -> bool:
 # OpenAI parameters neither runtime implements yet, refused unless at their no-op value.
 NOT_SUPPORTED_YET = (
     "suffix",
-    "tools",
-    "tool_choice",
+    # the pre-tools function calling API, replaced by tools / tool_choice
     "functions",
     "function_call",
-    "parallel_tool_calls",
-    "response_format",
     "logit_bias",
     "best_of",
     "metadata",
@@ -73,6 +77,14 @@ def refuse_unsupported(body: Body, supported: frozenset[str] = frozenset()) -> N
             raise oai.APIError(
                 oai.INVALID_PARAMETER, f"{name}: not supported yet by this server", name
             )
+    if isinstance(body, oai.CompletionRequest):
+        for name in CHAT_ONLY:
+            if name in sent and not _is_noop(name, sent[name]):
+                raise oai.APIError(
+                    oai.INVALID_PARAMETER,
+                    f"{name}: tool calls are served on /v1/chat/completions",
+                    name,
+                )
     for name in body.model_extra or {}:
         if name not in KNOWN_EXTRAS and name not in NOT_SUPPORTED_YET:
             raise oai.APIError(oai.INVALID_PARAMETER, f"{name}: unknown parameter", name)

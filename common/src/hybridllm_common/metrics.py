@@ -21,6 +21,9 @@ PROMPT_TOKENS_TOTAL = "hybridllm_prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "hybridllm_generation_tokens_total"
 REQUESTS_TOTAL = "hybridllm_requests_total"  # label: finish_reason
 REQUESTS_REJECTED_TOTAL = "hybridllm_requests_rejected_total"  # label: code
+# Requests decoded under a grammar (both runtimes). label: kind (json_object, json_schema,
+# regex, choice, grammar, tool_calls).
+STRUCTURED_REQUESTS_TOTAL = "hybridllm_structured_requests_total"
 
 # Engine state gauges.
 NUM_REQUESTS_RUNNING = "hybridllm_num_requests_running"
@@ -54,6 +57,8 @@ RESPONSE_CACHE_ENTRIES = "hybridllm_response_cache_entries"
 # Gateway.
 GATEWAY_REQUESTS_TOTAL = "hybridllm_gateway_requests_total"  # labels: tier, code
 GATEWAY_ROUTE_DECISIONS_TOTAL = "hybridllm_gateway_route_decisions_total"  # label: tier
+# Routed requests by what they ask for. labels: tier, kind (text, structured, tools).
+GATEWAY_REQUEST_KINDS_TOTAL = "hybridllm_gateway_request_kinds_total"
 GATEWAY_UPSTREAM_LATENCY_SECONDS = "hybridllm_gateway_upstream_latency_seconds"
 
 # Latency histogram buckets (seconds) shared by the runtimes.

@@ -279,6 +279,7 @@ async def _handle(
         request[router.ROUTE_REASON] = route.reason
         request[router.ROUTE_TIER] = route.tiers[0]
         m.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()
+        m.kinds.labels(tier=route.tiers[0], kind=metrics_mod.request_kind(body)).inc()
         cap = metrics_mod.completion_cap(body)
         m.offered.offer(route.tiers[0], features.prompt_tokens, cap)
         key = _affinity_key(state, request, body)

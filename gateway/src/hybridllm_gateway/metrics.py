@@ -43,6 +43,11 @@ class GatewayMetrics:
             names.GATEWAY_ROUTE_DECISIONS_TOTAL, "Routing decisions, by tier and reason.",
             ["tier", "reason"], registry=r,
         )  # fmt: skip
+        self.kinds = Counter(
+            names.GATEWAY_REQUEST_KINDS_TOTAL, "Routed requests by what they ask for: text, "
+            "structured (a response format or vLLM's structured outputs) or tools.",
+            ["tier", "kind"], registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first byte of the answer, by tier.",
             ["tier"], buckets=names.LATENCY_BUCKETS, registry=r,
@@ -220,6 +225,23 @@ class OfferedDemand:
             self.completion.labels(tier=tier).inc(
                 sum(n * (mean if cap is None else min(mean, cap)) for cap, n in pending.items())
             )
+
+
+STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")  # fmt: skip
+
+
+def request_kind(body: Mapping[str, Any]) -> str:
+    """``tools`` (tools offered and not turned off), ``structured`` (an output format) or
+    ``text``: the label of ``hybridllm_gateway_request_kinds_total``."""
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return "tools"
+    fmt = body.get("response_format")
+    if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or any(
+        body.get(f) is not None for f in STRUCTURED_FIELDS
+    ):
+        return "structured"
+    return "text"
 
 
 def completion_cap(body: Mapping[str, Any]) -> int | None:

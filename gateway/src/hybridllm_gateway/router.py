@@ -7,15 +7,15 @@ In order of precedence:
    choice, like an ``edge-only`` policy, is still held to ``edgeLimits`` (a 400 naming
    the limit): the limits bound what an edge replica is asked to do.
 2. ``cloud-only`` / ``edge-only`` policies, or a table with one tier, leave no choice.
-3. Requests with tools go to the cloud (reason ``tools``): the edge runtime's small models
-   and llama.cpp chat templates do not do function calling reliably.
-   Requests beyond ``edgeLimits`` (estimated prompt tokens, ``max_tokens``) go to the cloud.
+3. Requests beyond ``edgeLimits`` (estimated prompt tokens, ``max_tokens``) go to the cloud.
 4. ``cloud-first`` tries the cloud, then the edge; ``edge-first`` the edge, then the cloud;
    ``auto`` asks the classifier (model, or rules when no model loads).
 5. An edge first choice spills to the cloud when every healthy edge replica has more than
    ``maxQueueDepth`` requests outstanding (``spill_overload``) or no edge replica is
    healthy (``spill_down``); the second tier in the list is also where a request goes
    when every replica of the first failed before the first byte.
+   Requests with tools or a response format are routed like any other: both runtimes
+   serve them under a grammar (docs/structured-output.md); the classifier weighs tools.
 6. With ``balance`` on, a request both tiers may serve (steps 3-4) goes to the other tier
    when the first choice is busier: its least-loaded healthy replica has more than
    ``margin`` requests outstanding beyond the other tier's least-loaded one (``balance``).
@@ -87,8 +87,6 @@ def choose(
         return Route(present, "single_tier")
     if over_edge_limits(limits, features):
         return Route(("cloud",), "edge_limits")
-    if features.has_tools:
-        return Route(("cloud", "edge"), "tools")
     if policy == config_mod.Policy.cloud_first:
         first, reason = "cloud", "policy"
     elif policy == config_mod.Policy.edge_first:

@@ -69,7 +69,10 @@ class Tokenizer:
         return text if text else (self.tok.id_to_token(token_id) or "")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
@@ -85,6 +88,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=tools,
         )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:

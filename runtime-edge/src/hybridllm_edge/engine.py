@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import functools
 import heapq
 import logging
 import queue
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridllm_common import structured
 from hybridllm_edge import sampling
 from hybridllm_edge.backends import Backend, SlotWork
 
@@ -94,6 +96,9 @@ class EngineRequest:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
     )
     rng: np.random.Generator | None = None
+    # Structured output: where the generated tokens stand in the request's grammar (built
+    # by the server off the event loop, one per choice).
+    grammar: structured.Matcher | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -135,6 +140,11 @@ class Engine:
         self._is_idle = True  # set by the engine only at the end of a loop (after releases)
 
     # --- other threads ----------------------------------------------------------------------
+
+    @functools.cached_property
+    def vocabulary(self) -> structured.Vocabulary:
+        """The model's tokens for structured output (built at the first such request)."""
+        return self.backend.grammar_vocabulary()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="edge-engine", daemon=True)
@@ -295,7 +305,8 @@ class Engine:
 
     def _on_token(self, req: EngineRequest, logits: np.ndarray) -> None:
         params = req.params
-        choice = sampling.sample(logits, params, req.rng, req.output_ids)
+        allowed = req.grammar.allowed() if req.grammar is not None else None
+        choice = sampling.sample(logits, params, req.rng, req.output_ids, allowed)
         token = choice.token_id
         req.output_ids.append(token)
         req.logprob_sum += choice.logprob
@@ -305,6 +316,8 @@ class Engine:
             reason = "stop"
         else:
             req.text += req.decoder.decode(self.backend.token_bytes(token))
+            if req.grammar is not None and (not req.grammar.accept(token) or req.grammar.done):
+                reason = "stop"  # the grammar is complete: nothing may follow
         hold = 0
         if reason is None and params.stop:
             start = max(0, req.num_emitted_chars - max(len(s) for s in params.stop))

@@ -31,10 +31,14 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(source or FALLBACK_TEMPLATE)
         self._bos, self._eos = bos_token, eos_token
+        self.source = source
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=True,
             bos_token=self._bos,
             eos_token=self._eos,

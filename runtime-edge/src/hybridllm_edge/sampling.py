@@ -13,8 +13,14 @@ confidence signal whatever the sampling settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from hybridllm_common.structured import mask_logits
+
+if TYPE_CHECKING:
+    from hybridllm_common.structured import Constraint
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives to report; None: none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Structured output / tool calls: the grammar each request's tokens keep to.
+    constraint: Constraint | None = None
 
     @property
     def penalized(self) -> bool:
@@ -67,9 +75,13 @@ def sample(
     params: SamplingParams,
     rng: np.random.Generator | None,
     output_ids: list[int] | None = None,
+    allowed: np.ndarray | None = None,
 ) -> Choice:
-    """logits: [vocab] float32; ``output_ids``: generated so far (for the penalties)."""
+    """logits: [vocab] float32; ``output_ids``: generated so far (for the penalties);
+    ``allowed``: the tokens a grammar permits (bool[vocab]), the others never chosen."""
     logp = log_softmax(logits.astype(np.float32, copy=False))
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     if params.penalized and output_ids:
         logits = apply_penalties(
             logits, output_ids, params.presence_penalty, params.frequency_penalty

@@ -22,6 +22,7 @@ wires them (``server/app.py``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -49,6 +50,7 @@ from hybridllm_cloud.spec_decode import draft as draft_mod
 from hybridllm_cloud.spec_decode import ngram
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig, check_draft
 from hybridllm_cloud.worker import model_runner
+from hybridllm_common import structured
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +312,17 @@ class LLMEngine:
             )
         return cls(model, tokenizer_mod.Tokenizer(path), config, draft)
 
+    @functools.cached_property
+    def vocabulary(self) -> structured.Vocabulary:
+        """The model's tokens for structured output (built at the first such request)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer")
+        return structured.Vocabulary.from_tokenizer_json(
+            (self.tokenizer.path / "tokenizer.json").read_text(),
+            self.model.config.vocab_size,
+            list(self.info.eos_token_ids),
+        )
+
     # --- requests -------------------------------------------------------------------------
 
     def add_request(
@@ -325,8 +338,15 @@ class LLMEngine:
         request = Request(
             request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority
         )
-        # Prompt logprobs are computed where the prompt is: here.
-        request.allow_remote_prefill = self.connector is not None and params.prompt_logprobs is None
+        # Prompt logprobs are computed where the prompt is: here; so is the first token of a
+        # structured answer (its grammar's matcher lives here).
+        request.allow_remote_prefill = (
+            self.connector is not None
+            and params.prompt_logprobs is None
+            and params.constraint is None
+        )
+        if params.constraint is not None:
+            request.grammar = self.vocabulary.matcher(params.constraint)
         if params.prompt_logprobs is not None and params.prompt_logprobs_start >= len(
             prompt_token_ids
         ):
@@ -464,6 +484,11 @@ class LLMEngine:
         for request in self.scheduler.running:
             if request.num_tokens - request.num_computed_tokens != 1 or request.beam_group:
                 continue  # mid-prefill, or a beam search (its rows are the choices)
+            if request.grammar is not None:
+                # Structured output is not speculated: a proposal would need the grammar's
+                # mask at every proposed position (llguidance can, per draft token), and
+                # the drafts of a constrained answer are mostly forced tokens anyway.
+                continue
             if spec.method == "ngram":
                 request.spec_token_ids = ngram.propose(
                     request.all_token_ids(), k, spec.prompt_lookup_max, spec.prompt_lookup_min

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from hybridllm_cloud.engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,6 +37,9 @@ class ScheduledRequest:
     # logprob of prompt_targets[j] is read from the logits of row prompt_row + j).
     prompt_row: int = 0
     prompt_targets: list[int] = field(default_factory=list)
+    # Structured output: the tokens this step's sample may take (bool[vocab], from the
+    # request's grammar; None: any).
+    allowed_tokens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hybridllm_cloud.engine.beam_search import BeamGroup
     from hybridllm_cloud.engine.outputs import TokenLogprobs
+    from hybridllm_common.structured import Constraint, Matcher
 
 
 class Priority(enum.IntEnum):
@@ -75,6 +76,9 @@ class SamplingParams:
     # needed), so a scorer that keeps a fixed context and varies the tail pays for the tail.
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
+    # Structured output / tool calls: the grammar every sampled token must keep to
+    # (hybridllm_common.structured); each request gets its own matcher of it.
+    constraint: Constraint | None = None
 
     @property
     def penalized(self) -> bool:
@@ -105,6 +109,10 @@ class SamplingParams:
             if self.use_beam_search:
                 raise ValueError("prompt_logprobs: not supported with beam search yet")
         if self.use_beam_search:
+            if self.constraint is not None:
+                raise ValueError(
+                    f"{self.constraint.param}: structured output is not supported with beam search"
+                )
             self._validate_beams()
 
     def _validate_beams(self) -> None:
@@ -158,6 +166,9 @@ class Request:
     beam_group: BeamGroup | None = None  # beam search: W beams scheduled as this request
     # Prompt logprobs so far, of positions prompt_logprobs_start.. (a recompute overwrites).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Structured output: where the generated tokens stand in the request's grammar. A
+    # preemption keeps the generated tokens, so the matcher stays where it is.
+    grammar: Matcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

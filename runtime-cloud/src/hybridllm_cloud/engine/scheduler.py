@@ -409,6 +409,9 @@ class Scheduler:
                 list(request.output_token_ids) if request.sampling_params.penalized else None
             ),
             spec_token_ids=spec,
+            allowed_tokens=(
+                request.grammar.allowed() if sample and request.grammar is not None else None
+            ),
         )
         if params.prompt_logprobs is not None and not request.output_token_ids:
             self._prompt_targets(request, record)
@@ -467,6 +470,8 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 emitted += 1
                 status = self._check_stop(request, token)
+                if status is None and request.grammar is not None:
+                    status = self._check_grammar(request, token)
                 if status is not None:
                     break
             outputs.append(
@@ -606,6 +611,16 @@ class Scheduler:
             beams=results,
             beam_kv=group.stats,
         )
+
+    @staticmethod
+    def _check_grammar(request: Request, token: int) -> RequestStatus | None:
+        """Structured output: the sequence ends where its grammar is complete (it can take
+        nothing more), or where it refused a token (only possible when no allowed token
+        was left to sample, e.g. all of them masked by a stop id: then it stops)."""
+        assert request.grammar is not None
+        if not request.grammar.accept(token) or request.grammar.done:
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

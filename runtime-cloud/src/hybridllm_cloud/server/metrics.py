@@ -89,6 +89,12 @@ class ServerMetrics:
             ["code"],
             registry=r,
         )
+        self.structured = Counter(
+            names.STRUCTURED_REQUESTS_TOTAL.removesuffix("_total"),
+            "Requests decoded under a grammar (structured output, tool calls)",
+            ["kind"],
+            registry=r,
+        )
         self.running = Gauge(names.NUM_REQUESTS_RUNNING, "Requests running", registry=r)
         self.waiting = Gauge(
             names.NUM_REQUESTS_WAITING, "Requests waiting (queue depth)", registry=r

@@ -32,6 +32,7 @@ from hybridllm_cloud.engine.llm_engine import RequestOutput
 from hybridllm_cloud.engine.request import Priority
 from hybridllm_cloud.search import step_search
 from hybridllm_common import openai_protocol as oai
+from hybridllm_common import tool_calls
 
 if TYPE_CHECKING:
     from hybridllm_cloud.server.serving import Serving
@@ -199,7 +200,10 @@ async def handle(serving: Serving, body: SearchRequest, request: Request) -> JSO
         raise serving.error(oai.INVALID_PARAMETER, str(exc), param) from exc
     tok = serving.tokenizer
     if body.messages is not None:
-        text = serving.chat_text(body.messages)
+        plan = tool_calls.ChatPlan(
+            tool_calls.chat_messages(body.messages, None, False), None, None, None
+        )
+        text = serving.chat_text(plan)
         user = [m.text() for m in body.messages if m.role == "user"]
         problem = step_search.Problem(
             tok.encode(text, add_special_tokens=False), text, user[-1] if user else text, True

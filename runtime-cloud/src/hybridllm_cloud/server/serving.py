@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hybridllm_cloud.engine import async_engine
 from hybridllm_cloud.engine.llm_engine import RequestOutput
 from hybridllm_cloud.engine.request import Priority, SamplingParams
-from hybridllm_common import admission
+from hybridllm_common import admission, structured, tool_calls
 from hybridllm_common import openai_protocol as oai
 
 Item = tuple[int, RequestOutput | BaseException]
@@ -174,14 +174,21 @@ class Serving:
             raise self.error(oai.INVALID_PARAMETER, str(exc), param) from exc
         return params
 
-    def chat_text(self, messages: list[oai.ChatMessage]) -> str:
-        """The messages through the model's chat template (a 400 naming ``messages`` when
-        the template refuses them)."""
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+    def chat_text(self, plan: tool_calls.ChatPlan) -> str:
+        """The messages (and tools) through the model's chat template (a 400 naming
+        ``messages`` when the template refuses them)."""
         try:
-            return self.tokenizer.apply_chat_template(plain)
+            return self.tokenizer.apply_chat_template(plan.messages, tools=plan.tools)
         except Exception as exc:
             raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
+
+    async def _check_constraint(self, constraint: structured.Constraint | None) -> None:
+        """The grammar compiles for this model's vocabulary (off the event loop: a large
+        schema takes milliseconds; the vocabulary is built at the first one)."""
+        if constraint is not None:
+            engine = self.engine.engine
+            await asyncio.to_thread(lambda: engine.vocabulary.check(constraint))
+            self.metrics.structured.labels(kind=constraint.kind).inc()
 
     def check_capacity(self) -> None:
         """503 with Retry-After when the engine's queue is at its bound."""
@@ -256,26 +263,33 @@ class Serving:
         self._check_ready(body.model)
         admission.refuse_unsupported(body, SUPPORTED_HERE)
         search = self._search(body)
-        prompt = self.tokenizer.encode(self.chat_text(body.messages), add_special_tokens=False)
+        plan = tool_calls.plan_chat(body, self.tokenizer.chat_template)
+        await self._check_constraint(plan.constraint)
+        prompt = self.tokenizer.encode(self.chat_text(plan), add_special_tokens=False)
         top = body.top_logprobs or 0
         params = self._params(body, len(prompt), top if body.logprobs else None)
+        params = dataclasses.replace(params, constraint=plan.constraint)
         params = self._search_params(params, search)
         ids, queue = self._start(
             prompt, params, search.n, search.best_of, search.beam, body.priority
         )
         items = self._items(ids, queue)
         if body.stream:
-            return await self._stream(items, self._chat_chunks(body, ids[0], prompt, items))
-        finals = self._choose(await self._collect(items, request), search)
-        choices = [
-            oai.ChatChoice(
-                index=i,
-                message=oai.ChatResponseMessage(content=out.text),
-                finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                logprobs=self._chat_logprobs(lps) if body.logprobs else None,
+            return await self._stream(
+                items, self._chat_chunks(body, ids[0], prompt, items, plan.spec)
             )
-            for i, (out, lps) in enumerate(finals)
-        ]
+        finals = self._choose(await self._collect(items, request), search)
+        choices = []
+        for i, (out, lps) in enumerate(finals):
+            message, reason = tool_calls.message(out.text, out.finish_reason, plan.spec)
+            choices.append(
+                oai.ChatChoice(
+                    index=i,
+                    message=message,
+                    finish_reason=reason,  # type: ignore[arg-type]
+                    logprobs=self._chat_logprobs(lps) if body.logprobs else None,
+                )
+            )
         resp = oai.ChatCompletionResponse(
             id=ids[0],
             model=self.app.state.model_name,
@@ -298,7 +312,10 @@ class Serving:
             prompt = self.tokenizer.encode(text)
         else:
             prompt = admission.prompt_token_ids(body.prompt, self.vocab_size)
+        constraint = structured.from_request(body)
+        await self._check_constraint(constraint)
         params = self._params(body, len(prompt), body.logprobs)
+        params = dataclasses.replace(params, constraint=constraint)
         params = self._search_params(params, search)
         ids, queue = self._start(
             prompt, params, search.n, search.best_of, search.beam, body.priority
@@ -495,12 +512,15 @@ class Serving:
         rid: str,
         prompt: list[int],
         items: AsyncIterator[tuple[int, RequestOutput]],
+        spec: tool_calls.ToolSpec | None,
     ) -> AsyncIterator[str]:
         model = self.app.state.model_name
         finals: list[RequestOutput] = []
         started: set[int] = set()
+        shapers: dict[int, tool_calls.DeltaShaper] = {}
         async for tag, out in items:
-            delta = oai.ChatDelta(content=out.new_text)
+            shaper = shapers.setdefault(tag, tool_calls.DeltaShaper(spec))
+            delta, reason = shaper(out.new_text, out.finish_reason)
             if tag not in started:
                 started.add(tag)
                 delta.role = "assistant"
@@ -509,9 +529,7 @@ class Serving:
                 lp = self._chat_logprobs(
                     list(zip(out.new_token_ids, out.new_logprobs, strict=False))
                 )
-            choice = oai.ChatChunkChoice(
-                index=tag, delta=delta, finish_reason=out.finish_reason, logprobs=lp
-            )  # type: ignore[arg-type]
+            choice = oai.ChatChunkChoice(index=tag, delta=delta, finish_reason=reason, logprobs=lp)  # type: ignore[arg-type]
             yield self._sse(oai.ChatCompletionChunk(id=rid, model=model, choices=[choice]))
             if out.finished:
                 finals.append(out)

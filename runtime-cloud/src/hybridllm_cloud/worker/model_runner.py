@@ -253,6 +253,7 @@ class ModelRunner:
                 [s.sampling_params for s in plain],
                 [self._generator(s.request_id, s.sampling_params.seed) for s in plain],
                 [s.output_token_ids for s in plain],
+                [s.allowed_tokens for s in plain],
             )
             for s, token, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
                 out.sampled_token_ids[s.request_id] = token

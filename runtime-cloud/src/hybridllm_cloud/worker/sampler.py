@@ -6,13 +6,15 @@ time when the request has its own generator so a seed reproduces the same text n
 what else is in the batch. Presence and frequency penalties (OpenAI's definition, over the
 tokens generated so far) lower a row's logits before the choice. Logprobs are of the
 model's raw distribution (before penalties, temperature and truncation), like OpenAI and
-vLLM.
+vLLM. A structured output's grammar removes the tokens it does not allow before anything
+else (the mask comes from the scheduler, one row per constrained request).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridllm_cloud.engine.outputs import TokenLogprobs
@@ -98,15 +100,26 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     output_ids: list[list[int] | None] | None = None,
+    allowed: list[np.ndarray | None] | None = None,
 ) -> SamplerResult:
+    """``allowed``: per row, the tokens a structured output's grammar permits (bool[vocab])
+    or None; the others are never chosen. Logprobs stay the model's own."""
     raw = logits
+    masked = [row for row, a in enumerate(allowed or ()) if a is not None]
+    if masked:
+        assert allowed is not None
+        logits = logits.clone()
+        for row in masked:
+            keep = torch.from_numpy(allowed[row]).to(logits.device)
+            logits[row, : keep.shape[0]].masked_fill_(~keep, float("-inf"))
+            logits[row, keep.shape[0] :] = float("-inf")
     penalized = [
         row
         for row, p in enumerate(params)
         if p.penalized and output_ids is not None and output_ids[row]
     ]
     if penalized:
-        logits = logits.clone()
+        logits = logits.clone() if not masked else logits
         for row in penalized:
             p = params[row]
             assert output_ids is not None

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
+from hybridllm_common import structured
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -48,6 +50,10 @@ class Backend(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a multi-byte character may span tokens)."""
+        ...
+
+    def grammar_vocabulary(self) -> structured.Vocabulary:
+        """The vocabulary as structured output's matcher sees it (built once, ~0.2-1 s)."""
         ...
 
     def forward(self, work: list[SlotWork]) -> np.ndarray:

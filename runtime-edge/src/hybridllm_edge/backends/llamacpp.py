@@ -34,6 +34,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals, _logger
 
+from hybridllm_common import structured
 from hybridllm_edge import config
 from hybridllm_edge.backends.base import BackendInfo, SlotWork
 
@@ -105,6 +106,14 @@ class LlamaCppBackend:
 
     def _text(self, token: int) -> str:
         return self._piece(token).decode("utf-8", "replace") if token >= 0 else ""
+
+    def grammar_vocabulary(self) -> structured.Vocabulary:
+        """llama.cpp's own vocabulary and tokenizer (control tokens marked as special)."""
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        eos = sorted(self.info.eos_token_ids)
+        tok = lltokenizer_from_vocab(self._vocab, n_vocab=self.info.vocab_size, eos_token=eos)
+        return structured.Vocabulary(tok, self.info.vocab_size)
 
     def encode(self, text: str, add_special: bool) -> list[int]:
         add_bos = add_special and self._model.add_bos_token()

@@ -23,6 +23,7 @@ import numpy as np
 import onnxruntime as ort
 import tokenizers
 
+from hybridllm_common import structured
 from hybridllm_edge import config
 from hybridllm_edge.backends.base import BackendInfo, SlotWork
 
@@ -105,6 +106,11 @@ class OnnxBackend:
             else:
                 pieces.append(bytes(table[ch] for ch in token))
         return pieces
+
+    def grammar_vocabulary(self) -> structured.Vocabulary:
+        return structured.Vocabulary.from_tokenizer_json(
+            self.tokenizer.to_str(), self.info.vocab_size, sorted(self.info.eos_token_ids)
+        )
 
     def encode(self, text: str, add_special: bool) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids

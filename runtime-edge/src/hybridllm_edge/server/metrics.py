@@ -35,6 +35,12 @@ class ServerMetrics:
         self.generation_tokens = _counter(names.GENERATION_TOKENS_TOTAL, "Generated tokens", r)
         self.requests = _counter(names.REQUESTS_TOTAL, "Finished requests", r, ("finish_reason",))
         self.rejected = _counter(names.REQUESTS_REJECTED_TOTAL, "Rejected requests", r, ("code",))
+        self.structured = _counter(
+            names.STRUCTURED_REQUESTS_TOTAL,
+            "Requests decoded under a grammar (structured output, tool calls)",
+            r,
+            ("kind",),
+        )
         self.cache_hits = _counter(names.RESPONSE_CACHE_HITS_TOTAL, "Response cache hits", r)
         self.cache_misses = _counter(
             names.RESPONSE_CACHE_MISSES_TOTAL,

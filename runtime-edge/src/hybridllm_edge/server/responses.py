@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm_common import openai_protocol as oai
+from hybridllm_common import tool_calls
 from hybridllm_edge import engine, sampling
 
 Body = oai.ChatCompletionRequest | oai.CompletionRequest
@@ -25,6 +26,8 @@ class ChoiceState:
 class ResponseShapes:
     app: Any
     engine: engine.Engine
+    tool_spec: tool_calls.ToolSpec | None
+    shapers: dict[int, tool_calls.DeltaShaper]
 
     def _detok(self, ids: list[int]) -> str:
         raw = b"".join(self.engine.backend.token_bytes(t) for t in ids)
@@ -89,15 +92,7 @@ class ResponseShapes:
                 id=rid,
                 model=model,
                 usage=usage,
-                choices=[
-                    oai.ChatChoice(
-                        index=i,
-                        message=oai.ChatResponseMessage(content="".join(c.pieces)),
-                        finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                        logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None,
-                    )
-                    for i, c in enumerate(choices)
-                ],
+                choices=[self._chat_choice(body, i, c) for i, c in enumerate(choices)],
             )
         return oai.CompletionResponse(
             id=rid,
@@ -116,6 +111,17 @@ class ResponseShapes:
             ],
         )
 
+    def _chat_choice(
+        self, body: oai.ChatCompletionRequest, i: int, c: ChoiceState
+    ) -> oai.ChatChoice:
+        message, reason = tool_calls.message("".join(c.pieces), c.finish_reason, self.tool_spec)
+        return oai.ChatChoice(
+            index=i,
+            message=message,
+            finish_reason=reason,  # type: ignore[arg-type]
+            logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None,
+        )
+
     def _chunk(
         self,
         body: Body,
@@ -129,7 +135,10 @@ class ResponseShapes:
         model = self.app.state.model_name
         obj: oai.ChatCompletionChunk | oai.CompletionResponse
         if isinstance(body, oai.ChatCompletionRequest):
-            delta = oai.ChatDelta(content=text, role="assistant" if first else None)
+            shaper = self.shapers.setdefault(index, tool_calls.DeltaShaper(self.tool_spec))
+            delta, finish_reason = shaper(text, finish_reason)
+            if first:
+                delta.role = "assistant"
             lp = self._chat_logprobs(lps) if lps is not None and body.logprobs else None
             choice = oai.ChatChunkChoice(
                 index=index, delta=delta, finish_reason=finish_reason, logprobs=lp

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hybridllm_common import admission
+from hybridllm_common import admission, structured, tool_calls
 from hybridllm_common import openai_protocol as oai
 from hybridllm_edge import cache, engine, sampling
 from hybridllm_edge.server import responses
@@ -41,6 +42,8 @@ class Serving(responses.ResponseShapes):
         self.metrics = app.state.metrics
         self.cache: cache.ResponseCache | None = app.state.cache
         self.chat_kind = True
+        self.tool_spec: tool_calls.ToolSpec | None = None  # the chat request's tools
+        self.shapers: dict[int, tool_calls.DeltaShaper] = {}  # per streamed choice
 
     # --- admission ------------------------------------------------------------------------
 
@@ -80,8 +83,25 @@ class Serving(responses.ResponseShapes):
         revision = self.engine.info.revision
         return cache.make_key(revision, endpoint, prompt, body.model_dump(exclude_unset=False))
 
+    async def _grammars(
+        self, constraint: structured.Constraint | None, n: int
+    ) -> list[structured.Matcher | None]:
+        """One matcher per choice, compiled off the event loop (and off the engine's
+        step loop: a large schema takes milliseconds); a 400 names what does not compile."""
+        if constraint is None:
+            return [None] * n
+        vocab = await asyncio.to_thread(lambda: self.engine.vocabulary)
+        await asyncio.to_thread(vocab.check, constraint)
+        self.metrics.structured.labels(kind=constraint.kind).inc()
+        return list(await asyncio.to_thread(lambda: [vocab.matcher(constraint) for _ in range(n)]))
+
     def _start(
-        self, prompt: list[int], params: sampling.SamplingParams, n: int, salt: str = ""
+        self,
+        prompt: list[int],
+        params: sampling.SamplingParams,
+        n: int,
+        salt: str = "",
+        grammars: list[structured.Matcher | None] | None = None,
     ) -> tuple[list[str], asyncio.Queue[tuple[int, Any]]]:
         if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
             raise self.error(
@@ -102,7 +122,10 @@ class Serving(responses.ResponseShapes):
             def emit(item: Any, tag: int = i) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
 
-            self.engine.add(engine.EngineRequest(rid, list(prompt), p, emit, cache_salt=salt))
+            grammar = grammars[i] if grammars else None
+            self.engine.add(
+                engine.EngineRequest(rid, list(prompt), p, emit, cache_salt=salt, grammar=grammar)
+            )
         self.metrics.prompt_tokens.inc(len(prompt) * n)
         return ids, queue
 
@@ -139,18 +162,23 @@ class Serving(responses.ResponseShapes):
     async def chat(self, body: oai.ChatCompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
         admission.refuse_unsupported(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        normalized = [[m["role"], cache.normalize(m["content"])] for m in messages]
+        template = self.app.state.template
+        plan = tool_calls.plan_chat(body, template.source)
+        self.tool_spec = plan.spec
+        # The key holds every message field (tool calls too) and the tools and format,
+        # through the body; the normalised text makes near-identical prompts one entry.
+        normalized = [[m["role"], cache.normalize(m["content"])] for m in plan.messages]
         key = self._cache_key(body, request, normalized, body.logprobs)
         if key is not None and (hit := self._lookup(key)) is not None:
             return self._from_cache(body, hit)
         try:
-            text = self.app.state.template.render(messages)
+            text = template.render(plan.messages, plan.tools)
         except Exception as exc:
             raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
         prompt = self.engine.backend.encode(text, add_special=False)
         top = body.top_logprobs or 0
         params = self._params(body, len(prompt), top if body.logprobs else None)
+        params = dataclasses.replace(params, constraint=plan.constraint)
         return await self._generate(body, request, prompt, params, key, "")
 
     async def completion(self, body: oai.CompletionRequest, request: Request) -> Response:
@@ -171,6 +199,7 @@ class Serving(responses.ResponseShapes):
         if key is not None and (hit := self._lookup(key)) is not None:
             return self._from_cache(body, hit)
         params = self._params(body, len(prompt), body.logprobs)
+        params = dataclasses.replace(params, constraint=structured.from_request(body))
         echo = ""
         if body.echo:
             echo = text if text is not None else self._detok(prompt)
@@ -187,7 +216,8 @@ class Serving(responses.ResponseShapes):
         key: str | None,
         echo: str,
     ) -> Response:
-        ids, queue = self._start(prompt, params, body.n, body.cache_salt or "")
+        grammars = await self._grammars(params.constraint, body.n)
+        ids, queue = self._start(prompt, params, body.n, body.cache_salt or "", grammars)
         items = self._items(ids, queue)
         choices = [ChoiceState() for _ in ids]
         status = "miss" if key is not None else "bypass"
