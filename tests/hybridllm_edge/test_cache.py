@@ -32,6 +32,24 @@ def test_key_normalizes_whitespace_but_not_words_roles_or_parameters() -> None:
     assert key != cache.make_key(
         "rev", "chat", [["user", "What is it?"]], {**body, "cache_salt": "tenant-b"}
     )
+    # an answer under one output format or tool set is never served for another (a cached
+    # answer to the same prompt under another JSON schema was, before they were keyed)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    shaped = {**body, "response_format": fmt}
+    assert key != cache.make_key("rev", "chat", [["user", "What is it?"]], shaped)
+    other = {**fmt, "json_schema": {"name": "a", "schema": {"type": "array"}}}
+    assert cache.make_key("rev", "chat", [["user", "What is it?"]], shaped) != cache.make_key(
+        "rev", "chat", [["user", "What is it?"]], {**body, "response_format": other}
+    )
+    for field, value in (
+        ("guided_regex", "a+"),
+        ("tools", [{"type": "function"}]),
+        ("tool_choice", "required"),
+        ("structured_outputs", {"choice": ["a"]}),
+    ):
+        assert key != cache.make_key(
+            "rev", "chat", [["user", "What is it?"]], {**body, field: value}
+        )
 
 
 def test_entries_expire_after_the_ttl() -> None:

@@ -79,9 +79,10 @@ def test_routing_rules(procs, table, ask) -> None:
     # beyond the edge limits -> cloud
     assert served(ask(gw.url, "Hi", max_tokens=1000))[1:] == ("cloud", "edge_limits")
     assert served(ask(gw.url, "x " * 5000))[1:] == ("cloud", "edge_limits")
-    # tool use goes to the cloud; the classifier sends code-and-reasoning work there too
+    # a request with tools is routed like any other (both tiers serve tools); the
+    # classifier sends code-and-reasoning work to the cloud
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert served(ask(gw.url, "What's the weather?", tools=tools))[1:] == ("cloud", "tools")
+    assert served(ask(gw.url, "What's the weather?", tools=tools))[1:] == ("edge", "classifier")
     hard = "Find the bug and fix it step by step:\n```\ndef f(x):\n    return x[0]\n```"
     assert served(ask(gw.url, hard, max_tokens=400))[1:] == ("cloud", "classifier")
     # an unknown tier is a clear 400
@@ -90,6 +91,7 @@ def test_routing_rules(procs, table, ask) -> None:
     assert r.json()["error"]["code"] == "invalid_parameter"
 
     metrics = httpx.get(gw.url + "/metrics").text
+    assert 'hybridllm_gateway_request_kinds_total{kind="tools",tier="edge"} 1.0' in metrics
     assert 'hybridllm_gateway_route_decisions_total{reason="explicit",tier="cloud"} 1.0' in metrics
     assert (
         'hybridllm_gateway_route_decisions_total{reason="edge_limits",tier="cloud"} 2.0' in metrics

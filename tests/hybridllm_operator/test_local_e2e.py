@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,143 @@ def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(hybrid: Loca
     assert after["last_exit"] == "signal SIGKILL"
     logs = hybridllm("logs", hybrid.name, "edge-0", "-n", "0", "--state-root", str(hybrid.root))
     assert logs.stdout.count("==== ") == 2, "one log per replica, a header per start"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "Add two integers",
+     "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                    "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "lookup", "description": "Look up a word",
+     "parameters": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 20}},
+                    "required": ["word"]}}},
+]  # fmt: skip
+
+
+def _json_answer(client: openai.OpenAI, tier: str, entry: dict[str, Any]) -> tuple[str, Any]:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": entry["prompt"]}],
+        max_tokens=160,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {  # type: ignore[typeddict-item]
+            "name": entry["name"], "schema": entry["schema"], "strict": True}},
+        extra_headers={"x-hybridllm-tier": tier},
+    )  # fmt: skip
+    return raw.headers["x-hybridllm-tier"], raw.parse().choices[0]
+
+
+def _agent_loop(base_url: str, tier: str) -> tuple[Any, list[tuple[str, ...]], Any]:
+    """pydantic-ai (a framework no one here wrote) runs a two-tool agent on one tier: each
+    tool may be called once (its ``prepare`` drops it after), and the run ends in a typed
+    answer, which pydantic-ai asks for as one more tool call (tool_choice "required")."""
+    from pydantic import BaseModel, Field
+    from pydantic_ai import Agent, RunContext, Tool
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+    from pydantic_ai.tools import ToolDefinition
+    from pydantic_ai.usage import UsageLimits
+
+    calls: list[tuple[str, ...]] = []
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append(("add", str(a), str(b)))
+        return a + b
+
+    def lookup(word: str) -> str:
+        """Look up the meaning of a word in the dictionary."""
+        calls.append(("lookup", word))
+        return f"{word}: a round fruit"
+
+    async def once(ctx: RunContext[None], tool: ToolDefinition) -> ToolDefinition | None:
+        return None if any(c[0] == tool.name for c in calls) else tool
+
+    class Answer(BaseModel):
+        total: int
+        meaning: str = Field(max_length=40)
+
+    model = OpenAIChatModel(f"{MODEL}:{tier}", provider=OpenAIProvider(
+        base_url=base_url, api_key="unused"))  # fmt: skip
+    agent = Agent(model, tools=[Tool(add, prepare=once), Tool(lookup, prepare=once)],
+                  output_type=Answer, model_settings=ModelSettings(temperature=0, max_tokens=96))  # fmt: skip
+    result = agent.run_sync(
+        "What is 2 plus 3, and what does the word 'apple' mean? Use the tools.",
+        usage_limits=UsageLimits(request_limit=4),
+    )
+    return result, calls, Answer
+
+
+def test_agents_get_valid_json_and_tool_calls_from_both_tiers(hybrid: Local) -> None:
+    """Structured output and tool calls through the gateway, on each tier, with the real
+    model: every answer of the schema corpus validates; required and named tool choices give
+    calls whose arguments validate, streamed or not; a tool result is answered in the next
+    turn; an agent framework's tool loop finishes."""
+    import jsonschema
+
+    client = openai.OpenAI(base_url=hybrid.base_url, api_key="unused", max_retries=0, timeout=600)
+    corpus = json.loads((REPO / "tests" / "data" / "structured-schemas.json").read_text())
+    jobs = [(tier, e) for tier in ("edge", "cloud") for e in corpus["schemas"]]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda job: _json_answer(client, *job), jobs))
+    for (tier, entry), (served, choice) in zip(jobs, answers, strict=True):
+        assert served == tier
+        assert choice.finish_reason == "stop", (tier, entry["name"], choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content or ""), entry["schema"])
+    # the edge's response cache keys the schema: the same prompt under another schema is
+    # answered under that one, not from the cache
+    again = {**corpus["schemas"][0], "schema": {"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}  # fmt: skip
+    _, choice = _json_answer(client, "edge", again)
+    assert list(json.loads(choice.message.content or "")) == ["n"]
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    question = [{"role": "user", "content": "What is 2 plus 3?"}]
+    for tier in ("edge", "cloud"):
+        for choice_ in ("required", {"type": "function", "function": {"name": "lookup"}}):
+            resp = client.chat.completions.create(
+                model=f"{MODEL}:{tier}", messages=question, max_tokens=96, temperature=0,
+                tools=TOOLS, tool_choice=choice_,  # type: ignore[arg-type]
+            )  # fmt: skip
+            (call,) = resp.choices[0].message.tool_calls or []
+            assert resp.choices[0].finish_reason == "tool_calls"
+            assert call.id.startswith("call_")
+            if isinstance(choice_, dict):
+                assert call.function.name == "lookup"  # type: ignore[union-attr]
+            args = json.loads(call.function.arguments)  # type: ignore[union-attr]
+            jsonschema.validate(args, schemas[call.function.name])  # type: ignore[union-attr]
+            stream = client.chat.completions.create(
+                model=f"{MODEL}:{tier}", messages=question, max_tokens=96, temperature=0,
+                tools=TOOLS, tool_choice=choice_, stream=True,  # type: ignore[arg-type]
+            )  # fmt: skip
+            deltas, finish = [], None
+            for chunk in stream:
+                for c in chunk.choices:
+                    deltas += c.delta.tool_calls or []
+                    finish = c.finish_reason or finish
+            assert finish == "tool_calls"
+            assert [(d.function.name, d.function.arguments) for d in deltas] == [  # type: ignore[union-attr]
+                (call.function.name, call.function.arguments)  # type: ignore[union-attr]
+            ]
+        # the tool's result, in the next turn, is answered in text
+        follow = client.chat.completions.create(
+            model=f"{MODEL}:{tier}", max_tokens=48, temperature=0, tools=TOOLS,  # type: ignore[arg-type]
+            messages=[*question, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {
+                    "name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5"}],  # type: ignore[list-item]
+        )  # fmt: skip
+        assert follow.choices[0].finish_reason in ("stop", "length")
+        assert "5" in (follow.choices[0].message.content or "")
+        result, calls, answer_type = _agent_loop(hybrid.base_url, tier)
+        assert isinstance(result.output, answer_type)
+        assert calls, "the agent called no tool"
+        assert result.usage.requests <= 4
+        assert result.output.total == 5  # read from the add tool's result
+    metrics = httpx.get(hybrid.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    for tier in ("edge", "cloud"):
+        assert f'{names.GATEWAY_REQUEST_KINDS_TOTAL}{{kind="tools",tier="{tier}"}}' in metrics
+        assert f'{names.GATEWAY_REQUEST_KINDS_TOTAL}{{kind="structured",tier="{tier}"}}' in metrics
 
 
 def test_down_drains_a_stream_in_flight_then_leaves_nothing(hybrid: Local) -> None:

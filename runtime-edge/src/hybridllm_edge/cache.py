@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridllm_common import structured
+
 _SPACES = re.compile(r"\s+")
 
 KEY_FIELDS = (
@@ -42,6 +44,12 @@ KEY_FIELDS = (
     "echo",
     "suffix",
     "cache_salt",  # one partition per tenant (the gateway sets it)
+    # the answer's shape: an output format or the tools offered change the answer
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    *sorted(structured.EXTRA_FIELDS),
 )
 
 
