@@ -152,6 +152,28 @@ def edge_servers(stem: str) -> Callable[[Results], Headline]:
     return extract
 
 
+def structured(r: Results) -> Headline:
+    """bench/structured/run.py: constrained against free decoding, and ours against
+    llama-server under the same JSON schema."""
+    d = r.json("structured.json")
+    c, e = d["cloud"]["cells"], d["edge"]["cells"]
+    cost16 = c["16:schema"]["tokens_per_s"] / c["16:free"]["tokens_per_s"]
+    cost1 = c["1:schema"]["tokens_per_s"] / c["1:free"]["tokens_per_s"]
+
+    def edge_ratio(key: str) -> float:
+        return float(e[key]["ours"]["tokens_per_s"] / e[key]["llama-server"]["tokens_per_s"])
+
+    met = verdict([("cloud cost at batch 16", cost16 >= 0.9), ("edge vs llama-server",
+                   edge_ratio("8:schema") >= 1.0)])  # fmt: skip
+    return Headline(
+        f"cloud engine under a JSON schema {x(cost16)} the free tok/s at batch 16 ({x(cost1)} at "
+        f"batch 1); edge runtime under the schema {x(edge_ratio('8:schema'))} llama-server's "
+        f"tok/s at 8 clients ({x(edge_ratio('1:schema'))} at 1)",
+        met,
+        f"free: {x(edge_ratio('8:free'))} llama-server's tok/s at 8 clients",
+    )
+
+
 def edge_python_server(r: Results) -> Headline:
     """bench/edge/run.py: ours against llama_cpp.server and in-process llama-cpp-python."""
     d = r.json("edge.json")
@@ -850,6 +872,19 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         EDGE_SERVERS_GOAL,
         edge_servers("edge-servers-q4_k_m"),
         short="edge runtime vs `llama-server`, Q4_K_M (default)",
+    ),
+    Experiment(
+        "structured output: a JSON schema's cost on the cloud engine (batch 1, 16) and the "
+        "edge runtime against llama-server under the same schema (1, 8 clients)",
+        "uv run python bench/structured/run.py",
+        ("structured.md",),
+        "the same requests without a schema; `llama-server` (-np 8 -cb, its json_schema "
+        "grammar), same GGUF and threads",
+        "constrained >= 0.9x unconstrained tok/s at batch 16 on our engine; edge >= 1.0x "
+        "llama-server's tok/s under a schema (#50)",
+        structured,
+        short="structured output (JSON schema)",
+        pending=True,
     ),
     Experiment(
         "edge runtime vs llama.cpp's Python server, Q4_1, and the response cache",

@@ -79,12 +79,20 @@ def _bursty_demand(seed: int, test_scale: float = 1.0) -> DemandSeries:
     return DemandSeries(600.0, rate, rate * 1500.0, rate * 300.0, np.full(n, 1.5), "synthetic")
 
 
+BURSTY_CFG = evaluate.EvalConfig(pool=DEFAULT_POOLS["monolithic"], simulator="fluid", model="last")
+
+
+@pytest.fixture(scope="module")
+def bursty() -> evaluate.EvalResult:
+    """The bursty trace evaluated once for the tests that read it (about 30 s)."""
+    return evaluate.evaluate(_bursty_demand(1), None, BURSTY_CFG)
+
+
 @pytest.mark.slow
-def test_knobs_and_targets_are_chosen_on_the_training_part_only():
+def test_knobs_and_targets_are_chosen_on_the_training_part_only(bursty):
     """Changing the test half changes no choice; every choice is one of the offered knobs."""
-    pool = DEFAULT_POOLS["monolithic"]
-    cfg = evaluate.EvalConfig(pool=pool, simulator="fluid", model="last")
-    a = evaluate.evaluate(_bursty_demand(1), None, cfg)
+    cfg = BURSTY_CFG
+    a = bursty
     b = evaluate.evaluate(_bursty_demand(1, test_scale=1.6), None, cfg)
     assert a.chosen == b.chosen
     assert a.down_windows == b.down_windows
@@ -103,7 +111,7 @@ def test_knobs_and_targets_are_chosen_on_the_training_part_only():
 
 
 @pytest.mark.slow
-def test_a_saturated_pool_voids_the_verdict_loudly():
+def test_a_saturated_pool_voids_the_verdict_loudly(bursty):
     """With room to scale the comparison stands; with the pool's maximum below what the
     demand needs, every policy (the oracle too) sits at the ceiling, and the report says
     the comparison means nothing instead of judging the goal."""
@@ -111,9 +119,9 @@ def test_a_saturated_pool_voids_the_verdict_loudly():
 
     from hybridllm_forecaster import report
 
-    pool = DEFAULT_POOLS["monolithic"]
-    cfg = evaluate.EvalConfig(pool=pool, simulator="fluid", model="last")
-    free = evaluate.evaluate(_bursty_demand(1), None, cfg)
+    cfg = BURSTY_CFG
+    pool = cfg.pool
+    free = bursty
     verdict = report.verdict(free)
     assert verdict["comparison_meaningful"] is True
     assert verdict["problems"] == []
