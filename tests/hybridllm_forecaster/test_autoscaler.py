@@ -225,6 +225,34 @@ def test_no_scale_down_while_the_slo_is_violated(mode, start, loads):
         current = d.desired
 
 
+def test_a_saturated_pool_grows_one_ready_replica_at_a_time_and_says_why_it_cannot():
+    """The new-user run of issue #52: a token rate the capacity calls light, while the TTFT
+    breaks the SLO and requests are turned away. One replica more once the last one is
+    ready, none beyond maxReplicas or unschedulable pods (each said), and after the burst
+    one scale-down window before the policy shrinks the pool again: no flapping."""
+    pool = PoolConfig(min_replicas=1, max_replicas=3, scale_down_stabilisation_s=60.0)
+    scaler = _scaler(pool, "reactive", 60.0, "last")
+    burst = autoscaler.Reading(0.1, slo_violation="cloud p95 TTFT 51 s > 1 s", overloaded=34)
+    d = scaler.decide(0.0, 1, 1, burst)
+    assert (d.recommended, d.desired, d.cause) == (1, 2, "scale up: saturated")
+    assert "cloud p95 TTFT 51 s > 1 s; 34 request(s) answered 503 (overloaded)" in d.reason
+    d = scaler.decide(15.0, 1, 2, burst)  # the new replica is starting
+    assert (d.desired, d.cause) == (2, "hold: saturated, replicas starting")
+    d = scaler.decide(30.0, 2, 2, burst, unschedulable=1)
+    assert (d.desired, d.capacity_bound) == (2, True)
+    assert "capacity-bound while saturated" in d.reason
+    d = scaler.decide(45.0, 2, 2, burst)
+    assert d.desired == 3
+    d = scaler.decide(60.0, 3, 3, burst)
+    assert (d.desired, d.cause) == (3, "hold: saturated at maxReplicas")
+    assert "raise maxReplicas" in d.reason
+    quiet = autoscaler.Reading(0.1)
+    sizes = [scaler.decide(75.0 + 15.0 * k, 3, 3, quiet).desired for k in range(3)]
+    assert sizes == [3, 3, 3]  # inside the scale-down window after the burst
+    later = [scaler.decide(180.0 + 15.0 * k, 3, 3, quiet) for k in range(8)]
+    assert later[-1].desired < 3  # then the policy decides again
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     mode=MODES,

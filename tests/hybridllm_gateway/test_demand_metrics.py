@@ -227,3 +227,25 @@ def test_the_history_starts_where_the_tiers_bins_start_and_a_late_tier_is_padded
     assert snap.bins_start_s == 1000.0
     assert len(snap.bins["edge"]) == len(snap.bins["cloud"]) == 4
     assert snap.bins["cloud"] == [(0.0, 0.0), (0.0, 0.0), (10.0, 0.0), (10.0, 0.0)]
+
+
+def test_answers_of_503_in_the_window_are_read_as_overload_per_tier():
+    """The autoscaler's saturation signal: 503s the gateways answered for a tier since the
+    last read (other codes and tiers apart; a gateway restart is not a drop)."""
+    counts = {"edge": 0.0, "cloud": 0.0}
+
+    def page(_: str) -> str:
+        return "".join(
+            f'hybridllm_gateway_offered_prompt_tokens_total{{tier="{t}"}} 0\n'
+            f'hybridllm_gateway_requests_total{{tier="{t}",code="503"}} {n}\n'
+            f'hybridllm_gateway_requests_total{{tier="{t}",code="200"}} 99\n'
+            for t, n in counts.items()
+        )
+
+    scrape = demand.GatewayScrape(lambda: ["gw"], bin_s=10.0, fetch=page)
+    scrape.read(0.0)
+    counts["cloud"] = 34.0
+    snap = scrape.read(15.0)
+    assert (snap.tiers["cloud"].overloaded, snap.tiers["edge"].overloaded) == (34.0, 0.0)
+    counts["cloud"] = 3.0  # the gateway restarted: its counter began again
+    assert scrape.read(30.0).tiers["cloud"].overloaded == 3.0

@@ -56,10 +56,20 @@ class Reading:
     in_flight: float = 0.0
     slo_violation: str | None = None  # e.g. "p95 TTFT 3.1 s > 1.0 s"; None: met or unknown
     waiting: float = 0.0  # requests held (or turned away) for want of a replica
+    overloaded: float = 0.0  # requests the pool's tier answered 503 (overloaded) in the window
 
     @property
     def available(self) -> bool:
         return self.work_per_s is not None and math.isfinite(self.work_per_s)
+
+    @property
+    def saturation(self) -> list[str]:
+        """The signals that the pool is short of replicas whatever its token rate says:
+        its time to first token breaks the SLO, or it turns requests away."""
+        signals = [self.slo_violation] if self.slo_violation else []
+        if self.overloaded > 0:
+            signals.append(f"{self.overloaded:g} request(s) answered 503 (overloaded)")
+        return signals
 
 
 @dataclass
@@ -245,6 +255,10 @@ class PoolScaler:
         else:
             self.policy = None
         self._started = False  # the first decision seeds the reactive window
+        # Raised for saturation: (replicas, until when they hold). A saturated pool is
+        # scaled up whatever the token rate says; once it is not, it keeps that size for
+        # one scale-down window (no flapping), then the policy decides again.
+        self._raised: tuple[int, float] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -351,13 +365,21 @@ class PoolScaler:
                 f"not scaled beyond {provisioned} (wanted {recommended})"
             )
             cause = "hold: capacity-bound"
-        elif recommended < provisioned and reading.slo_violation:
-            desired = provisioned
-            reason = (
-                f"holding at {provisioned} (wanted {recommended}): the SLO is violated "
-                f"({reading.slo_violation})"
+        elif (signals := reading.saturation) and recommended <= provisioned:
+            desired, reason, cause, bound = self._saturated(
+                ready, provisioned, recommended, signals, unschedulable, now_s
             )
-            cause = "hold: SLO violated"
+        elif self._raised is not None and recommended < self._raised[0]:
+            raised, until = self._raised
+            if now_s < until and provisioned >= raised:
+                desired = provisioned
+                reason = (
+                    f"holding at {provisioned} (wanted {recommended}) until the scale-down "
+                    f"window after saturation ends in {until - now_s:.0f} s"
+                )
+                cause = "hold: after saturation"
+            else:
+                self._raised = None
         if self.mode == "advisory":
             reason = f"advisory, not applied: {reason}"
             cause = f"advisory, {cause}"
@@ -365,6 +387,55 @@ class PoolScaler:
         return Decision(desired, recommended, reactive, predictive, reason=reason,
                         metrics_available=True, capacity_bound=bound, cause=cause,
                         **common)  # fmt: skip
+
+    def _saturated(
+        self,
+        ready: int,
+        provisioned: int,
+        recommended: int,
+        signals: list[str],
+        unschedulable: int,
+        now_s: float,
+    ) -> tuple[int, str, str, bool]:
+        """A saturated pool that the policy would hold or shrink: one replica more, or the
+        reason it cannot have one (at maxReplicas, or capacity-bound), or none while the last
+        one added is still starting (its effect is not measured yet). The scale-down window
+        after saturation counts from its last interval."""
+        why = "; ".join(signals)
+        until = now_s + self.pool.scale_down_stabilisation_s
+        self._raised = (max(provisioned, self._raised[0] if self._raised else 0), until)
+        if provisioned >= self.pool.max_replicas:
+            return (
+                provisioned,
+                f"holding at maxReplicas {self.pool.max_replicas} while saturated ({why}); "
+                f"raise maxReplicas to serve this load",
+                "hold: saturated at maxReplicas",
+                False,
+            )
+        if unschedulable > 0:
+            return (
+                provisioned,
+                f"capacity-bound while saturated ({why}): {unschedulable} pod(s) cannot be "
+                f"scheduled, so the pool stays at {provisioned}",
+                "hold: capacity-bound",
+                True,
+            )
+        if ready < provisioned:
+            return (
+                provisioned,
+                f"holding at {provisioned} while saturated ({why}): {provisioned - ready} "
+                f"replica(s) still starting",
+                "hold: saturated, replicas starting",
+                False,
+            )
+        want = provisioned + 1
+        self._raised = (want, until)
+        return (
+            want,
+            f"scale up to {want}: saturated ({why}) though the token rate asks for {recommended}",
+            "scale up: saturated",
+            False,
+        )
 
     def _predicted(self) -> tuple[float, float] | None:
         latest = self.forecast.latest()

@@ -274,6 +274,7 @@ class ServiceAutoscaler:
                     demand.in_flight if demand else 0.0,
                     violation,
                     demand.waiting if demand else 0.0,
+                    demand.overloaded if demand else 0.0,
                 ),
                 unschedulable=seen.unschedulable,
             )

@@ -62,6 +62,8 @@ class TierDemand:
     ttft_p95_s: float | None = None  # None: no request finished in the window
     # requests held for want of a replica now, plus those that found none in the window
     waiting: float = 0.0
+    # requests the gateways answered 503 for this tier in the window (it was overloaded)
+    overloaded: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class _Sample:
     ttft: dict[str, dict[float, float]]  # tier -> cumulative buckets
     held: dict[str, float] = field(default_factory=dict)
     cold: dict[str, float] = field(default_factory=dict)
+    overloaded: dict[str, float] = field(default_factory=dict)  # cumulative 503 answers
 
 
 def parse_gateway_metrics(text: str, t: float) -> _Sample:
@@ -174,6 +177,8 @@ def parse_gateway_metrics(text: str, t: float) -> _Sample:
                 sample.held[tier] = s.value
             elif s.name == names.GATEWAY_COLD_REQUESTS_TOTAL:
                 sample.cold[tier] = s.value
+            elif s.name == names.GATEWAY_REQUESTS_TOTAL and s.labels.get("code") == "503":
+                sample.overloaded[tier] = sample.overloaded.get(tier, 0.0) + s.value
             elif s.name == names.TIME_TO_FIRST_TOKEN_SECONDS + "_bucket":
                 sample.ttft.setdefault(tier, {})[float(s.labels["le"])] = s.value
     return sample
@@ -223,6 +228,7 @@ class GatewayScrape(DemandSource):
         completion = dict.fromkeys(TIERS, 0.0)
         in_flight = dict.fromkeys(TIERS, 0.0)
         waiting = dict.fromkeys(TIERS, 0.0)
+        overloaded = dict.fromkeys(TIERS, 0.0)
         buckets: dict[str, dict[float, float]] = {t: {} for t in TIERS}
         spans: dict[str, float] = {}
         new_replicas = []
@@ -236,6 +242,7 @@ class GatewayScrape(DemandSource):
                 if old is None or tier not in old.prompt:
                     continue
                 waiting[tier] += _increase(s.cold.get(tier, 0.0), old.cold.get(tier))
+                overloaded[tier] += _increase(s.overloaded.get(tier, 0.0), old.overloaded.get(tier))
                 dp = _increase(s.prompt[tier], old.prompt.get(tier))
                 dc = _increase(s.completion.get(tier, 0.0), old.completion.get(tier))
                 self.bins[tier].add(old.t, s.t, dp, dc)
@@ -269,6 +276,7 @@ class GatewayScrape(DemandSource):
                     in_flight[tier],
                     histogram_quantile(TTFT_QUANTILE, buckets[tier]),
                     waiting[tier],
+                    overloaded[tier],
                 )
         bins, start = self._aligned_bins(now_s)
         return Snapshot(tiers, bins, start, problems)
@@ -444,6 +452,10 @@ class PrometheusDemand(DemandSource):
                 f"sum by ({by}tier) ({names.GATEWAY_HELD_REQUESTS}{{{sel}}}) + sum by ({by}tier) "
                 f"(increase({names.GATEWAY_COLD_REQUESTS_TOTAL}{{{sel}}}[{w}]))"
             ),
+            "overloaded": (
+                f"sum by ({by}tier) (increase({names.GATEWAY_REQUESTS_TOTAL}"
+                f'{{{sel},code="503"}}[{w}]))'
+            ),
             "ttft": (
                 f"histogram_quantile({TTFT_QUANTILE}, sum by ({by}tier, le) "
                 f"(rate({names.TIME_TO_FIRST_TOKEN_SECONDS}_bucket{{{sel}}}[{w}])))"
@@ -472,9 +484,9 @@ class PrometheusDemand(DemandSource):
         at = math.floor(now_s / EVAL_QUANTUM_S) * EVAL_QUANTUM_S if self.batch else now_s
         problems: dict[str, str] = {}
         try:
-            prompt, completion, in_flight, waiting, ttft = (
+            prompt, completion, in_flight, waiting, ttft, overloaded = (
                 self._by_tier(name, at)
-                for name in ("prompt", "completion", "in_flight", "waiting", "ttft")
+                for name in ("prompt", "completion", "in_flight", "waiting", "ttft", "overloaded")
             )
             bins, start = self._history(now_s)
         except PrometheusError as exc:
@@ -493,12 +505,14 @@ class PrometheusDemand(DemandSource):
             else:
                 q = ttft.get(tier)
                 held = waiting.get(tier, 0.0)
+                turned = overloaded.get(tier, 0.0)
                 tiers[tier] = TierDemand(
                     p,
                     c,
                     in_flight.get(tier, 0.0),
                     q if q is not None and math.isfinite(q) else None,
                     held if math.isfinite(held) else 0.0,
+                    turned if math.isfinite(turned) else 0.0,
                 )
         return Snapshot(tiers, bins, start, problems)
 
