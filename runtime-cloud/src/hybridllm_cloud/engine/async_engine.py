@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_common import structured
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +96,16 @@ class AsyncEngine:
         out: asyncio.Queue[tuple[int, llm_engine.RequestOutput | BaseException]],
         tag: int = 0,
         kv_export: tuple[int, llm_engine.ExportSink] | None = None,
+        grammar: structured.Matcher | None = None,
     ) -> None:
-        """Queues a request; its outputs arrive on ``out`` as ``(tag, output)``."""
+        """Queues a request; its outputs arrive on ``out`` as ``(tag, output)``.
+        ``grammar``: its structured output's matcher, built off the step loop."""
         sink = _Sink(asyncio.get_running_loop(), out, tag)
         with self._pending_lock:
             self.num_pending += 1
-        self._inbox.put(("add", (request_id, prompt_token_ids, params, priority, sink, kv_export)))
+        self._inbox.put(
+            ("add", (request_id, prompt_token_ids, params, priority, sink, kv_export, grammar))
+        )
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -127,11 +132,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id, prompt, params, priority, sink, export = payload  # type: ignore[misc]
+                request_id, prompt, params, priority, sink, export, grammar = payload  # type: ignore[misc]
                 with self._pending_lock:
                     self.num_pending -= 1
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority, export)
+                    self.engine.add_request(request_id, prompt, params, priority, export, grammar)
                 except ValueError as exc:
                     self._deliver(sink, exc)
                     continue

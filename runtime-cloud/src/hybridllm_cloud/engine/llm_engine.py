@@ -50,6 +50,7 @@ from hybridllm_cloud.spec_decode import draft as draft_mod
 from hybridllm_cloud.spec_decode import ngram
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig, check_draft
 from hybridllm_cloud.worker import model_runner
+from hybridllm_common import openai_protocol as oai
 from hybridllm_common import structured
 
 log = logging.getLogger(__name__)
@@ -332,8 +333,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         kv_export: tuple[int, ExportSink] | None = None,
+        grammar: structured.Matcher | None = None,
     ) -> None:
-        """``kv_export=(first_block, sink)``: prefill role, ship the blocks from there on."""
+        """``kv_export=(first_block, sink)``: prefill role, ship the blocks from there on.
+        ``grammar``: the matcher of ``params.constraint``, built by the caller off the step
+        loop (a large schema compiles in milliseconds); built here when not given."""
         params.validate()
         request = Request(
             request_id, list(prompt_token_ids), params, self.info.eos_token_ids, priority
@@ -346,7 +350,10 @@ class LLMEngine:
             and params.constraint is None
         )
         if params.constraint is not None:
-            request.grammar = self.vocabulary.matcher(params.constraint)
+            try:
+                request.grammar = grammar or self.vocabulary.matcher(params.constraint)
+            except oai.APIError as exc:
+                raise ValueError(exc.message) from exc
         if params.prompt_logprobs is not None and params.prompt_logprobs_start >= len(
             prompt_token_ids
         ):

@@ -183,12 +183,23 @@ class Serving:
             raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
 
     async def _check_constraint(self, constraint: structured.Constraint | None) -> None:
-        """The grammar compiles for this model's vocabulary (off the event loop: a large
-        schema takes milliseconds; the vocabulary is built at the first one)."""
+        """The grammar compiles for this model's vocabulary, or a 400 names the field (off
+        the event loop: a large schema takes milliseconds; the vocabulary is built at the
+        first one)."""
         if constraint is not None:
             engine = self.engine.engine
             await asyncio.to_thread(lambda: engine.vocabulary.check(constraint))
             self.metrics.structured.labels(kind=constraint.kind).inc()
+
+    async def _grammars(self, params: SamplingParams, count: int) -> list[Any]:
+        """One matcher per engine request, built off the event loop and the step loop."""
+        constraint = params.constraint
+        if constraint is None:
+            return [None] * count
+        vocab = self.engine.engine.vocabulary
+        return list(
+            await asyncio.to_thread(lambda: [vocab.matcher(constraint) for _ in range(count)])
+        )
 
     def check_capacity(self) -> None:
         """503 with Retry-After when the engine's queue is at its bound."""
@@ -209,8 +220,10 @@ class Serving:
         best_of: int,
         beam: bool,
         priority: str,
+        grammars: list[Any] | None = None,
     ) -> tuple[list[str], asyncio.Queue[Item]]:
-        """One engine request per candidate (``best_of`` of them), or one for a beam search."""
+        """One engine request per candidate (``best_of`` of them), or one for a beam search;
+        ``grammars``: a structured output's matcher for each of them."""
         n = 1 if beam else max(n, best_of)
         self.check_capacity()
         queue: asyncio.Queue[Item] = asyncio.Queue()
@@ -221,7 +234,8 @@ class Serving:
             p = params
             if params.seed is not None and i:
                 p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-            self.engine.add(request_id, prompt, p, prio, queue, tag=i)
+            grammar = grammars[i] if grammars else None
+            self.engine.add(request_id, prompt, p, prio, queue, tag=i, grammar=grammar)
         self.metrics.prompt_tokens.inc(len(prompt) * n)
         return ids, queue
 
@@ -270,8 +284,10 @@ class Serving:
         params = self._params(body, len(prompt), top if body.logprobs else None)
         params = dataclasses.replace(params, constraint=plan.constraint)
         params = self._search_params(params, search)
+        count = 1 if search.beam else max(search.n, search.best_of)
+        grammars = await self._grammars(params, count)
         ids, queue = self._start(
-            prompt, params, search.n, search.best_of, search.beam, body.priority
+            prompt, params, search.n, search.best_of, search.beam, body.priority, grammars
         )
         items = self._items(ids, queue)
         if body.stream:
@@ -317,8 +333,10 @@ class Serving:
         params = self._params(body, len(prompt), body.logprobs)
         params = dataclasses.replace(params, constraint=constraint)
         params = self._search_params(params, search)
+        count = 1 if search.beam else max(search.n, search.best_of)
+        grammars = await self._grammars(params, count)
         ids, queue = self._start(
-            prompt, params, search.n, search.best_of, search.beam, body.priority
+            prompt, params, search.n, search.best_of, search.beam, body.priority, grammars
         )
         items = self._items(ids, queue)
         echo = (text or self.tokenizer.decode(prompt)) if body.echo else ""
