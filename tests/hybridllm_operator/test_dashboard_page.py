@@ -16,7 +16,7 @@ import yaml
 from prometheus_client import start_http_server
 
 from hybridllm_common import crd
-from hybridllm_operator.fleet import server as fleet_server
+from hybridllm_operator.fleet import metrics as fleet_metrics
 from hybridllm_operator.local.plan import free_ports
 from hybridllm_operator.observability import metrics as control_metrics
 from hybridllm_operator.observability import page, panels
@@ -282,7 +282,7 @@ def test_the_fleet_section_in_a_real_browser_draws_the_fleet_servers_series(
     """A fleet server's own metrics (its `Metrics`, as its leader exports them for the
     kiosks fleet) scraped by the real Prometheus: the page of the service on that fleet
     draws every fleet panel in headless Chromium, with data and nothing logged."""
-    fleet = fleet_server.Metrics()
+    fleet = fleet_metrics.Metrics()
     fleet.devices.labels("kiosks", "Ready").set(3)
     fleet.devices.labels("kiosks", "Offline").set(1)
     fleet.revision_devices.labels("kiosks", "v1").set(3)

@@ -12,7 +12,7 @@ from prometheus_client import start_http_server
 
 from hybridllm_common import crd
 from hybridllm_operator import analysis, rollout
-from hybridllm_operator.fleet import server as fleet_server
+from hybridllm_operator.fleet import metrics as fleet_metrics
 from hybridllm_operator.local.plan import free_ports
 
 ANALYSIS = crd.RolloutAnalysis()  # maxErrorRate 2%, maxTtftP95Seconds 2 s, +20% latency
@@ -55,7 +55,7 @@ def test_device_kpis_are_judged_against_the_stable_revisions_devices() -> None:
 def test_the_fleet_servers_kpis_reach_the_step_through_prometheus(
     testenv: Any, tmp_path: Any
 ) -> None:
-    metrics = fleet_server.Metrics()
+    metrics = fleet_metrics.Metrics()
     for revision, devices, errors, ttft in (("v1", 3, 0.0, 0.3), ("v2", 1, 0.25, 0.9)):
         metrics.revision_devices.labels("shops", revision).set(devices)
         metrics.revision_errors.labels("shops", revision).set(errors)

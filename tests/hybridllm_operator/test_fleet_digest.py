@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hybridllm_common import signing
+from hybridllm_operator.fleet import api as api_mod
 from hybridllm_operator.fleet import digest, endpoints
 from hybridllm_operator.fleet import kube as kube_mod
 from hybridllm_operator.fleet import server as server_mod
@@ -164,7 +165,7 @@ def test_a_forged_digest_entry_is_left_out_and_planning_goes_on() -> None:
         "dev-2": (now - 1, {**_report(2), "admin": True}),  # a field no device sends
     }
     cm = _config_map("fleet-b", now, forged)
-    found = digest.decode(cm, server_mod._check_report)
+    found = digest.decode(cm, api_mod.check_report)
     assert set(found.refused) == {"dev-0", "dev-1", "dev-2"}
     assert not found.seen
     srv._on_digest("ADDED", "b", _config_map("fleet-b", now, {

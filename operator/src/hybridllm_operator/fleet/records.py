@@ -1,0 +1,48 @@
+"""What the fleet server knows of each fleet and device (in memory, rebuilt from the
+records it watches)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridllm_common import crd
+from hybridllm_operator.fleet import waves
+
+
+@dataclass
+class Device:
+    """One EdgeDevice as the server knows it: its record and its last heartbeat."""
+
+    name: str
+    fleet: str
+    public_key: Any
+    labels: dict[str, str]
+    approved: bool
+    revoked: bool
+    status: dict[str, Any] = field(default_factory=dict)  # as last written (camelCase)
+    last_seen: float | None = None
+    report: dict[str, Any] = field(default_factory=dict)  # last heartbeat body
+    heard_at: float | None = None  # when the device sent `report` (this replica's clock)
+    heard_here: bool = False  # `report` came to this replica, not from another's digest
+
+    def online(self, now: float, timeout: float) -> bool:
+        return self.last_seen is not None and now - self.last_seen <= timeout
+
+
+@dataclass
+class Fleet:
+    name: str
+    obj: dict[str, Any]
+    spec: crd.EdgeFleetSpec | None
+    status: crd.EdgeFleetStatus
+    problem: str | None = None
+    key: Any = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    written: dict[str, Any] = field(default_factory=dict)
+    written_at: float = 0.0
+    # each device group's request rate in bins (`waves.DemandHistory`): plans the waves
+    demand: dict[str, waves.DemandHistory] = field(default_factory=dict)
+    sampled_at: float = 0.0
+    handled_action: str | None = None  # the hand command acted on (until it is removed)
