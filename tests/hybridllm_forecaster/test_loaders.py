@@ -174,3 +174,34 @@ def test_missing_file_and_unknown_format(tmp_path):
 )
 def test_detects_the_shipped_traces(rel, fmt):
     assert loaders.detect_format(SHARED / rel) == fmt
+
+
+def test_a_trace_split_by_time_into_files_is_joined_not_overlaid(tmp_path, traces, small_stream):
+    """Issue #56 (1): a trace split by time across files (as public traces are shipped) was
+    read as the files overlaid, half the length at twice the rate. Each file keeps its own
+    clock now: consecutive parts are joined, files that overlap in time (one per server)
+    merged, and the report's header says which."""
+    whole = traces.mooncake(tmp_path / "whole.jsonl", small_stream)
+    lines = whole.read_text().splitlines(keepends=True)
+    folder = tmp_path / "split"
+    folder.mkdir()
+    half = len(lines) // 2
+    (folder / "part-1.jsonl").write_text("".join(lines[:half]))
+    (folder / "part-2.jsonl").write_text("".join(lines[half:]))
+    one, parts = loaders.load_requests(whole), loaders.load_requests(folder)
+    assert parts.num_requests == one.num_requests
+    assert parts.duration_s == pytest.approx(one.duration_s)
+    np.testing.assert_allclose(parts.arrival_s, one.arrival_s)
+    assert parts.notes == [f"2 files of {folder} joined by time (consecutive parts, one clock)"]
+    a, _ = loaders.load_demand(whole, bin_s=60.0)
+    b, _ = loaders.load_demand(folder, bin_s=60.0)
+    np.testing.assert_allclose(a.req_per_s, b.req_per_s)
+    # two servers over the same hours: merged, twice the rate over the same length
+    servers = tmp_path / "servers"
+    servers.mkdir()
+    traces.mooncake(servers / "a.jsonl", small_stream)
+    traces.mooncake(servers / "b.jsonl", small_stream)
+    both = loaders.load_requests(servers)
+    assert both.num_requests == 2 * one.num_requests
+    assert both.duration_s == pytest.approx(one.duration_s)
+    assert "all start at the same time: merged as simultaneous" in both.notes[0]

@@ -22,6 +22,7 @@ parse error is a `TraceFormatError` whose message starts with ``path:line:``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -250,6 +251,7 @@ def _load_requests_csv(path: Path) -> RequestStream:
         output_tokens=tokens[1][order],
         source=str(path),
         start_epoch_s=epoch,
+        origin_s=t0,
     )
 
 
@@ -305,24 +307,57 @@ def _load_mooncake(path: Path) -> RequestStream:
         output_tokens=np.asarray(tout, dtype=np.int64)[order],
         prefix_ids=[prefixes[k] for k in order],
         source=str(path),
+        origin_s=float(t_arr[order[0]]),
     )
 
 
+JOIN_TOLERANCE_S = 1.0  # consecutive parts may share their boundary second
+
+
 def _concat(streams: list[RequestStream], source: str) -> RequestStream:
-    """Several files of one format (e.g. one per day or per server) merged by arrival time."""
+    """Several files of one format on one clock: each file's timestamps as written (epochs
+    for date-time columns). Parts of a trace split by time follow one another and are
+    joined; files that overlap in time (one per server) are merged; either way the
+    report's header says which. Files that all start at the same time are merged as
+    simultaneous (parts whose clocks each restart at zero cannot be told from servers),
+    and the note says so."""
     if len(streams) == 1:
         return streams[0]
-    t = np.concatenate([s.arrival_s for s in streams])
+    epochs = [s.start_epoch_s for s in streams]
+    origins = [e if e is not None else s.origin_s for s, e in zip(streams, epochs, strict=True)]
+    if any(e is not None for e in epochs) and not all(e is not None for e in epochs):
+        origins = [s.origin_s for s in streams]  # mixed clocks: each file's own numbers
+    first = min(origins)
+    starts = [o - first for o in origins]
+    spans = sorted(
+        (start, start + s.duration_s, s.source) for start, s in zip(starts, streams, strict=True)
+    )
+    consecutive = all(nxt[0] >= cur[1] - JOIN_TOLERANCE_S for cur, nxt in itertools.pairwise(spans))
+    if consecutive:
+        note = f"{len(streams)} files of {source} joined by time (consecutive parts, one clock)"
+    elif max(origins) - first <= JOIN_TOLERANCE_S:
+        note = (
+            f"{len(streams)} files of {source} all start at the same time: merged as "
+            "simultaneous (if they are consecutive parts of one trace whose clocks each "
+            "restart at zero, give them one clock)"
+        )
+    else:
+        note = f"{len(streams)} files of {source} overlap in time: merged by arrival time"
+    log.info(note)
+    t = np.concatenate([s.arrival_s + start for s, start in zip(streams, starts, strict=True)])
     order = np.argsort(t, kind="stable")
     prefix: list[list[int]] | None = None
     if all(s.prefix_ids is not None for s in streams):
         flat = [p for s in streams for p in (s.prefix_ids or [])]
         prefix = [flat[k] for k in order]
-    log.info("merged %d files of %s by arrival time", len(streams), source)
+    known = [e for e in epochs if e is not None]
     return RequestStream(
-        arrival_s=t[order],
+        arrival_s=t[order] - t[order[0]],
         input_tokens=np.concatenate([s.input_tokens for s in streams])[order],
         output_tokens=np.concatenate([s.output_tokens for s in streams])[order],
         prefix_ids=prefix,
         source=source,
+        start_epoch_s=min(known) if len(known) == len(streams) else None,
+        notes=[note],
+        origin_s=first,
     )

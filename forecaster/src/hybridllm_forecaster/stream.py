@@ -33,6 +33,9 @@ class RequestStream:
     source: str = ""
     start_epoch_s: float | None = None  # wall-clock time of arrival_s == 0 when known
     notes: list[str] = field(default_factory=list)
+    # The file's own clock at arrival_s == 0 (its first timestamp, in seconds): how the files
+    # of one trace split by time are put back in order (loaders._concat).
+    origin_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
