@@ -205,3 +205,32 @@ def test_a_trace_split_by_time_into_files_is_joined_not_overlaid(tmp_path, trace
     assert both.num_requests == 2 * one.num_requests
     assert both.duration_s == pytest.approx(one.duration_s)
     assert "all start at the same time: merged as simultaneous" in both.notes[0]
+
+
+def test_recording_gaps_in_a_rate_trace_are_bridged_and_reported(tmp_path, traces):
+    """Issue #56 (2): a window where every client drops to zero between two normal ones,
+    or a window missing from every file, is a hole in the recording, replayed before as
+    demand falling to nothing. It is bridged from its neighbours and counted in the notes;
+    a long run at zero (a quiet night) and a zero beside quiet windows stay real."""
+    folder = tmp_path / "sg"
+    folder.mkdir()
+    a = np.array([4.0, 4.0, 0.0, 4.0, 4.0, 0.0, 0.0, 0.0, 4.0, 0.1, 0.0, 0.1, 4.0, 4.0])
+    traces.servegen_client(folder / "chunk-1-trace.csv", a)
+    traces.servegen_client(folder / "chunk-2-trace.csv", a / 2)
+    lines = (folder / "chunk-2-trace.csv").read_text().splitlines(keepends=True)
+    # window 13 is missing from both files; so is nothing else
+    (folder / "chunk-2-trace.csv").write_text("".join(lines[:13]))
+    c1 = (folder / "chunk-1-trace.csv").read_text().splitlines(keepends=True)
+    (folder / "chunk-1-trace.csv").write_text("".join(c1[:13]) + c1[13].replace("7800", "8400"))
+    demand, _ = loaders.load_demand(folder)
+    rates = demand.req_per_s
+    assert rates[2] == pytest.approx(6.0)  # one window at zero between normal ones: a gap
+    np.testing.assert_allclose(rates[5:8], 0.0)  # three in a row: real
+    assert rates[10] == 0.0  # beside quiet windows: real
+    assert rates[13] == pytest.approx(5.0)  # missing: bridged between 6 and 4
+    assert demand.notes == [
+        "2 recording gap window(s) bridged from their neighbours (1 missing, 1 with every "
+        "client at zero, each between windows of normal demand; at most 2 in a row)"
+    ]
+    stream = loaders.load_requests(folder)
+    assert demand.notes[0] in stream.notes

@@ -137,6 +137,8 @@ def run_inspect(args: argparse.Namespace) -> int:
               f"output mean {stream.output_tokens.mean():.0f}")  # fmt: skip
         for note in stream.notes:
             print(note)
+    for note in demand.notes:
+        print(note)
     return 0
 
 
@@ -199,6 +201,7 @@ def run_eval(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         fmt, (demand, stream) = _load(args)
+        loaded_notes = list(demand.notes)  # what loading repaired (recording gaps)
         demand, stream, demand_scale = _scale_demand(args, demand, stream)
         pool, scale = _pool(args, demand)
     except (TraceFormatError, FileNotFoundError, ValueError) as exc:
@@ -231,8 +234,9 @@ def run_eval(args: argparse.Namespace) -> int:
         f"machine {platform.node()} ({platform.processor() or platform.machine()}); "
         f"ran {time.monotonic() - started:.0f} s"
     )
-    if stream is not None and stream.notes:
-        header += "; " + "; ".join(stream.notes)
+    notes = [*(stream.notes if stream is not None else []), *loaded_notes]
+    if notes:
+        header += "; " + "; ".join(notes)
     paths = plots.write_all(res, out, name)
     report.print_tables(res, header)
     md = report.write(res, out, header, paths)

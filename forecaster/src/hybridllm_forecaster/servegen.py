@@ -40,6 +40,7 @@ class Windows:
     cv2: np.ndarray  # [num_windows] squared inter-arrival CV of the aggregate
     num_clients: int
     source: str
+    notes: tuple[str, ...] = ()  # repairs made while loading (recording gaps bridged)
 
 
 def looks_like_servegen(cells: list[str]) -> bool:
@@ -73,8 +74,10 @@ def load_windows(path: Path) -> Windows:
     rate = np.zeros(num)
     rate_cv2 = np.zeros(num)
     rate_sq = np.zeros(num)
+    present = np.zeros(num, dtype=bool)
     for start, r, cv in parsed:
         idx = np.rint((start - t0) / window_s).astype(np.int64)
+        present[idx] = True
         np.add.at(rate, idx, r)
         np.add.at(rate_cv2, idx, r * cv * cv)
         np.add.at(rate_sq, idx, r * r)
@@ -83,7 +86,54 @@ def load_windows(path: Path) -> Windows:
     nu = np.where(rate_sq > 0, safe * safe / np.maximum(rate_sq, 1e-24), 1.0)
     weight = 1.0 / (1.0 + 4.0 * (1.0 - QNA_RHO) ** 2 * (nu - 1.0))
     cv2 = weight * asymptotic + (1.0 - weight)
-    return Windows(window_s, rate, cv2, len(use), str(path))
+    gaps = recording_gaps(rate, present)
+    notes: tuple[str, ...] = ()
+    if gaps.any():
+        rate, cv2 = _bridge(rate, gaps), _bridge(cv2, gaps)
+        missing = int(np.sum(gaps & ~present))
+        notes = (
+            f"{int(gaps.sum())} recording gap window(s) bridged from their neighbours "
+            f"({missing} missing, {int(gaps.sum()) - missing} with every client at zero, "
+            f"each between windows of normal demand; at most {MAX_GAP_WINDOWS} in a row)",
+        )
+    return Windows(window_s, rate, cv2, len(use), str(path), notes)
+
+
+MAX_GAP_WINDOWS = 2  # a longer run at zero is taken as real (a quiet night, an outage)
+NORMAL_SHARE = 0.25  # a window is "normal" at >= this share of the median nonzero rate
+
+
+def recording_gaps(rate: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """Windows that are holes in the recording, not quiet time: missing, or at zero across
+    every client, in runs of at most ``MAX_GAP_WINDOWS`` between two windows of normal
+    demand. Replayed as real they look like demand dropping to nothing for a window, which
+    breaks forecasts and SLO accounting alike."""
+    nonzero = rate[present & (rate > 0)]
+    if nonzero.size == 0:
+        return np.zeros(len(rate), dtype=bool)
+    normal = present & (rate >= NORMAL_SHARE * float(np.median(nonzero)))
+    hole = ~present | (rate <= 0)
+    gaps = np.zeros(len(rate), dtype=bool)
+    i = 0
+    while i < len(rate):
+        if not hole[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(rate) and hole[j]:
+            j += 1
+        if i > 0 and j < len(rate) and j - i <= MAX_GAP_WINDOWS and normal[i - 1] and normal[j]:
+            gaps[i:j] = True
+        i = j
+    return gaps
+
+
+def _bridge(values: np.ndarray, gaps: np.ndarray) -> np.ndarray:
+    """``values`` with the gap windows interpolated linearly from their neighbours."""
+    out = values.copy()
+    idx = np.arange(len(values))
+    out[gaps] = np.interp(idx[gaps], idx[~gaps], values[~gaps])
+    return out
 
 
 def to_demand(
@@ -98,6 +148,7 @@ def to_demand(
         output_tok_per_s=w.rate * mean_output_tokens,
         arrival_cv=np.sqrt(w.cv2),
         source=w.source,
+        notes=list(w.notes),
     )
 
 
@@ -129,7 +180,7 @@ def sample_requests(
         chunks.append(i * w.window_s + t[t < w.window_s])
     arrivals = np.sort(np.concatenate(chunks)) if chunks else np.zeros(0)
     n = len(arrivals)
-    notes = [f"sampled from rate windows at {scale:.4g}x the trace's rate"]
+    notes = [f"sampled from rate windows at {scale:.4g}x the trace's rate", *w.notes]
     return RequestStream(
         arrival_s=arrivals,
         input_tokens=_lognormal_ints(rng, mean_input_tokens, 1.0, n),

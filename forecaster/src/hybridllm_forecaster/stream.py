@@ -127,6 +127,7 @@ class DemandSeries:
     arrival_cv: np.ndarray | None = None  # [num_bins]
     source: str = ""
     start_epoch_s: float | None = None
+    notes: list[str] = field(default_factory=list)  # what loading assumed or repaired
 
     def __post_init__(self) -> None:
         n = len(self.req_per_s)
@@ -173,6 +174,7 @@ class DemandSeries:
             arrival_cv=None if self.arrival_cv is None else self.arrival_cv[start:stop],
             source=self.source,
             start_epoch_s=epoch,
+            notes=list(self.notes),
         )
 
     def rebin(self, factor: int) -> DemandSeries:
@@ -194,4 +196,5 @@ class DemandSeries:
             arrival_cv=None if self.arrival_cv is None else avg(self.arrival_cv),
             source=self.source,
             start_epoch_s=self.start_epoch_s,
+            notes=list(self.notes),
         )
