@@ -397,3 +397,26 @@ def test_a_scaling_decision_reaches_the_status_before_the_deployment() -> None:
     before["pools"]["edge"]["desiredReplicas"] = wanted
     assert reconcile.decision_patch(scaling, before) == {}
     assert reconcile.decision_patch(scaling, {}) == {}  # a new pool: written with it
+
+
+def test_local_mode_starts_no_replica_the_machine_has_no_cores_for():
+    """Issue #52 (4): on `make up`'s two cores, an edge and a cloud replica of one CPU each
+    hold them all; a third replica would slow both down. The pool is capacity-bound, and
+    the reason says why, as with pods a cluster cannot schedule."""
+    from hybridllm_operator.local import plan
+
+    assert plan.core_bound("edge", 1, held=1, cores=2) == ""
+    why = plan.core_bound("monolithic", 1, held=2, cores=2)
+    assert why == (
+        "this machine has 2 cores and its running replicas hold 2 threads; one more "
+        "monolithic replica needs 1 (resources.cpu)"
+    )
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(spec("reactive"))
+    slow = TierDemand(prompt_tok_s=0, completion_tok_s=0, ttft_p95_s=2.5)
+    full = {c: autoscaling.Observed(replicas=2, ready=2, bound=why) for c in OBSERVED}
+    scaler.step(0.0, snapshot(slow, slow), full)
+    cloud = scaler.decisions["monolithic"]
+    assert (cloud.desired, cloud.capacity_bound) == (2, True)
+    assert "capacity-bound while saturated (cloud p95" in cloud.reason
+    assert why in cloud.reason

@@ -286,12 +286,14 @@ class PoolScaler:
         reading: Reading,
         *,
         unschedulable: int = 0,
+        bound: str = "",
     ) -> Decision:
         """Replicas for the pool from now on.
 
         ``provisioned`` is the replica count the pool runs now (ready and starting pods:
         the Deployment's replicas); ``ready`` those that serve; ``unschedulable`` the
-        pods that the scheduler cannot place.
+        pods that the scheduler cannot place; ``bound`` why one more replica could not
+        run, known before trying ("": it could, or it is not known).
         """
         predicted = self._predicted()
         error = self.forecast.recent_error()
@@ -337,10 +339,10 @@ class PoolScaler:
                 if want
                 else "at zero replicas: no request is waiting"
             )
-            if want and unschedulable > 0:
+            if want and (unschedulable > 0 or bound):
                 return Decision(0, want, None, None, reason=(
-                    f"capacity-bound: {unschedulable} pod(s) cannot be scheduled, so the pool "
-                    f"stays at 0 (wanted {want})"
+                    f"capacity-bound: {bound or f'{unschedulable} pod(s) cannot be scheduled'}"
+                    f", so the pool stays at 0 (wanted {want})"
                 ), metrics_available=True, capacity_bound=True, cause="hold: capacity-bound",
                     **common)  # fmt: skip
             cause = "scale up: requests waiting" if want else "hold: no request waiting"
@@ -357,17 +359,18 @@ class PoolScaler:
         reactive, predictive = self._parts(recommended)
         reason, cause = self._explain(recommended, provisioned, reactive, predictive, now_s)
         desired = recommended
-        bound = False
-        if recommended > provisioned and unschedulable > 0:
+        bound_now, bound = bound, False  # why it cannot grow (the argument); whether it did not
+        if recommended > provisioned and (unschedulable > 0 or bound_now):
             desired, bound = provisioned, True
+            why = bound_now or f"{unschedulable} pod(s) cannot be scheduled"
             reason = (
-                f"capacity-bound: {unschedulable} pod(s) cannot be scheduled, so the pool is "
-                f"not scaled beyond {provisioned} (wanted {recommended})"
+                f"capacity-bound: {why}, so the pool is not scaled beyond {provisioned} "
+                f"(wanted {recommended})"
             )
             cause = "hold: capacity-bound"
         elif (signals := reading.saturation) and recommended <= provisioned:
             desired, reason, cause, bound = self._saturated(
-                ready, provisioned, recommended, signals, unschedulable, now_s
+                ready, provisioned, recommended, signals, unschedulable, bound_now, now_s
             )
         elif self._raised is not None and recommended < self._raised[0]:
             raised, until = self._raised
@@ -395,6 +398,7 @@ class PoolScaler:
         recommended: int,
         signals: list[str],
         unschedulable: int,
+        bound: str,
         now_s: float,
     ) -> tuple[int, str, str, bool]:
         """A saturated pool that the policy would hold or shrink: one replica more, or the
@@ -412,11 +416,12 @@ class PoolScaler:
                 "hold: saturated at maxReplicas",
                 False,
             )
-        if unschedulable > 0:
+        if unschedulable > 0 or bound:
             return (
                 provisioned,
-                f"capacity-bound while saturated ({why}): {unschedulable} pod(s) cannot be "
-                f"scheduled, so the pool stays at {provisioned}",
+                f"capacity-bound while saturated ({why}): "
+                f"{bound or f'{unschedulable} pod(s) cannot be scheduled'}, so the pool stays "
+                f"at {provisioned}",
                 "hold: capacity-bound",
                 True,
             )

@@ -87,6 +87,9 @@ class Observed:
     replicas: int  # the Deployment's spec.replicas
     ready: int
     unschedulable: int = 0  # pods the scheduler cannot place
+    # Why one more replica cannot run, where that is known before trying (local mode: the
+    # machine's cores are held); "" otherwise.
+    bound: str = ""
 
 
 @dataclass
@@ -277,6 +280,7 @@ class ServiceAutoscaler:
                     demand.overloaded if demand else 0.0,
                 ),
                 unschedulable=seen.unschedulable,
+                bound=seen.bound,
             )
             decisions[component] = decision
             if work is not None:

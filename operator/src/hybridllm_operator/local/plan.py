@@ -143,6 +143,18 @@ def local_scaled_pools(spec: crd.LLMServiceSpec) -> dict[str, crd.PoolSpec]:
     return {c: p for c, p in crd.scaled_pools(spec).items() if c in ("edge", "monolithic")}
 
 
+def core_bound(component: str, need: int, held: int, cores: int) -> str:
+    """Why one more replica of ``component`` (``need`` threads) cannot start on a machine
+    of ``cores`` cores whose running replicas hold ``held`` threads ("" when it fits):
+    started anyway, it would slow every replica down instead of adding capacity."""
+    if held + need <= cores:
+        return ""
+    return (
+        f"this machine has {cores} cores and its running replicas hold {held} threads; one "
+        f"more {component} replica needs {need} (resources.cpu)"
+    )
+
+
 def local_notes(service: builders.Service) -> list[str]:
     """Fields that have no effect on one machine, said once at start-up."""
     spec = service.spec
@@ -183,8 +195,9 @@ def local_notes(service: builders.Service) -> list[str]:
     if spec.edge.enabled and spec.edge.devices is not None:
         notes.append("spec.edge.devices: devices outside this machine are not enrolled locally")
     notes.append(
-        "resources: cpu sets each replica's threads (as in a pod); memory and images "
-        "are not enforced locally"
+        "resources: cpu sets each replica's threads (as in a pod), and the autoscaler "
+        "starts no replica the machine has no free cores for (capacity-bound); memory and "
+        "images are not enforced locally"
     )
     return notes
 

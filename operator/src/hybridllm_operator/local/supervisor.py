@@ -468,6 +468,7 @@ class Supervisor:
         standby slots or retire replicas of each pool it sizes."""
         spec = self.plan.service().spec
         local = local_scaled_pools(spec)
+        pools = crd.scaled_pools(spec)  # every pool's resources: the machine's cores held
         for pool in local.values():  # nothing here wakes a stopped pool: keep one
             pool.min_replicas = max(pool.min_replicas, 1)
         scaling = autoscaler_from_env()
@@ -486,10 +487,16 @@ class Supervisor:
                 await asyncio.wait_for(self._stop.wait(), interval)
             if self._stop.is_set():
                 return
+            threads = {c: builders.cpu_threads(p.resources) for c, p in pools.items()}
+            held = sum(
+                threads.get(p.replica.component, 1) for p in self.procs
+                if p.replica.component != "gateway" and p.status != "standby"
+            )  # fmt: skip
             observed = {
                 c: autoscaling.Observed(
                     replicas=len(self._active(c)),
                     ready=sum(p.status == "ready" for p in self._active(c)),
+                    bound=plan_mod.core_bound(c, threads[c], held, os.cpu_count() or 1),
                 )
                 for c in local
             }
