@@ -334,6 +334,9 @@ class StreamParser:
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        # a closing tag can only end in the new text: search from just before it (each
+        # token would otherwise scan the whole call so far again)
+        scan = max(0, len(self.buffer) - len(CLOSE))
         self.buffer += text
         if self.mode == "undecided":
             head = self.buffer.lstrip()
@@ -348,9 +351,10 @@ class StreamParser:
             return out, []
         found = []
         while True:
-            end = self.buffer.find(CLOSE)
+            end = self.buffer.find(CLOSE, scan)
             if end < 0:
                 break
+            scan = 0
             start = self.buffer.find(OPEN)
             call = (
                 _parse_block(self.buffer[start + len(OPEN) : end], self.names)
