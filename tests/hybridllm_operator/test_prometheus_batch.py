@@ -89,8 +89,9 @@ def test_each_service_reads_from_the_batch_what_it_reads_alone(prometheus: str) 
         rates.append(batched.tiers["edge"].prompt_tok_s)
     # each service its own rate (service i answers i + 1 times the first's), not another's
     assert 0 < rates[0] < rates[1] < rates[2]
-    # five instant queries answered all three services
-    assert batch.queries == 5
+    # six instant queries (prompt, completion, in flight, waiting, TTFT, 503s) answered all
+    # three services
+    assert batch.queries == 6
 
 
 def test_the_newest_bin_from_the_batch_extends_the_history_as_a_whole_query_would(
@@ -111,12 +112,12 @@ def test_the_newest_bin_from_the_batch_extends_the_history_as_a_whole_query_woul
         assert extended == whole.read(end + BIN_S).bins
         assert extended["edge"][-1][0] > 0  # the new bin holds this service's tokens
         assert reader._bins_until == end + BIN_S
-    # one new bin for all three: two queries (prompt, completion), beside the five instant
+    # one new bin for all three: two queries (prompt, completion), beside the six instant
     # ones when the new time is past the last one's evaluation quantum
     quantum = math.floor((end + BIN_S) / demand.EVAL_QUANTUM_S) != math.floor(
         end / demand.EVAL_QUANTUM_S
     )
-    assert batch.queries - before == 2 + 5 * quantum
+    assert batch.queries - before == 2 + 6 * quantum
 
 
 def test_a_prometheus_that_is_down_is_asked_once_for_every_service() -> None:
