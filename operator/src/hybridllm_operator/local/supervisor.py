@@ -52,6 +52,7 @@ from typing import Any, TextIO
 import aiohttp
 
 from hybridllm_common import backend_auth, crd
+from hybridllm_common import metrics as names
 from hybridllm_forecaster.autoscaler import DECIDING, Decision
 from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
 from hybridllm_operator.local import plan as plan_mod
@@ -83,6 +84,20 @@ BACKOFF_RESET_AFTER_S = 60.0
 RETIRE_DELAY_S = 3.0  # a retired replica's wait between leaving the table and SIGTERM
 
 _PR_SET_PDEATHSIG = 1
+
+
+def served_everywhere(metrics_text: str, routed: dict[str, int]) -> bool:
+    """Whether a gateway's metrics show, per tier, at least the backends a routing table
+    lists (``hybridllm_gateway_revision_healthy_backends``, summed over revisions)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    healthy: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == names.GATEWAY_REVISION_HEALTHY_BACKENDS:
+                tier = sample.labels.get("tier", "")
+                healthy[tier] = healthy.get(tier, 0.0) + sample.value
+    return all(healthy.get(tier, 0.0) >= count for tier, count in routed.items())
 
 
 class AlreadyRunning(Exception):
@@ -186,6 +201,8 @@ class Supervisor:
         self._force = asyncio.Event()
         self._routing_ready = asyncio.Event()
         self._routing: dict[str, Any] | None = None
+        self._routed: dict[str, int] = {}  # backends per tier in the table last written
+        self._announcing: asyncio.Task[None] | None = None
         self._lock_fd: int | None = None
 
     # ----------------------------------------------------------------- output and state
@@ -246,11 +263,34 @@ class Supervisor:
             p.status == "ready" for p in self.procs if p.status != "standby" and not p.replica.track
         )
         if all_ready and self.phase == "starting":
-            self.phase = "ready"
-            self._banner()
+            # "ready" once the gateway serves every ready replica: it reloads the table
+            # naming the last of them within its reload interval, and until then a table
+            # of one tier sends every request there
+            if self._announcing is None or self._announcing.done():
+                self._announcing = asyncio.ensure_future(self._ready_when_routed())
         elif self.phase != "starting":
             self.phase = "ready" if all_ready else "degraded"
         self.write_state()
+
+    async def _ready_when_routed(self, timeout_s: float = 10.0) -> None:
+        """Phase "ready" (and the banner) once the gateway's metrics show as many healthy
+        backends per tier as the routing table lists, or after ``timeout_s`` (a gateway
+        that ejected a backend meanwhile must not hold the service in "starting")."""
+        deadline = time.monotonic() + timeout_s
+        url = f"{self.plan.gateway_url}/metrics"
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline and not self._stop.is_set():
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                    async with http.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                        if served_everywhere(await r.text(), self._routed):
+                            break
+                await asyncio.sleep(0.1)
+        if self.phase == "starting" and all(
+            p.status == "ready" for p in self.procs if p.status != "standby" and not p.replica.track
+        ):
+            self.phase = "ready"
+            self._banner()
+            self.write_state()
 
     def _banner(self) -> None:
         url = self.plan.gateway_url
@@ -313,6 +353,9 @@ class Supervisor:
             # ejection handle dead backends) rather than one the gateway would refuse.
             return
         self._routing = table
+        self._routed = {
+            t: len(stable.get(t, [])) + len(canary.get(t, [])) for t in {*stable, *canary}
+        }
         atomic_write(
             Path(self.plan.routing_path), json.dumps(table, indent=2, sort_keys=True) + "\n"
         )
