@@ -381,6 +381,34 @@ def test_layout_mismatch_is_not_retried(
     assert decode.num_remote_failures == 1
 
 
+def test_the_kv_port_serves_only_decode_workers_with_the_services_token(
+    mono: llm_engine.LLMEngine, prefill: PrefillWorker, loop: LoopThread, decode_factory: Any
+) -> None:
+    """Issue #59: the KV port computed a prefill for anyone who could reach it (a prompt's
+    KV blocks and first token, for any prompt). With the pod's backend token set, a
+    PREFILL request without it is refused by name and not retried; the service's own decode
+    workers, which carry it, are served."""
+    token = "t" * 40
+
+    async def start() -> tuple[prefill_server.KVServer, transport.Endpoint]:
+        server = prefill_server.KVServer(prefill.async_engine, MODEL_ID, timeout=10, token=token)
+        return server, await server.start(transport.Endpoint("tcp", "127.0.0.1", 0))
+
+    guarded, endpoint = loop.run(start())
+    try:
+        decode, _, stats = decode_factory([endpoint])
+        assert tokens(decode, PROMPTS[:1]) == tokens(mono, PROMPTS[:1])
+        assert (stats[0].outcome, stats[0].attempts) == ("failed", 1)
+        assert "unauthorized" in stats[0].errors[0]
+        for wrong in ("x" * 40, token):
+            decode, _, stats = decode_factory([endpoint], token=wrong)
+            assert tokens(decode, PROMPTS[:1]) == tokens(mono, PROMPTS[:1])
+            assert stats[0].outcome == ("ok" if wrong == token else "failed")
+    finally:
+        loop.run(guarded.close())
+        wait_prefill_idle(prefill)
+
+
 def test_frame_roundtrip_and_checksum() -> None:
     payload = torch.arange(64, dtype=torch.float32).numpy().tobytes()
     frame = protocol.Frame(protocol.FrameType.KV, 9, payload, 2, 1, 5, 3)

@@ -40,6 +40,7 @@ from hybridllm_cloud.disagg import protocol, transport
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_cloud.engine.outputs import KVLoad, TokenLogprobs
 from hybridllm_cloud.worker import model_runner
+from hybridllm_common import backend_auth
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class RemotePrefillClient:
         backoff: float = 5.0,
         resolve_interval: float = 10.0,
         on_transfer: Callable[[TransferStats], None] | None = None,
+        token: str | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("remote prefill needs at least one prefill endpoint")
@@ -108,6 +110,7 @@ class RemotePrefillClient:
         self.timeout = timeout
         self.backoff = backoff
         self.resolve_interval = resolve_interval
+        self.token = token  # the service's backend token, shown to its prefill workers
         self.on_transfer = on_transfer
         self.on_frame: Callable[[protocol.Frame], None] | None = None  # observers (tests)
         self._workers: dict[transport.Endpoint, _Worker] = {}
@@ -261,6 +264,8 @@ class RemotePrefillClient:
             },
             "layout": self.layout,
         }
+        if self.token is not None:
+            request["authorization"] = backend_auth.header(self.token)["authorization"]
         try:
             conn = await transport.connect(endpoint, self.timeout)
         except (OSError, TimeoutError) as exc:

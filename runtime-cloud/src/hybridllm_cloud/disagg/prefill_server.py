@@ -33,6 +33,7 @@ import torch
 from hybridllm_cloud.disagg import protocol, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
 from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_common import backend_auth
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class KVServer:
         max_buffered_bytes: int = 256 << 20,
         timeout: float = 30.0,
         on_transfer: Callable[[str, float, int], None] | None = None,
+        token: str | None = None,
     ) -> None:
         self.engine = engine
         runner = engine.engine.runner
@@ -112,6 +114,9 @@ class KVServer:
         self.max_buffered_bytes = max_buffered_bytes
         self.timeout = timeout
         self.on_transfer = on_transfer  # (outcome, seconds, bytes sent)
+        # The pod's backend token (hybridllm_common.backend_auth): a PREFILL request must
+        # carry it, or the KV port answers nobody but the service's own decode workers.
+        self.token = token
         self.active = 0
         self._ids = itertools.count()
         self._servers: list[transport.Server] = []
@@ -163,6 +168,14 @@ class KVServer:
             raise protocol.ProtocolError(f"expected PREFILL, got {frame.type.name}")
         tid = frame.transfer_id
         req = frame.json()
+        if self.token is not None and not backend_auth.matches(
+            self.token, str(req.get("authorization") or "")
+        ):
+            await self._error(
+                conn, tid, "unauthorized: a PREFILL request must carry the service's backend "
+                "token", retryable=False,
+            )  # fmt: skip
+            return "unauthorized", 0
         if req.get("layout") != self.layout:
             await self._error(
                 conn,

@@ -27,7 +27,7 @@ from hybridllm_cloud.engine import async_engine, llm_engine
 from hybridllm_cloud.search import verifier as verifier_mod
 from hybridllm_cloud.server import metrics as server_metrics
 from hybridllm_cloud.server import search_api, serving
-from hybridllm_common import http_errors, termination
+from hybridllm_common import backend_auth, http_errors, termination
 from hybridllm_common import openai_protocol as oai
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ async def _start_role(
             max_waiting=settings.max_waiting_requests,
             timeout=settings.kv_transfer_timeout_seconds,
             on_transfer=metrics.on_kv_served,
+            token=backend_auth.load_token(),
         )
         endpoints = [transport.Endpoint("tcp", settings.host, settings.kv_port)]
         if settings.kv_socket:
@@ -92,6 +93,7 @@ async def _start_role(
             retries=settings.kv_transfer_retries,
             timeout=settings.kv_transfer_timeout_seconds,
             on_transfer=metrics.on_kv_transfer,
+            token=backend_auth.load_token(),
         )
         client.start_thread()
         engine.use_remote_prefill(client)
