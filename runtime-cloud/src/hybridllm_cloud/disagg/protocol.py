@@ -11,7 +11,9 @@ Frame types:
 
 - ``PREFILL`` (decode -> prefill): JSON: prompt token ids, sampling parameters for the
   first token, ``first_block`` (blocks before it are cached on the decode side and are not
-  sent) and the decode side's cache layout, which the prefill side checks against its own.
+  sent) and the decode side's cache layout, which the prefill side checks against its own;
+  and ``authorization`` (``Bearer <the service's backend token>``), required when the
+  prefill side has a token (refused with a non-retryable ``ERROR`` otherwise).
 - ``KV`` (prefill -> decode): the K and V of blocks ``[first_block, first_block +
   num_blocks)`` of the request's block table for layers ``[layer_start, layer_start +
   layer_count)``: per layer, K blocks then V blocks, raw in the cache dtype, each block
