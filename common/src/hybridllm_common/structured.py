@@ -10,8 +10,8 @@ their grammar here too.
 The grammars are llguidance's (JSON Schema, regular expressions, a Lark-like CFG; GBNF is
 converted), the library llama.cpp and vLLM use for this. It was chosen over xgrammar for
 three measured reasons (docs/structured-output.md): a mask for the 49,152-token SmolLM2
-vocabulary in a median 31 us on this machine's CPU, no compile step per schema worth
-caching (0.5 ms for a matcher), and no dependency beyond one wheel, which matters on the
+vocabulary in a median 21 us on this machine's CPU, no compile step per schema worth
+caching (0.41 ms for a matcher; bench/results/structured.md), and no dependency beyond one wheel, which matters on the
 edge runtime, where torch is not installed. Its compile and match work is bounded by
 llguidance's parser limits (fuel per token and per grammar), so a hostile schema or regex
 fails its own request, never the step loop.
@@ -26,7 +26,9 @@ sequence once the grammar can take nothing more.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +59,8 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 
 
-def _bad(param: str, message: str) -> oai.APIError:
+def refuse(param: str, message: str) -> oai.APIError:
+    """A 400 `invalid_parameter` naming ``param`` (the message starts with it)."""
     return oai.APIError(oai.INVALID_PARAMETER, f"{param}: {message}", param)
 
 
@@ -76,11 +79,11 @@ class Constraint:
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):
-            raise _bad(param, "a JSON schema must be an object")
+            raise refuse(param, "a JSON schema must be an object")
         try:
             grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         except (ValueError, TypeError) as exc:
-            raise _bad(param, f"not a usable JSON schema: {exc}") from exc
+            raise refuse(param, f"not a usable JSON schema: {exc}") from exc
         return Constraint(kind, grammar, param)
 
     @staticmethod
@@ -103,43 +106,43 @@ def _choice(choices: Any, param: str) -> Constraint:
         or not choices
         or not all(isinstance(c, str) and c for c in choices)
     ):
-        raise _bad(param, "must be a non-empty list of non-empty strings")
+        raise refuse(param, "must be a non-empty list of non-empty strings")
     if len(choices) > MAX_CHOICES:
-        raise _bad(param, f"at most {MAX_CHOICES} choices")
+        raise refuse(param, f"at most {MAX_CHOICES} choices")
     alternatives = " | ".join(lark_literal(c) for c in dict.fromkeys(choices))
     return Constraint.lark(f"start: {alternatives}\n", "choice", param)
 
 
 def _grammar(source: Any, param: str) -> Constraint:
     if not isinstance(source, str) or not source.strip():
-        raise _bad(param, "must be a non-empty grammar (Lark, or GBNF with ::= rules)")
+        raise refuse(param, "must be a non-empty grammar (Lark, or GBNF with ::= rules)")
     if "::=" in source:  # GBNF, as llama.cpp and xgrammar take it
         try:
             source = any_to_lark(source)
         except Exception as exc:  # the converter raises plain exceptions on bad input
-            raise _bad(param, f"not a valid GBNF grammar: {exc}") from exc
+            raise refuse(param, f"not a valid GBNF grammar: {exc}") from exc
     return Constraint.lark(source, "grammar", param)
 
 
 def _response_format(value: Any) -> Constraint | None:
     param = "response_format"
     if not isinstance(value, dict):
-        raise _bad(param, 'must be an object with a "type"')
+        raise refuse(param, 'must be an object with a "type"')
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return Constraint.json_schema({"type": "object"}, param, "json_object")
     if kind != "json_schema":
-        raise _bad(
+        raise refuse(
             f"{param}.type", f"{str(kind)[:40]!r} is not one of text, json_object, json_schema"
         )
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise _bad(f"{param}.json_schema", 'must be an object with a "name" and a "schema"')
+        raise refuse(f"{param}.json_schema", 'must be an object with a "name" and a "schema"')
     unknown = set(spec) - {"name", "description", "schema", "strict"}
     if unknown:
-        raise _bad(f"{param}.json_schema.{sorted(unknown)[0]}", "unknown field")
+        raise refuse(f"{param}.json_schema.{sorted(unknown)[0]}", "unknown field")
     if "schema" not in spec:
         # OpenAI's default: any JSON object.
         return Constraint.json_schema({"type": "object"}, param, "json_object")
@@ -149,18 +152,20 @@ def _response_format(value: Any) -> Constraint | None:
 def _structured_outputs(value: Any) -> Constraint | None:
     param = STRUCTURED_FIELD
     if not isinstance(value, dict):
-        raise _bad(param, "must be an object")
+        raise refuse(param, "must be an object")
     backend = value.get("backend")
     if backend is not None and backend not in _BACKENDS:
-        raise _bad(f"{param}.backend", f"{str(backend)[:40]!r}: only llguidance is available here")
+        raise refuse(
+            f"{param}.backend", f"{str(backend)[:40]!r}: only llguidance is available here"
+        )
     allowed = {*_SO_KINDS, "json_object", "backend"}
     unknown = sorted(k for k in value if k not in allowed)
     if unknown:
-        raise _bad(f"{param}.{unknown[0]}", "not supported (json, regex, choice, grammar and "
+        raise refuse(f"{param}.{unknown[0]}", "not supported (json, regex, choice, grammar and "
                    "json_object are)")  # fmt: skip
     asked = [k for k in (*_SO_KINDS, "json_object") if value.get(k) not in (None, False)]
     if len(asked) > 1:
-        raise _bad(param, f"give one of {', '.join(asked)}, not several")
+        raise refuse(param, f"give one of {', '.join(asked)}, not several")
     if not asked:
         return None
     key = asked[0]
@@ -173,11 +178,11 @@ def _one(key: str, value: Any, param: str) -> Constraint:
             try:
                 value = json.loads(value)
             except ValueError as exc:
-                raise _bad(param, f"not valid JSON: {exc}") from exc
+                raise refuse(param, f"not valid JSON: {exc}") from exc
         return Constraint.json_schema(value, param)
     if key in ("regex", "guided_regex"):
         if not isinstance(value, str) or not value:
-            raise _bad(param, "must be a non-empty regular expression")
+            raise refuse(param, "must be a non-empty regular expression")
         return Constraint.regex(value, param)
     if key in ("choice", "guided_choice"):
         return _choice(value, param)
@@ -185,9 +190,9 @@ def _one(key: str, value: Any, param: str) -> Constraint:
         return _grammar(value, param)
     if key == "json_object":
         if value is not True:
-            raise _bad(param, "must be true")
+            raise refuse(param, "must be true")
         return Constraint.json_schema({"type": "object"}, param, "json_object")
-    raise _bad(param, "unknown structured output")  # pragma: no cover - keys are fixed above
+    raise refuse(param, "unknown structured output")  # pragma: no cover - keys are fixed above
 
 
 def from_request(body: oai.ChatCompletionRequest | oai.CompletionRequest) -> Constraint | None:
@@ -212,11 +217,11 @@ def from_request(body: oai.ChatCompletionRequest | oai.CompletionRequest) -> Con
             found.append(_one(name, extras[name], name))
     backend = extras.get("guided_decoding_backend")
     if backend is not None and backend not in _BACKENDS:
-        raise _bad(
+        raise refuse(
             "guided_decoding_backend", f"{str(backend)[:40]!r}: only llguidance is available here"
         )
     if len(found) > 1:
-        raise _bad(found[1].param, f"conflicts with {found[0].param}: ask for one output format")
+        raise refuse(found[1].param, f"conflicts with {found[0].param}: ask for one output format")
     return found[0] if found else None
 
 
@@ -239,7 +244,7 @@ class Vocabulary:
         (a schema feature llguidance refuses, a bad regex, a grammar that cannot parse)."""
         error = LLMatcher.validate_grammar(constraint.grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise _bad(constraint.param, error.strip().replace("\n", " ")[:500])
+            raise refuse(constraint.param, error.strip().replace("\n", " ")[:500])
 
     def matcher(self, constraint: Constraint) -> Matcher:
         return Matcher(self, constraint)
@@ -253,7 +258,7 @@ class Matcher:
         self.constraint = constraint
         self._m = LLMatcher(vocab.tokenizer, constraint.grammar, log_level=0)
         if self._m.is_error():
-            raise _bad(constraint.param, self._m.get_error()[:500])
+            raise refuse(constraint.param, self._m.get_error()[:500])
         self._words = np.zeros((1, (vocab.vocab_size + 31) // 32), dtype=np.int32)
 
     def allowed(self) -> np.ndarray:
@@ -273,20 +278,21 @@ class Matcher:
         end of a grammar that has no continuation)."""
         return bool(self._m.is_stopped())
 
-    @property
-    def accepting(self) -> bool:
-        return bool(self._m.is_accepting())
 
-    @property
-    def error(self) -> str:
-        return self._m.get_error() if self._m.is_error() else ""
+async def matchers(
+    vocabulary: Callable[[], Vocabulary], constraint: Constraint, count: int
+) -> list[Matcher]:
+    """``count`` matchers of ``constraint``, for the sequences of one request: the grammar
+    checked (a 400 naming the field) and compiled off the event loop and off the runtime's
+    step loop (a large schema takes milliseconds). ``vocabulary`` gives the model's, built
+    at the first call (~0.2 s)."""
 
-    def copy(self) -> Matcher:
-        clone = object.__new__(Matcher)
-        clone.vocab, clone.constraint = self.vocab, self.constraint
-        clone._m = self._m.deep_copy()
-        clone._words = np.zeros_like(self._words)
-        return clone
+    def build() -> list[Matcher]:
+        vocab = vocabulary()
+        vocab.check(constraint)
+        return [vocab.matcher(constraint) for _ in range(count)]
+
+    return await asyncio.to_thread(build)
 
 
 def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:

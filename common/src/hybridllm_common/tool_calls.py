@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridllm_common import openai_protocol as oai
-from hybridllm_common.structured import JSON_OPTIONS, Constraint, lark_literal
+from hybridllm_common.structured import JSON_OPTIONS, Constraint, lark_literal, refuse
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -57,10 +57,6 @@ To call functions, answer with nothing but one block per call:
 {{"name": "<function name>", "arguments": {{<the arguments, a JSON object>}}}}
 </tool_call>
 The results come back in <tool_response></tool_response> blocks. Otherwise answer in text."""
-
-
-def _bad(param: str, message: str) -> oai.APIError:
-    return oai.APIError(oai.INVALID_PARAMETER, f"{param}: {message}", param)
 
 
 @dataclass(frozen=True)
@@ -94,26 +90,26 @@ class ToolSpec:
 def _function(i: int, tool: Any) -> Function:
     param = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise _bad(f"{param}.type", 'only tools of type "function" are supported')
+        raise refuse(f"{param}.type", 'only tools of type "function" are supported')
     fn = tool.get("function")
     if not isinstance(fn, dict):
-        raise _bad(f"{param}.function", "must be an object")
+        raise refuse(f"{param}.function", "must be an object")
     unknown = set(fn) - {"name", "description", "parameters", "strict"}
     if unknown:
-        raise _bad(f"{param}.function.{sorted(unknown)[0]}", "unknown field")
+        raise refuse(f"{param}.function.{sorted(unknown)[0]}", "unknown field")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise _bad(f"{param}.function.name", "must be 1-64 letters, digits, _ or -")
+        raise refuse(f"{param}.function.name", "must be 1-64 letters, digits, _ or -")
     description = fn.get("description", "")
     if not isinstance(description, str):
-        raise _bad(f"{param}.function.description", "must be a string")
+        raise refuse(f"{param}.function.description", "must be a string")
     parameters = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
-        raise _bad(f"{param}.function.parameters", "must be a JSON schema object")
+        raise refuse(f"{param}.function.parameters", "must be a JSON schema object")
     if parameters.get("type", "object") != "object":
-        raise _bad(f"{param}.function.parameters.type", 'the arguments must be an "object"')
+        raise refuse(f"{param}.function.parameters.type", 'the arguments must be an "object"')
     if len(json.dumps(parameters)) > MAX_SCHEMA_BYTES:
-        raise _bad(f"{param}.function.parameters", f"larger than {MAX_SCHEMA_BYTES} bytes")
+        raise refuse(f"{param}.function.parameters", f"larger than {MAX_SCHEMA_BYTES} bytes")
     return Function(name, description, parameters)
 
 
@@ -126,33 +122,35 @@ def from_request(body: oai.ChatCompletionRequest) -> ToolSpec | None:
     # small models, free to add calls, repeat the first one until max_tokens.
     parallel = sent.get("parallel_tool_calls", False)
     if not isinstance(tools, list):
-        raise _bad("tools", "must be a list")
+        raise refuse("tools", "must be a list")
     if len(tools) > MAX_TOOLS:
-        raise _bad("tools", f"at most {MAX_TOOLS} tools")
+        raise refuse("tools", f"at most {MAX_TOOLS} tools")
     if not isinstance(parallel, bool):
-        raise _bad("parallel_tool_calls", "must be a boolean")
+        raise refuse("parallel_tool_calls", "must be a boolean")
     functions = tuple(_function(i, t) for i, t in enumerate(tools))
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
-        raise _bad("tools", "function names must be unique")
+        raise refuse("tools", "function names must be unique")
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict):
-            raise _bad(
+            raise refuse(
                 "tool_choice", 'a named choice is {"type": "function", "function": {"name": ...}}'
             )
         if fn.get("name") not in names:
-            raise _bad("tool_choice.function.name", f"{str(fn.get('name'))[:64]!r} is not in tools")
+            raise refuse(
+                "tool_choice.function.name", f"{str(fn.get('name'))[:64]!r} is not in tools"
+            )
         choice = fn["name"]
     elif choice not in ("none", "auto", "required"):
-        raise _bad("tool_choice", 'must be "none", "auto", "required" or a named function')
+        raise refuse("tool_choice", 'must be "none", "auto", "required" or a named function')
     if choice == "none":
         return None
     if not functions:
         if choice == "required":
-            raise _bad("tool_choice", '"required" needs at least one tool')
+            raise refuse("tool_choice", '"required" needs at least one tool')
         return None
     return ToolSpec(functions, choice, parallel)
 
@@ -200,19 +198,19 @@ def _history_calls(i: int, calls: Any) -> list[tuple[str, Any]]:
     """An assistant message's ``tool_calls`` as (name, arguments object)."""
     param = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
-        raise _bad(param, "must be a list")
+        raise refuse(param, "must be a list")
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(f"{param}[{j}].function", 'must be {"name": ..., "arguments": "..."}')
+            raise refuse(f"{param}[{j}].function", 'must be {"name": ..., "arguments": "..."}')
         args = fn.get("arguments", "{}")
         if not isinstance(args, str):
-            raise _bad(f"{param}[{j}].function.arguments", "must be a JSON string")
+            raise refuse(f"{param}[{j}].function.arguments", "must be a JSON string")
         try:
             parsed = json.loads(args) if args.strip() else {}
         except ValueError as exc:
-            raise _bad(f"{param}[{j}].function.arguments", f"not valid JSON: {exc}") from exc
+            raise refuse(f"{param}[{j}].function.arguments", f"not valid JSON: {exc}") from exc
         out.append((fn["name"], parsed))
     return out
 
@@ -393,7 +391,9 @@ def plan_chat(body: oai.ChatCompletionRequest, template: str | None) -> ChatPlan
     spec = from_request(body)
     fmt = structured.from_request(body)
     if spec is not None and fmt is not None:
-        raise _bad(fmt.param, 'not supported together with tools: send one, or tool_choice "none"')
+        raise refuse(
+            fmt.param, 'not supported together with tools: send one, or tool_choice "none"'
+        )
     native = spec is not None and template_renders_tools(template)
     messages = chat_messages(body.messages, spec, native)
     tools = [f.as_tool() for f in spec.functions] if native and spec is not None else None

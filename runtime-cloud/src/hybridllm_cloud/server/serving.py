@@ -182,24 +182,16 @@ class Serving:
         except Exception as exc:
             raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
 
-    async def _check_constraint(self, constraint: structured.Constraint | None) -> None:
-        """The grammar compiles for this model's vocabulary, or a 400 names the field (off
-        the event loop: a large schema takes milliseconds; the vocabulary is built at the
-        first one)."""
-        if constraint is not None:
-            engine = self.engine.engine
-            await asyncio.to_thread(lambda: engine.vocabulary.check(constraint))
-            self.metrics.structured.labels(kind=constraint.kind).inc()
-
     async def _grammars(self, params: SamplingParams, count: int) -> list[Any]:
-        """One matcher per engine request, built off the event loop and the step loop."""
+        """One matcher per engine request (``structured.matchers``: checked and built off
+        the event loop and the step loop)."""
         constraint = params.constraint
         if constraint is None:
             return [None] * count
-        vocab = self.engine.engine.vocabulary
-        return list(
-            await asyncio.to_thread(lambda: [vocab.matcher(constraint) for _ in range(count)])
-        )
+        engine = self.engine.engine
+        built = await structured.matchers(lambda: engine.vocabulary, constraint, count)
+        self.metrics.structured.labels(kind=constraint.kind).inc()
+        return list(built)
 
     def check_capacity(self) -> None:
         """503 with Retry-After when the engine's queue is at its bound."""
@@ -278,7 +270,6 @@ class Serving:
         admission.refuse_unsupported(body, SUPPORTED_HERE)
         search = self._search(body)
         plan = tool_calls.plan_chat(body, self.tokenizer.chat_template)
-        await self._check_constraint(plan.constraint)
         prompt = self.tokenizer.encode(self.chat_text(plan), add_special_tokens=False)
         top = body.top_logprobs or 0
         params = self._params(body, len(prompt), top if body.logprobs else None)
@@ -329,7 +320,6 @@ class Serving:
         else:
             prompt = admission.prompt_token_ids(body.prompt, self.vocab_size)
         constraint = structured.from_request(body)
-        await self._check_constraint(constraint)
         params = self._params(body, len(prompt), body.logprobs)
         params = dataclasses.replace(params, constraint=constraint)
         params = self._search_params(params, search)

@@ -86,14 +86,13 @@ class Serving(responses.ResponseShapes):
     async def _grammars(
         self, constraint: structured.Constraint | None, n: int
     ) -> list[structured.Matcher | None]:
-        """One matcher per choice, compiled off the event loop (and off the engine's
-        step loop: a large schema takes milliseconds); a 400 names what does not compile."""
+        """One matcher per choice (``structured.matchers``: checked and built off the event
+        loop and the engine's step loop)."""
         if constraint is None:
             return [None] * n
-        vocab = await asyncio.to_thread(lambda: self.engine.vocabulary)
-        await asyncio.to_thread(vocab.check, constraint)
+        built = await structured.matchers(lambda: self.engine.vocabulary, constraint, n)
         self.metrics.structured.labels(kind=constraint.kind).inc()
-        return list(await asyncio.to_thread(lambda: [vocab.matcher(constraint) for _ in range(n)]))
+        return list(built)
 
     def _start(
         self,
