@@ -349,8 +349,9 @@ def run(n: int, replicas: int, steady_s: float, workdir: Path) -> dict[str, Any]
         kubectl(cluster, "apply", "--server-side", "-f", str(ROOT / "crds"))
         kubectl(cluster, "wait", "--for=condition=Established", "crd/edgedevices.hybridllm.io")
         kubectl(cluster, "create", "namespace", NAMESPACE)
+        # the token's labels are those the auto-approved devices get (they ask for them)
         kubectl(cluster, "create", "secret", "generic", "shops-bootstrap", "-n", NAMESPACE,
-                f"--from-literal=token={TOKEN}")  # fmt: skip
+                f"--from-literal=token={TOKEN}", "--from-literal=labels=bench=yes")  # fmt: skip
         kubectl(cluster, "apply", "-f", "-", stdin=manifests(n, "v1"))
         certs = workdir / f"certs-{n}-{replicas}"
         fleet_cli.write_certs(certs, ["127.0.0.1"])

@@ -185,10 +185,18 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
     ca = certs / "ca.pem"
     kube.apply(_service(namespace, "v1"), namespace)
     kube.apply(_fleet(namespace), namespace)
-    token = subprocess.run(
-        [*CLI, "fleet", "token", "shops", "-n", namespace], env=env, capture_output=True,
-        text=True, timeout=60, check=True,
-    ).stdout.strip()  # fmt: skip
+
+    def cli(*args: str) -> str:
+        return subprocess.run([*CLI, "fleet", *args, "-n", namespace], env=env,
+                              capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+
+    # two devices invited by name (single-use tokens, labels of the administrator's), two
+    # with the bootstrap token (auto-approved, with the token's labels)
+    token = cli("token", "shops", "--label", "tier=store").strip()
+    invites = dict(line.split() for line in cli("invite", "shops", "dev-0", "dev-1", "--label",
+                                                "tier=store", "--label", "site=north").splitlines())  # fmt: skip
+    assert set(invites) == {"dev-0", "dev-1"}
+    assert kube.get("edgedevice", "dev-0", namespace)["spec"]["approved"] is True
     fleet_env = chart_fleet_env(k8s_cluster, kube, env, tmp_path, namespace)
     ports = {"fleet-a": _free_port(), "fleet-b": _free_port()}
     urls = {name: f"https://127.0.0.1:{port}" for name, port in ports.items()}
@@ -238,7 +246,7 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
     # ---- devices spread over both replicas; the leader counts them all
     devices = [
         Device(f"dev-{i}", [urls[lead], urls[follow]] if i < 2 else [urls[follow], urls[lead]],
-               ca, token)
+               ca, invites.get(f"dev-{i}", token))
         for i in range(4)
     ]  # fmt: skip
     try:
@@ -269,6 +277,12 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
 
         wait_settled("v1")
         assert [d.served_by for d in devices] == [urls[lead]] * 2 + [urls[follow]] * 2
+        records = {d["metadata"]["name"]: d for d in json.loads(
+            kube.run("get", "edgedevices", "-n", namespace, "-o", "json").stdout)["items"]}  # fmt: skip
+        for i, site in enumerate(["north", "north", None, None]):
+            labels = records[f"dev-{i}"]["metadata"]["labels"]
+            assert (labels.get("tier"), labels.get("site")) == ("store", site), labels
+        assert records["dev-0"]["spec"]["invite"]["used"] is True
         # the records follow the fleet's status (a background writer writes them)
         kube.eventually(lambda: set(phases().values()) == {"Ready"}, what="4 Ready records")
         at_follower = _metrics(http, urls[follow])
@@ -358,6 +372,43 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
         kube.eventually(lambda: enroll_as("dev-8", devices[3].key).status_code == 403,
                         what="the revoked key refused under a new name")  # fmt: skip
         assert "revoked" in enroll_as("dev-8", devices[3].key).text
+
+        # ---- enrollment: an invitation is good for one key, before it expires, with the
+        # administrator's labels; the bootstrap token grants its own labels, until it expires
+        def enroll(name: str, key: Any, with_token: str, **labels: str) -> httpx.Response:
+            return http.post(f"{urls[follow]}/v1/enroll", json={
+                "fleet": "shops", "name": name, "token": with_token, "labels": labels,
+                "publicKey": signing.public_key_text(key)})  # fmt: skip
+
+        again = enroll("dev-1", devices[1].key, invites["dev-1"])
+        assert again.status_code == 200, again.text  # the same device again: its identity
+        stolen = enroll("dev-1", signing.generate_key(), invites["dev-1"])
+        assert (stolen.status_code, "is used" in stolen.text) == (409, True), stolen.text
+        wrong = enroll("dev-1", signing.generate_key(), token)
+        assert wrong.status_code == 401, wrong.text
+        assert "invitation of device dev-1" in wrong.text
+        asks = enroll("dev-7", signing.generate_key(), token, tier="cloud")
+        assert asks.status_code == 403, asks.text
+        assert "tier=cloud are not granted" in asks.text, asks.text
+        late_token = "t" * 43
+        kube.apply({
+            "apiVersion": "hybridllm.io/v1alpha1", "kind": "EdgeDevice",
+            "metadata": {"name": "dev-late", "namespace": namespace,
+                         "labels": {"hybridllm.io/fleet": "shops"}},
+            "spec": {"fleet": "shops", "approved": True, "invite": {
+                "tokenSha256": hashlib.sha256(late_token.encode()).hexdigest(),
+                "expires": 1_700_000_000.0}},
+        }, namespace)  # fmt: skip
+        late = kube.eventually(
+            lambda: (r := enroll("dev-late", signing.generate_key(), late_token)).status_code
+            == 401 and r, what="an expired invitation refused")  # fmt: skip
+        assert "expired at 2023-11-14T22:13:20Z" in late.text, late.text
+        kube.run("patch", "secret", "shops-bootstrap", "-n", namespace, "--type", "merge",
+                 "-p", json.dumps({"stringData": {"expiration": "2020-01-01T00:00:00Z"}}))  # fmt: skip
+        expired = kube.eventually(
+            lambda: (r := enroll("dev-6", signing.generate_key(), token)).status_code == 401
+            and r, what="the expired bootstrap token refused")  # fmt: skip
+        assert "expired at 2020-01-01T00:00:00Z" in expired.text, expired.text
         # ---- an endpoint the gateways must not be sent to: a heartbeat naming it is refused
         for endpoint, why in (("http://127.0.0.1:8000", "loopback"),
                               ("http://169.254.169.254:80", "link-local"),

@@ -41,7 +41,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("local mode", "stop a local service (drain, then stop)"),
     "rollout": ("cluster", "see or steer the rollout of an LLMService's new model revision"),
     "operator": ("cluster", "run the Kubernetes operator"),
-    "fleet": ("cluster", "the edge fleet server, device approval and bootstrap tokens"),
+    "fleet": (
+        "cluster",
+        "the edge fleet server, device invitations, approval and bootstrap tokens",
+    ),
     "crds": ("cluster", "generate the CustomResourceDefinitions"),
     "chart": ("cluster", "chores of the Helm chart (charts/hybridllm)"),
     "observability": ("cluster", "the metrics catalogue, Grafana dashboards and alerts"),

@@ -3,8 +3,8 @@
 What it does, in order (docs/fleet.md):
 
 1. Keeps an Ed25519 key pair in its state folder (made on first start; the private key
-   never leaves the device) and enrolls with the fleet server with the bootstrap token,
-   its name, labels and facts. It pins the fleet's public key it is given then.
+   never leaves the device) and enrolls with the fleet server with its token (an
+   invitation or the fleet's bootstrap token), its name, labels and facts. It pins the fleet's public key it is given then.
 2. Long-polls its config. A document is refused, logged and reported, and what runs keeps
    running, when its signature does not match the pinned key, it is for another device
    or fleet, it has expired, or its version is lower than the one running (a replay).
@@ -607,10 +607,14 @@ def add_agent(subparsers: Any) -> None:
     p.add_argument("--fleet", required=True, help="EdgeFleet name")
     p.add_argument("--name", default=socket.gethostname().lower().split(".")[0],
                    help="device name (a DNS label; default: the host name)")  # fmt: skip
-    p.add_argument("--token", help="bootstrap token (first start only; or HYBRIDLLM_FLEET_TOKEN)")
-    p.add_argument("--token-file", help="file holding the bootstrap token")
+    p.add_argument("--token", help="the device's invitation token (`hybridllm fleet invite`) or "
+                                   "the fleet's bootstrap token; first start only (or "
+                                   "HYBRIDLLM_FLEET_TOKEN)")  # fmt: skip
+    p.add_argument("--token-file", help="file holding the token")
     p.add_argument("--ca-file", help="CA that signed the server's certificate (PEM)")
-    p.add_argument("--labels", type=_labels, default={}, help="device labels: k=v,k2=v2")
+    p.add_argument("--labels", type=_labels, default={},
+                   help="labels asked for: k=v,k2=v2 (granted by an administrator's approval; "
+                        "an invited device has its invitation's)")  # fmt: skip
     p.add_argument("--state-dir", default="/var/lib/hybridllm-agent",
                    help="key, identity, configs and (by default) the model store")  # fmt: skip
     p.add_argument("--model-cache", help="model store folder (default STATE_DIR/models)")

@@ -33,6 +33,7 @@ from hybridllm_common.crd.base import (
 from hybridllm_common.crd.checks import SCALING_MODES, FieldError, scaled_pools, semantic_errors
 from hybridllm_common.crd.fleet import (
     DeviceFacts,
+    DeviceInvite,
     DevicePhase,
     EdgeDeviceSpec,
     EdgeDeviceStatus,
@@ -126,6 +127,7 @@ __all__ = [
     "Condition",
     "ConditionStatus",
     "DeviceFacts",
+    "DeviceInvite",
     "DevicePhase",
     "DeviceSelector",
     "EdgeDeviceSpec",

@@ -124,23 +124,27 @@ class FleetRollout(_Model):
 
 
 class FleetEnrollment(_Model):
-    """How devices join: a bootstrap token, then approval by hand or by rule."""
+    """How devices join: an invitation per device (`hybridllm fleet invite`: single use,
+    expiring, labels set by an administrator, approved), or the fleet's bootstrap token
+    (expiring; approval by hand, or by rule with the token's own labels)."""
 
     token_secret: str | None = Field(
         default=None,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         max_length=253,
         description=(
-            "Secret (same namespace) whose `token` key devices present to enroll; default "
-            "`<fleet>-bootstrap`."
+            "Secret (same namespace) holding the fleet's bootstrap token: key `token`, and "
+            "optionally `expiration` (RFC 3339; refused after it) and `labels` (k=v,...: the "
+            "labels an auto-approved device gets); default `<fleet>-bootstrap`."
         ),
     )
     auto_approve: bool = Field(
         default=False,
-        description="Approve a device with a valid token at once (else: `hybridllm fleet approve`).",
-    )
-    auto_approve_labels: dict[str, str] | None = Field(
-        default=None, description="Auto-approve only devices with these labels."
+        description=(
+            "Approve a device that enrolls with the bootstrap token at once (else: `hybridllm "
+            "fleet approve`). It then gets the labels of the token's Secret, never labels of "
+            "its own choosing: a device asking for others is refused."
+        ),
     )
     endpoint_networks: list[Annotated[str, Field(pattern=CIDR_PATTERN, max_length=49)]] | None = (
         Field(
@@ -336,18 +340,55 @@ class DeviceFacts(_Model):
     agent_version: str | None = Field(default=None, max_length=64, description="Agent version.")
 
 
+class DeviceInvite(_Model):
+    """An administrator's invitation to one device: the hash of its single-use token."""
+
+    token_sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="SHA-256 (hex) of the invitation token."
+    )
+    expires: float = Field(gt=0, description="Unix time after which the token is refused.")
+    used: bool = Field(
+        default=False, description="The device enrolled with it (a token is good for one key)."
+    )
+
+
 class EdgeDeviceSpec(_Model):
     """A device outside the cluster: its identity, its facts and whether it may serve."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.publicKey) || has(self.invite)",
+                    "a device has a publicKey (enrolled) or an invite (not yet)",
+                ),
+            ]
+        }
+    )
 
     fleet: str = Field(
         pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63, description="EdgeFleet name."
     )
-    public_key: str = Field(
-        min_length=44, max_length=44, description="The device's Ed25519 public key (base64)."
+    public_key: str | None = Field(
+        default=None,
+        min_length=44,
+        max_length=44,
+        description="The device's Ed25519 public key (base64); unset while it is invited.",
+    )
+    invite: DeviceInvite | None = Field(
+        default=None,
+        description="A pending invitation (`hybridllm fleet invite`): used up by the device's "
+        "enrollment, which sets publicKey.",
     )
     approved: bool = Field(default=False, description="May fetch configs and serve.")
     revoked: bool = Field(default=False, description="Refused on every call from now on.")
     facts: DeviceFacts = _sub(DeviceFacts, "Reported at enrollment.")
+
+    @model_validator(mode="after")
+    def _identity(self) -> EdgeDeviceSpec:
+        if self.public_key is None and self.invite is None:
+            raise ValueError("a device has a publicKey (enrolled) or an invite (not yet)")
+        return self
 
 
 class DevicePhase(StrEnum):

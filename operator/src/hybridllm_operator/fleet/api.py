@@ -22,8 +22,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hybridllm_common import crd, signing
+from hybridllm_operator.fleet import enrollment, waves
 from hybridllm_operator.fleet import kube as kube_mod
-from hybridllm_operator.fleet import waves
 from hybridllm_operator.fleet.records import Device, Fleet
 
 if TYPE_CHECKING:
@@ -34,10 +34,6 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0
 MAX_BODY = 64 * 1024
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_LABEL_KEY = re.compile(
-    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-)
-_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 
 
 def _error(status: int, message: str, code: str, **headers: str) -> web.Response:
@@ -50,7 +46,8 @@ class DeviceAPI:
 
     def __init__(self, server: FleetServer) -> None:
         self.server = server
-        self._tokens: dict[str, tuple[float, str | None]] = {}  # bootstrap tokens, cached 10 s
+        self._tokens: dict[str, tuple[float, dict[str, str] | None]] = {}  # Secrets, cached 10 s
+        self._enrolling = asyncio.Lock()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._timed])
@@ -118,13 +115,17 @@ class DeviceAPI:
             if not isinstance(value, str) or not _NAME.match(value) or len(value) > 63:
                 return _error(400, f"{field_name} must be a DNS label (lowercase letters, digits, "
                                    "'-'; at most 63)", f"invalid_{field_name}")  # fmt: skip
-        if not isinstance(token, str) or not token:
-            return _error(400, "token is required (the fleet's bootstrap token)", "invalid_token")
+        assert isinstance(fleet_name, str)
+        assert isinstance(name, str)
+        if not isinstance(token, str) or not token or len(token) > 256:
+            return _error(400, "token is required (an invitation's token or the fleet's "
+                               "bootstrap token)", "invalid_token")  # fmt: skip
         try:
             signing.public_key_from_text(public_text if isinstance(public_text, str) else "")
         except signing.SignatureError as exc:
             return _error(400, f"publicKey: {exc}", "invalid_public_key")
-        problem = label_problem(labels)
+        assert isinstance(public_text, str)
+        problem = enrollment.label_problem(labels)
         if problem:
             return _error(400, problem, "invalid_labels")
         try:
@@ -133,21 +134,22 @@ class DeviceAPI:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             return _error(400, f"facts.{where}: {first['msg']}", "invalid_facts")
-        fleet = self.server.fleets.get(fleet_name)  # type: ignore[arg-type]
+        fleet = self.server.fleets.get(fleet_name)
         if fleet is None or fleet.spec is None:
             return self._refuse(
                 "unknown_fleet", 404, f"no EdgeFleet {self.server.namespace}/{fleet_name}"
             )
-        secret = kube_mod.token_secret(fleet.name, fleet.spec)
-        expected = await self._token(secret)
-        if expected is None or not hmac.compare_digest(expected.encode(), token.encode()):
-            return self._refuse("bad_token", 401, f"token does not match Secret {secret}")
-        if not waves.matches(labels, fleet.spec.selector):
-            want = ",".join(f"{k}={v}" for k, v in (fleet.spec.selector or {}).items())
-            return self._refuse("not_a_member", 403, f"labels do not match the fleet's "
-                                                     f"spec.selector ({want})")  # fmt: skip
+        async with self._enrolling:  # one at a time: the key and name checks see each other
+            existing = self.server.devices.get(name)
+            if existing is not None and existing.invite is not None:
+                return await self._enroll_invited(fleet, existing, token, public_text, labels,
+                                                  facts)  # fmt: skip
+            return await self._enroll_with_bootstrap(fleet, name, token, public_text, labels,
+                                                     facts)  # fmt: skip
+
+    def _key_refusal(self, name: str, public_text: str) -> web.Response | None:
+        """One key, one device: a revoked device does not come back under a new name."""
         for other in self.server.devices.values():
-            # one key, one device: a revoked device does not come back under a new name
             same_key = (
                 other.public_key is not None
                 and signing.public_key_text(other.public_key) == public_text
@@ -157,7 +159,107 @@ class DeviceAPI:
             if same_key and other.name != name:
                 return self._refuse("key_taken", 409, f"this device key is enrolled as "
                                                       f"{other.name}")  # fmt: skip
-        existing = self.server.devices.get(name)  # type: ignore[arg-type]
+        return None
+
+    async def _enroll_invited(
+        self, fleet: Fleet, device: Device, token: str, public_text: str,
+        labels: dict[str, str], facts: crd.DeviceFacts,
+    ) -> web.Response:  # fmt: skip
+        """An invited device: its token, once, before it expires, with the labels the
+        administrator gave it."""
+        invite = device.invite
+        assert invite is not None
+        assert fleet.spec is not None
+        if device.fleet != fleet.name:
+            return self._refuse("wrong_fleet", 403, f"device {device.name} is invited to "
+                                                    f"fleet {device.fleet}")  # fmt: skip
+        if not hmac.compare_digest(enrollment.token_sha256(token), invite.token_sha256):
+            return self._refuse("bad_token", 401, f"token does not match the invitation of "
+                                                  f"device {device.name}")  # fmt: skip
+        if invite.used:
+            enrolled = device.public_key is not None and (
+                signing.public_key_text(device.public_key) == public_text
+            )
+            if enrolled:  # the same device again (it did not keep the first answer)
+                return web.json_response(self._identity(fleet, device), status=200)
+            return self._refuse("invite_used", 409, f"the invitation of device {device.name} "
+                                                    "is used (a token is good for one key)")  # fmt: skip
+        try:
+            enrollment.check_expiry(invite.expires, f"the invitation of device {device.name}")
+            enrollment.check_labels(labels, device.labels, "the invitation")
+        except enrollment.EnrollmentError as exc:
+            expired = "expired" in str(exc)
+            return self._refuse("invite_expired" if expired else "labels_not_granted",
+                                401 if expired else 403, str(exc))  # fmt: skip
+        if not waves.matches(device.labels, fleet.spec.selector):
+            return self._not_member(fleet)
+        refused = self._key_refusal(device.name, public_text)
+        if refused is not None:
+            return refused
+        from kubernetes.client.exceptions import ApiException
+
+        patch = enrollment.claim_patch(invite, public_text, facts)
+        try:
+            claimed = await asyncio.to_thread(self.server.kube.patch_device, device.name, patch)
+        except ApiException as exc:
+            if exc.status in (409, 422):  # the test failed: used (or remade) meanwhile
+                return self._refuse("invite_used", 409, f"the invitation of device "
+                                                        f"{device.name} is used")  # fmt: skip
+            if exc.status == 404:
+                return self._refuse("unknown_device", 404, f"device {device.name} is gone")
+            return self._unrecorded(exc)
+        self.server._on_device("MODIFIED", device.name, claimed)
+        log.info("enrolled invited device %s in fleet %s", device.name, fleet.name)
+        return web.json_response(self._identity(fleet, self.server.devices[device.name]),
+                                 status=201)  # fmt: skip
+
+    def _unrecorded(self, exc: Exception) -> web.Response:
+        """The API server refused or failed the enrollment's write: the device tries again."""
+        log.error("an enrollment could not be recorded: %s", exc)
+        return self._refuse("not_recorded", 503, "the enrollment could not be recorded (the "
+                                                 "fleet server's log says why); try again",
+                            **{"Retry-After": "5"})  # fmt: skip
+
+    def _not_member(self, fleet: Fleet) -> web.Response:
+        assert fleet.spec is not None
+        want = ",".join(f"{k}={v}" for k, v in (fleet.spec.selector or {}).items())
+        return self._refuse("not_a_member", 403, f"labels do not match the fleet's "
+                                                 f"spec.selector ({want})")  # fmt: skip
+
+    async def _enroll_with_bootstrap(
+        self, fleet: Fleet, name: str, token: str, public_text: str,
+        labels: dict[str, str], facts: crd.DeviceFacts,
+    ) -> web.Response:  # fmt: skip
+        """A device with the fleet's bootstrap token: before the token expires; approved by
+        hand with the labels it asked for, or by rule with the token's labels."""
+        assert fleet.spec is not None
+        secret = kube_mod.token_secret(fleet.name, fleet.spec)
+        try:
+            bootstrap = await self._bootstrap(secret)
+        except enrollment.EnrollmentError as exc:
+            log.error("the bootstrap token Secret %s cannot be used: %s", secret, exc)
+            return self._refuse("bad_token", 401, f"the fleet's bootstrap token (Secret "
+                                                  f"{secret}) cannot be used; the fleet "
+                                                  "server's log says why")  # fmt: skip
+        if bootstrap is None or not hmac.compare_digest(bootstrap.value.encode(), token.encode()):
+            return self._refuse("bad_token", 401, f"token does not match Secret {secret}")
+        rules = fleet.spec.enrollment
+        try:
+            enrollment.check_expiry(bootstrap.expires, f"the bootstrap token (Secret {secret})")
+            if rules.auto_approve:
+                enrollment.check_labels(labels, bootstrap.labels, f"the bootstrap token "
+                                                                   f"(Secret {secret})")  # fmt: skip
+                labels = bootstrap.labels
+        except enrollment.EnrollmentError as exc:
+            expired = "expired" in str(exc)
+            return self._refuse("token_expired" if expired else "labels_not_granted",
+                                401 if expired else 403, str(exc))  # fmt: skip
+        if not waves.matches(labels, fleet.spec.selector):
+            return self._not_member(fleet)
+        refused = self._key_refusal(name, public_text)
+        if refused is not None:
+            return refused
+        existing = self.server.devices.get(name)
         if existing is not None:
             if (
                 existing.public_key is None
@@ -166,12 +268,10 @@ class DeviceAPI:
                 return self._refuse("name_taken", 409, f"device name {name} is enrolled with "
                                                        "another key")  # fmt: skip
             return web.json_response(self._identity(fleet, existing), status=200)
-        rules = fleet.spec.enrollment
-        auto = rules.auto_approve and waves.matches(labels, rules.auto_approve_labels)
         spec = crd.EdgeDeviceSpec(
-            fleet=fleet.name, public_key=public_text, approved=auto, facts=facts
+            fleet=fleet.name, public_key=public_text, approved=rules.auto_approve, facts=facts
         )
-        body_obj = kube_mod.device_body(self.server.namespace, fleet.obj, name, labels, spec)  # type: ignore[arg-type]
+        body_obj = kube_mod.device_body(self.server.namespace, fleet.obj, name, labels, spec)
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -179,20 +279,21 @@ class DeviceAPI:
         except ApiException as exc:
             if exc.status == 409:
                 return self._refuse("name_taken", 409, f"device name {name} is taken")
-            raise
-        self.server._on_device("ADDED", name, created)  # type: ignore[arg-type]
-        device = self.server.devices[name]  # type: ignore[index]
+            return self._unrecorded(exc)
+        self.server._on_device("ADDED", name, created)
+        device = self.server.devices[name]
         log.info("enrolled %s in fleet %s (%s)", name, fleet.name,
-                 "approved by rule" if auto else "awaiting approval")  # fmt: skip
+                 "approved by rule" if rules.auto_approve else "awaiting approval")  # fmt: skip
         return web.json_response(self._identity(fleet, device), status=201)
 
-    async def _token(self, secret: str) -> str | None:
+    async def _bootstrap(self, secret: str) -> enrollment.BootstrapToken | None:
+        """The bootstrap token from its Secret (None: no such Secret), cached 10 s."""
         cached = self._tokens.get(secret)
-        if cached is not None and time.monotonic() - cached[0] < 10:
-            return cached[1]
-        value = await asyncio.to_thread(self.server.kube.secret_value, secret, kube_mod.TOKEN_KEY)
-        self._tokens[secret] = (time.monotonic(), value)
-        return value
+        if cached is None or time.monotonic() - cached[0] >= 10:
+            data = await asyncio.to_thread(self.server.kube.secret_data, secret)
+            cached = (time.monotonic(), data)
+            self._tokens[secret] = cached
+        return None if cached[1] is None else enrollment.BootstrapToken.from_secret(cached[1])
 
     def _identity(self, fleet: Fleet, device: Device) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -333,16 +434,3 @@ def check_report(report: dict[str, Any]) -> dict[str, Any]:
         if key not in _KPIS or not isinstance(value, int | float) or isinstance(value, bool):
             raise ValueError(f"kpis.{key} is not a known number ({', '.join(_KPIS)})")
     return out
-
-
-def label_problem(labels: Any) -> str | None:
-    if not isinstance(labels, dict):
-        return "labels must be an object of strings"
-    for key, value in labels.items():
-        if not isinstance(key, str) or not _LABEL_KEY.match(key) or len(key.split("/")[-1]) > 63:
-            return f"label key {key!r} is not a Kubernetes label key"
-        if key.startswith(f"{crd.GROUP}/"):
-            return f"label key {key!r}: the {crd.GROUP}/ prefix is the server's"
-        if not isinstance(value, str) or not _LABEL_VALUE.match(value) or len(value) > 63:
-            return f"label {key}={value!r}: not a Kubernetes label value"
-    return None

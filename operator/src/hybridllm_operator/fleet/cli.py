@@ -1,10 +1,11 @@
-"""``hybridllm fleet serve|approve|revoke|token|certs``: the fleet server and its chores.
+"""``hybridllm fleet serve|approve|revoke|token|invite|certs``: the fleet server and its chores.
 
 - ``serve``: the device API for the EdgeFleets of one namespace (HTTPS with ``--tls-cert``
   and ``--tls-key``; plain HTTP only with ``--insecure-http``, for a loopback test).
 - ``approve DEVICE`` / ``revoke DEVICE``: set ``spec.approved`` / ``spec.revoked`` of an
   EdgeDevice (``kubectl patch`` does the same).
-- ``token FLEET``: make the fleet's bootstrap token Secret and print the token.
+- ``token FLEET``: make the fleet's bootstrap token Secret (expiring) and print the token.
+- ``invite FLEET NAME...``: invite devices by name, a single-use expiring token each.
 - ``certs --out DIR --host NAME``: a CA and a server certificate for trying it out (a
   production server takes its certificate from the cluster's issuer).
 """
@@ -92,22 +93,91 @@ def _revoke(args: argparse.Namespace) -> int:
 
 
 def _token(args: argparse.Namespace) -> int:
+    import time
+
     from kubernetes.client.exceptions import ApiException
 
-    from hybridllm_operator.fleet import kube
+    from hybridllm_operator.fleet import enrollment, kube
 
+    try:
+        ttl = enrollment.parse_ttl(args.ttl)
+        labels = enrollment.parse_labels(",".join(args.label))
+    except enrollment.EnrollmentError as exc:
+        print(f"hybridllm fleet token: {exc}", file=sys.stderr)
+        return 2
     kube.load_config()
     secret = args.secret or f"{args.fleet}-bootstrap"
+    token = enrollment.BootstrapToken(
+        enrollment.new_token(), None if ttl is None else time.time() + ttl, labels
+    )
     try:
-        token = kube.Kube(args.namespace).create_token(args.fleet, secret)
+        kube.Kube(args.namespace).create_token(args.fleet, secret, token.secret_data())
     except ApiException as exc:
         if exc.status == 409:
             print(f"Secret {args.namespace}/{secret} exists; delete it to make a new token",
                   file=sys.stderr)  # fmt: skip
             return 1
         raise
-    print(token)
+    until = (
+        "never expires" if token.expires is None else f"expires {enrollment.rfc3339(token.expires)}"
+    )
+    print(f"Secret {args.namespace}/{secret}: {until}", file=sys.stderr)
+    print(token.value)
     return 0
+
+
+def _invite(args: argparse.Namespace) -> int:
+    from kubernetes.client.exceptions import ApiException
+
+    from hybridllm_common import crd
+    from hybridllm_operator.fleet import enrollment, kube, waves
+
+    try:
+        ttl = enrollment.parse_ttl(args.ttl)
+        labels = enrollment.parse_labels(",".join(args.label))
+    except enrollment.EnrollmentError as exc:
+        print(f"hybridllm fleet invite: {exc}", file=sys.stderr)
+        return 2
+    if ttl is None:
+        print("hybridllm fleet invite: an invitation expires (--ttl 0 is for the bootstrap "
+              "token only)", file=sys.stderr)  # fmt: skip
+        return 2
+    kube.load_config()
+    fleets = kube.Kube(args.namespace)
+    try:
+        obj = fleets.custom.get_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, args.namespace, "edgefleets", args.fleet
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            print(f"EdgeFleet {args.namespace}/{args.fleet} not found", file=sys.stderr)
+            return 1
+        raise
+    assert isinstance(obj, dict)
+    selector = (obj.get("spec") or {}).get("selector")
+    if not waves.matches(labels, selector):
+        want = ",".join(f"{k}={v}" for k, v in (selector or {}).items())
+        print(f"hybridllm fleet invite: the labels do not match the fleet's spec.selector "
+              f"({want}); give them with --label", file=sys.stderr)  # fmt: skip
+        return 2
+    failed = 0
+    for name in args.device:
+        token = enrollment.new_token()
+        spec = enrollment.invite_spec(args.fleet, token, ttl)
+        try:
+            fleets.create_device(kube.device_body(args.namespace, obj, name, labels, spec))
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            print(f"EdgeDevice {args.namespace}/{name} exists; not invited", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{name} {token}")
+    assert spec.invite is not None
+    print(f"invited to {args.namespace}/{args.fleet}, approved, labels "
+          f"{enrollment.format_labels(labels) or 'none'}; each token is good for one "
+          f"enrollment until {enrollment.rfc3339(spec.invite.expires)}", file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0
 
 
 def _start(args: argparse.Namespace) -> int:
@@ -248,7 +318,24 @@ def register_fleet(subparsers: Any) -> None:
     token.add_argument("fleet", help="the EdgeFleet")
     token.add_argument("-n", "--namespace", default="default")
     token.add_argument("--secret", help="Secret name (default FLEET-bootstrap, the spec's default)")
+    token.add_argument("--ttl", default="24h",
+                       help="how long it enrolls devices: 30m, 24h, 7d; 0 for ever (default 24h)")  # fmt: skip
+    token.add_argument("--label", action="append", default=[], metavar="K=V",
+                       help="a label devices auto-approved with it get (repeatable)")  # fmt: skip
     token.set_defaults(func=_token)
+    invite = sub.add_parser(
+        "invite", help="invite devices by name: one single-use token each, printed",
+        description="Make an EdgeDevice per name, approved, with the labels given, waiting "
+        "for its device to enroll with the token printed beside its name (once, before it "
+        "expires).",
+    )  # fmt: skip
+    invite.add_argument("fleet", help="the EdgeFleet")
+    invite.add_argument("device", nargs="+", help="the devices' names")
+    invite.add_argument("-n", "--namespace", default="default")
+    invite.add_argument("--ttl", default="24h", help="how long each token is good: 30m, 24h, 7d")
+    invite.add_argument("--label", action="append", default=[], metavar="K=V",
+                        help="a label of the devices (repeatable)")  # fmt: skip
+    invite.set_defaults(func=_invite)
     certs = sub.add_parser("certs", help="a CA and server certificate for trying the server out")
     certs.add_argument("--out", required=True, help="folder to write them to")
     certs.add_argument("--host", action="append", required=True,

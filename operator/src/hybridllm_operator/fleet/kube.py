@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -235,7 +234,8 @@ class Kube:
         except ApiException as exc:
             log.warning("event %s not written: %s", reason, exc.reason)
 
-    def secret_value(self, name: str, key: str) -> str | None:
+    def secret_data(self, name: str) -> dict[str, str] | None:
+        """A Secret's data, decoded (None: no such Secret)."""
         import base64
 
         try:
@@ -244,8 +244,12 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
-        data = (secret.data or {}).get(key)
-        return base64.b64decode(data).decode() if data else None
+        return {
+            k: base64.b64decode(v).decode(errors="replace") for k, v in (secret.data or {}).items()
+        }
+
+    def secret_value(self, name: str, key: str) -> str | None:
+        return (self.secret_data(name) or {}).get(key) or None
 
     def signing_key(self, fleet: dict[str, Any]) -> Any:
         """The fleet's private key from its Secret, made (and owned by the fleet) if missing."""
@@ -276,16 +280,24 @@ class Kube:
         log.info("made the signing key of fleet %s (%s)", name, signing.key_id(key))
         return key
 
-    def create_token(self, fleet: str, secret: str) -> str:
-        token = secrets.token_urlsafe(32)
+    def create_token(self, fleet: str, secret: str, data: dict[str, str]) -> None:
+        """The fleet's bootstrap token Secret (``enrollment.BootstrapToken.secret_data``)."""
         body = {
             "metadata": {"name": secret, "namespace": self.namespace,
                          "labels": {FLEET_LABEL: fleet}},
             "type": "Opaque",
-            "stringData": {TOKEN_KEY: token},
+            "stringData": data,
         }  # fmt: skip
         self.core.create_namespaced_secret(self.namespace, body)  # type: ignore[arg-type]
-        return token
+
+    def patch_device(self, name: str, patch: list[dict[str, Any]]) -> dict[str, Any]:
+        """A JSON patch (with its ``test`` operations) of an EdgeDevice; the object after."""
+        self._count("edgedevice")
+        out: dict[str, Any] = self.custom.patch_namespaced_custom_object(  # type: ignore[assignment]
+            crd.GROUP, crd.VERSION, self.namespace, "edgedevices", name, patch,
+            _content_type="application/json-patch+json",
+        )  # fmt: skip
+        return out
 
     def annotate_fleet(self, name: str, key: str, value: str | None) -> None:
         """Set (or, with None, remove) one annotation of an EdgeFleet."""

@@ -21,6 +21,7 @@ class Device:
     labels: dict[str, str]
     approved: bool
     revoked: bool
+    invite: crd.DeviceInvite | None = None  # an administrator's invitation (hash of its token)
     status: dict[str, Any] = field(default_factory=dict)  # as last written (camelCase)
     last_seen: float | None = None
     report: dict[str, Any] = field(default_factory=dict)  # last heartbeat body

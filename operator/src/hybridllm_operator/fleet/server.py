@@ -166,15 +166,24 @@ class FleetServer:
         spec = obj.get("spec") or {}
         labels = dict(obj["metadata"].get("labels") or {})
         labels.pop(kube_mod.FLEET_LABEL, None)
-        try:
-            public = signing.public_key_from_text(spec.get("publicKey", ""))
-        except signing.SignatureError:
-            log.warning("EdgeDevice %s has no valid public key; refusing it", name)
-            public = None
+        invite = None
+        if spec.get("invite") is not None:
+            try:
+                invite = crd.DeviceInvite.model_validate(spec["invite"])
+            except pydantic.ValidationError as exc:
+                log.warning("EdgeDevice %s: spec.invite is not valid (%s); ignored", name, exc)
+        public = None
+        if spec.get("publicKey") is not None or invite is None:
+            try:
+                public = signing.public_key_from_text(spec.get("publicKey", ""))
+            except signing.SignatureError:
+                log.warning("EdgeDevice %s has no valid public key; refusing it", name)
         status = dict(obj.get("status") or {})
         device = self.devices.get(name)
         if device is None:
-            device = Device(name, spec.get("fleet", ""), public, labels, False, False, status)
+            device = Device(
+                name, spec.get("fleet", ""), public, labels, False, False, status=status
+            )
             # A restart marks no device offline by itself: each is seen as of now, except
             # those already offline.
             if status.get("phase") != crd.DevicePhase.Offline.value:
@@ -184,7 +193,7 @@ class FleetServer:
             if status.get("assignedVersion") != device.status.get("assignedVersion"):
                 self._wake_soon(spec.get("fleet", ""))
             device.status = status
-        device.public_key, device.labels = public, labels
+        device.public_key, device.labels, device.invite = public, labels, invite
         device.fleet = spec.get("fleet", "")
         device.approved, device.revoked = bool(spec.get("approved")), bool(spec.get("revoked"))
 
