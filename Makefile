@@ -43,7 +43,7 @@ demo: setup
 	@hack/demo.sh
 
 lint:
-	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check && uv run --no-sync hybridllm chart docs --check && uv run --no-sync hybridllm observability generate --check && uv run --no-sync python bench/index.py --check'
+	@hack/phase.sh lint bash -c 'uv run --no-sync ruff check . && uv run --no-sync ruff format --check . && uv run --no-sync mypy && uv run --no-sync hybridllm crds generate --check && uv run --no-sync hybridllm chart docs --check && uv run --no-sync hybridllm observability generate --check && uv run --no-sync python bench/index.py --check && uv run --no-sync hack/chart-score.sh'
 
 test: setup lint
 	@hack/phase.sh pytest uv run --no-sync pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
