@@ -14,7 +14,7 @@ import kopf
 import kubernetes
 import pytest
 
-from hybridllm_operator import handlers, reconcile
+from hybridllm_operator import reconcile, watchdog
 
 pytestmark = pytest.mark.k8s
 
@@ -45,7 +45,7 @@ def test_metadata_listing_names_every_llmservice(
         kube.apply(service(name), namespace)
     # resourceVersion=0 is served from the watch cache, which may trail the create by a hair
     metas = kube.eventually(
-        lambda: (m := handlers.llmservice_metadata(cluster, namespace)) and len(m) == 2 and m,
+        lambda: (m := watchdog.llmservice_metadata(cluster, namespace)) and len(m) == 2 and m,
         30,
         "both LLMServices listed",
     )
@@ -57,7 +57,7 @@ def test_metadata_listing_names_every_llmservice(
                           "creationTimestamp", "managedFields", "annotations", "labels",
                           "finalizers", "deletionTimestamp", "deletionGracePeriodSeconds",
                           "ownerReferences"} for m in metas)  # fmt: skip
-    everywhere = {(m["namespace"], m["name"]) for m in handlers.llmservice_metadata(cluster, None)}
+    everywhere = {(m["namespace"], m["name"]) for m in watchdog.llmservice_metadata(cluster, None)}
     assert {(namespace, "a"), (namespace, "b")} <= everywhere
 
 
@@ -70,33 +70,33 @@ def _watch(
     """Run the watchdog over ``namespace`` for five looks (or until it stops), its daemons
     serving the LLMServices named ``served``, with no LLMService event arriving; return the
     memo and what each look found unserved (None: a look that listed nothing)."""
-    monkeypatch.setattr(handlers, "WATCHDOG_PERIOD_S", 0.05)
-    monkeypatch.setattr(handlers, "WATCHDOG_GRACE_S", 0.0)
+    monkeypatch.setattr(watchdog, "WATCHDOG_PERIOD_S", 0.05)
+    monkeypatch.setattr(watchdog, "WATCHDOG_GRACE_S", 0.0)
     looks: list[list[str] | None] = []
     listed: list[list[str]] = []
-    unserved, look = handlers._unserved, handlers.WatchdogCount.look
+    unserved, look = watchdog._unserved, watchdog.WatchdogCount.look
 
     def listing(*args: Any) -> list[str]:
         listed.append(unserved(*args))
         return listed[-1]
 
-    def counted(self: handlers.WatchdogCount, found: list[str], *args: Any) -> bool:
+    def counted(self: watchdog.WatchdogCount, found: list[str], *args: Any) -> bool:
         looks.append(listed.pop() if listed else None)
         return look(self, found, *args)
 
-    monkeypatch.setattr(handlers, "_unserved", listing)
-    monkeypatch.setattr(handlers.WatchdogCount, "look", counted)
+    monkeypatch.setattr(watchdog, "_unserved", listing)
+    monkeypatch.setattr(watchdog.WatchdogCount, "look", counted)
 
     async def run() -> kopf.Memo:
         stop = asyncio.Event()
         memo = kopf.Memo(
-            cluster=cluster, namespaces=[namespace], heard=handlers.Heard(), stop=stop,
+            cluster=cluster, namespaces=[namespace], heard=watchdog.Heard(), stop=stop,
             wakers={(namespace, name): object() for name in served},
             executor=concurrent.futures.ThreadPoolExecutor(2), stopped_by_watchdog=False,
         )  # fmt: skip
-        task = asyncio.create_task(handlers.watchdog(memo, logging.getLogger("test")))
+        task = asyncio.create_task(watchdog.watchdog(memo, logging.getLogger("test")))
         while len(looks) < 5 and not task.done():
-            await asyncio.sleep(handlers.WATCHDOG_PERIOD_S)
+            await asyncio.sleep(watchdog.WATCHDOG_PERIOD_S)
         task.cancel()
         memo.executor.shutdown()
         return memo
@@ -108,7 +108,7 @@ def test_watchdog_stops_an_operator_that_serves_nothing_and_hears_nothing(
     kube: Any, namespace: str, cluster: reconcile.Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube.apply(service("orphan"), namespace)
-    kube.eventually(lambda: handlers.llmservice_metadata(cluster, namespace), 30, "listed")
+    kube.eventually(lambda: watchdog.llmservice_metadata(cluster, namespace), 30, "listed")
     memo, looks = _watch(cluster, namespace, monkeypatch)
     assert looks[-1] == [f"{namespace}/orphan"]
     assert memo.stopped_by_watchdog
@@ -116,7 +116,7 @@ def test_watchdog_stops_an_operator_that_serves_nothing_and_hears_nothing(
 
 
 def test_watchdog_counts_a_look_only_when_nothing_is_served_or_heard() -> None:
-    count = handlers.WatchdogCount(events=0)
+    count = watchdog.WatchdogCount(events=0)
     # a burst: unserved LLMServices, but events keep arriving
     assert not any(count.look(["ns/a"], events, serving=False) for events in range(1, 10))
     # kopf serves some while it works through the rest
@@ -140,7 +140,7 @@ def test_watchdog_waits_while_it_serves_some_llmservices(
     for name in ("served", "queued"):
         kube.apply(service(name), namespace)
     kube.eventually(
-        lambda: len(handlers.llmservice_metadata(cluster, namespace)) == 2, 30, "listed"
+        lambda: len(watchdog.llmservice_metadata(cluster, namespace)) == 2, 30, "listed"
     )
     memo, looks = _watch(cluster, namespace, monkeypatch, served=("served",))
     assert len(looks) >= 5

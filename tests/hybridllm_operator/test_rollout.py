@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -953,3 +955,17 @@ def test_the_canary_is_ready_only_at_its_full_size_and_unschedulable_is_no_failu
     assert got.canary_short == "edge 1/2 ready"
     assert got.canary_problem is None  # no room in the cluster is not the revision's fault
     assert got.canary_unschedulable == "edge-canary: Unschedulable: 0/4 nodes are available."
+
+
+def test_the_pure_side_imports_nothing_that_reads_prometheus() -> None:
+    """The plan and the state machine (and the package, until an observation is made)
+    do not import `hybridllm_operator.demand`; its names stay reachable from the package."""
+    code = (
+        "import sys\n"
+        "import hybridllm_operator.rollout.machine, hybridllm_operator.rollout.plan\n"
+        "from hybridllm_operator import rollout\n"
+        "assert 'hybridllm_operator.demand' not in sys.modules, 'pure side imported demand'\n"
+        "assert rollout.look is rollout.observe.look\n"
+        "assert 'hybridllm_operator.demand' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

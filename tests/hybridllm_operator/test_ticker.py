@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from hybridllm_operator import handlers
+from hybridllm_operator import jobs
 
 GUARD_S = 10.0  # a failure guard only: every wait below ends on an event
 
 
-class Probe(handlers.Job):
+class Probe(jobs.Job):
     what = "probe"
 
     def __init__(self, name: str, wait: float = 3600.0) -> None:
@@ -50,7 +50,7 @@ async def _ran(job: Probe) -> None:
 
 def _run(test: Any) -> None:
     async def main() -> None:
-        ticker = handlers.Ticker()
+        ticker = jobs.Ticker()
         for _ in range(3):  # every reconciler starts it: one loop runs
             ticker.start()
         try:
@@ -63,7 +63,7 @@ def _run(test: Any) -> None:
 
 def test_the_ticker_runs_one_loop_however_often_it_is_started() -> None:
     async def main() -> None:
-        ticker = handlers.Ticker()
+        ticker = jobs.Ticker()
         ticker.start()
         first = ticker.task
         for _ in range(100):
@@ -81,7 +81,7 @@ def test_the_ticker_runs_one_loop_however_often_it_is_started() -> None:
 
 
 def test_a_job_runs_when_due_and_again_when_poked() -> None:
-    async def test(ticker: handlers.Ticker) -> None:
+    async def test(ticker: jobs.Ticker) -> None:
         job = Probe("a")  # next pass due in an hour
         ticker.add(job)
         await _ran(job)
@@ -93,7 +93,7 @@ def test_a_job_runs_when_due_and_again_when_poked() -> None:
 
 
 def test_a_job_poked_while_it_runs_runs_once_more_after_never_beside_itself() -> None:
-    async def test(ticker: handlers.Ticker) -> None:
+    async def test(ticker: jobs.Ticker) -> None:
         job = Probe("a")
         job.hold = asyncio.Event()
         ticker.add(job)
@@ -109,7 +109,7 @@ def test_a_job_poked_while_it_runs_runs_once_more_after_never_beside_itself() ->
 
 
 def test_a_stopped_job_never_runs_again_and_the_others_go_on() -> None:
-    async def test(ticker: handlers.Ticker) -> None:
+    async def test(ticker: jobs.Ticker) -> None:
         gone, kept = Probe("gone", wait=0.0), Probe("kept", wait=0.0)
         for job in (gone, kept):
             ticker.add(job)
@@ -125,7 +125,7 @@ def test_a_stopped_job_never_runs_again_and_the_others_go_on() -> None:
 
 
 def test_a_job_that_raises_is_logged_and_looked_at_again(caplog: pytest.LogCaptureFixture) -> None:
-    async def test(ticker: handlers.Ticker) -> None:
+    async def test(ticker: jobs.Ticker) -> None:
         job = Probe("broken")
         job.fail = True
         ticker.add(job)

@@ -49,7 +49,9 @@ from hybridllm_operator.demand import (
     scrape,
 )
 
-PASS, FAIL, INCONCLUSIVE, NA = "pass", "fail", "inconclusive", "n/a"
+PASS, FAIL, INCONCLUSIVE, NA = (
+    crd.VERDICT_PASS, crd.VERDICT_FAIL, crd.VERDICT_INCONCLUSIVE, crd.VERDICT_NA
+)  # fmt: skip
 MIN_LATENCY_SAMPLES = 20  # fewer time-per-token samples: that metric is not judged
 METRICS = 3  # error rate, TTFT p95, time-between-tokens p95
 

@@ -5,7 +5,7 @@ per scaled pool (the edge pool and the cloud pools; the gateway keeps its spec r
 Each `step` reads the demand (`hybridllm_operator.demand`), turns each tier's token rates
 into the pool's work with the pool's capacity (`PoolConfig.work_per_s`: a prefill pool
 counts prompt tokens, a decode pool output tokens), feeds the forecast the tier's
-history and asks the policy. The operator's `handlers.AutoscalerJob` calls it every
+history and asks the policy. The operator's `jobs.AutoscalerJob` calls it every
 ``spec.autoscaling.intervalSeconds``; the reconcile then writes the replicas into the
 Deployments and the decisions into the status.
 
@@ -45,10 +45,6 @@ CLOUD_COMPONENTS = ("monolithic", "prefill", "decode")
 def _within(config: PoolConfig, replicas: int) -> int:
     """``replicas`` held to the pool's bounds."""
     return int(min(config.max_replicas, max(config.min_replicas, replicas)))
-
-
-def tier_of(component: str) -> str:
-    return "edge" if component == "edge" else "cloud"
 
 
 def pool_config(component: str, pool: crd.PoolSpec, spec: crd.LLMServiceSpec) -> PoolConfig:
@@ -252,7 +248,7 @@ class ServiceAutoscaler:
             seen = observed.get(component)
             if seen is None:  # the Deployment does not exist yet: nothing to size
                 continue
-            tier = tier_of(component)
+            tier = crd.pool_tier(component)
             demand = snapshot.tiers.get(tier)
             work = None
             violation = None
@@ -388,7 +384,7 @@ def metrics_condition(scaler: ServiceAutoscaler) -> tuple[bool, str, str] | None
     """(status, reason, message) of MetricsAvailable, or None when nothing decides."""
     if scaler.mode not in autoscaler.DECIDING:
         return None
-    tiers = {tier_of(c) for c in scaler.scalers}
+    tiers = {crd.pool_tier(c) for c in scaler.scalers}
     missing = {t: scaler.problems[t] for t in sorted(tiers) if t in scaler.problems}
     if missing:
         message = "; ".join(f"{t}: {why}" for t, why in missing.items())
@@ -409,7 +405,7 @@ def summary(scaler: ServiceAutoscaler) -> str:
     mode = scaler.mode
     if mode not in autoscaler.DECIDING:
         return mode
-    if any(t in scaler.problems for t in {tier_of(c) for c in scaler.scalers}):
+    if any(t in scaler.problems for t in {crd.pool_tier(c) for c in scaler.scalers}):
         return f"{mode}:no-metrics"
     if any(d.capacity_bound for d in scaler.decisions.values()):
         return f"{mode}:capacity-bound"

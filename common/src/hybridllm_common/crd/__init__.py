@@ -30,7 +30,13 @@ from hybridllm_common.crd.base import (
     VERSION,
     cel,
 )
-from hybridllm_common.crd.checks import SCALING_MODES, FieldError, scaled_pools, semantic_errors
+from hybridllm_common.crd.checks import (
+    SCALING_MODES,
+    FieldError,
+    pool_tier,
+    scaled_pools,
+    semantic_errors,
+)
 from hybridllm_common.crd.fleet import (
     DeviceFacts,
     DeviceInvite,
@@ -68,6 +74,10 @@ from hybridllm_common.crd.service import (
     BALANCE_NEEDS,
     BOTH_TIERS,
     CASCADE_NEEDS,
+    VERDICT_FAIL,
+    VERDICT_INCONCLUSIVE,
+    VERDICT_NA,
+    VERDICT_PASS,
     Condition,
     ConditionStatus,
     Endpoints,
@@ -114,6 +124,10 @@ __all__ = [
     "GROUP",
     "MAX_SERVICE_NAME_LENGTH",
     "SCALING_MODES",
+    "VERDICT_FAIL",
+    "VERDICT_INCONCLUSIVE",
+    "VERDICT_NA",
+    "VERDICT_PASS",
     "VERSION",
     "WINDOW_RANGE",
     "AutoscalingMode",
@@ -176,6 +190,7 @@ __all__ = [
     "SessionAffinity",
     "WaveWindow",
     "cel",
+    "pool_tier",
     "scaled_pools",
     "semantic_errors",
     "window_range_seconds",

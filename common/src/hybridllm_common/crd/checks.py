@@ -47,6 +47,11 @@ SCALING_MODES = frozenset(
 )
 
 
+def pool_tier(component: str) -> str:
+    """The tier a pool (component) belongs to: the edge pool's, or the cloud's."""
+    return "edge" if component == "edge" else "cloud"
+
+
 def scaled_pools(spec: LLMServiceSpec) -> dict[str, PoolSpec]:
     """The pools the autoscaler sizes (component -> spec): the edge pool and the cloud pools
     of the enabled tiers. The gateway is stateless and keeps its spec replicas."""

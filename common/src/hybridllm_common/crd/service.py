@@ -182,6 +182,10 @@ class RolloutPhase(StrEnum):
     completed = "Completed"  # the new revision is the stable one (or no rollout ran)
 
 
+# What the analysis of a metric (or of a whole step) concludes: a MetricVerdict's result.
+VERDICT_PASS, VERDICT_FAIL, VERDICT_INCONCLUSIVE, VERDICT_NA = "pass", "fail", "inconclusive", "n/a"
+
+
 class MetricVerdict(_Model):
     """One analysed metric of a step: the canary's and the stable revision's values."""
 

@@ -1,0 +1,112 @@
+"""The gateway's routing table (tiers, their backends, the routing policy and limits) and
+the ConfigMap that carries it to the gateway pods.
+
+During a rollout each tier has the stable and the canary Service, and the table gives
+each revision its weight. Local mode writes the same table (:func:`routing_config`) with
+one backend per ready replica instead of one Service URL per tier.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hybridllm_operator import rollout as rollout_mod
+from hybridllm_operator.builders.common import (
+    CANARY,
+    ROUTING_CONFIG_KEY,
+    Service,
+    metadata,
+    routing_configmap_name,
+    service_url,
+)
+from hybridllm_operator.builders.pool import scales_from_zero, tier_components
+
+
+def build_routing_config(service: Service) -> dict[str, Any]:
+    """The gateway's routing table: tiers, their backends and the routing policy; during a
+    rollout each tier has the stable and the canary Service, weighted."""
+    stable = {t: [service_url(service, c)] for t, c in tier_components(service).items()}
+    edge_pool = service.stable.edge.pool
+    if (
+        service.devices
+        and "edge" in stable
+        and service.replicas("edge", edge_pool) == 0
+        and not scales_from_zero(service, "edge")
+    ):
+        del stable["edge"]  # no pod will ever answer: the devices serve the tier alone
+    canary_spec = service.canary
+    canary = (
+        {
+            t: [service_url(service, c, CANARY)]
+            for t, c in tier_components(service, canary_spec).items()
+        }
+        if canary_spec is not None
+        else {}
+    )
+    return routing_config(service, stable, canary)
+
+
+def routing_config(
+    service: Service, backends: dict[str, list[str]], canary: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
+    """The routing table with the given backend URLs per tier (a tier with none is left
+    out): one Service URL per tier in a cluster, one URL per ready replica locally; and a
+    rollout's canary URLs, at the canary's weight."""
+    spec = service.spec
+    stable_revision = service.stable.model.revision
+    canary_revision = service.canary.model.revision if service.canary is not None else ""
+    tiers: dict[str, Any] = {}
+    device_tier = {"edge"} if service.devices and service.stable.edge.enabled else set()
+    for tier in sorted(set(backends) | set(canary or {}) | device_tier):
+        weight = rollout_mod.canary_weight(service.rollout, tier)
+        rows = [
+            {"url": u, "revision": stable_revision, "weight": 100 - weight, "device": False}
+            for u in backends.get(tier, [])
+        ]
+        rows += [
+            {"url": u, "revision": canary_revision, "weight": weight, "device": False}
+            for u in (canary or {}).get(tier, [])
+        ]
+        if tier == "edge":  # devices: at their revision's weight (a rollout's, or the rest)
+            rows += [
+                {
+                    "url": u,
+                    "revision": rev,
+                    "weight": weight if rev == canary_revision else 100 - weight,
+                    "device": True,  # never sent the backend token
+                }
+                for u, rev in service.devices
+            ]
+        if rows:
+            tiers[tier] = {"backends": rows, "scaleFromZero": scales_from_zero(service, tier)}
+    return {
+        "service": service.name,
+        "namespace": service.namespace,
+        "model": service.served_name,
+        "revision": stable_revision,
+        "generation": service.rollout.routing_generation if service.rollout else 0,
+        "policy": spec.routing.policy.value,
+        "edgeLimits": spec.routing.edge_limits.to_wire(),
+        "sessionAffinity": spec.routing.session_affinity.to_wire(),
+        "cascade": spec.routing.cascade.to_wire(),
+        "balance": spec.routing.balance.to_wire(),
+        "rateLimits": {
+            "requestsPerMinute": spec.gateway.requests_per_minute,
+            "tokensPerMinute": spec.gateway.tokens_per_minute,
+        },
+        # asked of the canary's backends by the gateways (the rollout waits for them)
+        "goldenPrompts": [p.to_wire() for p in spec.rollout.analysis.golden_prompts],
+        "tiers": tiers,
+    }
+
+
+def build_routing_configmap(service: Service) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(service, routing_configmap_name(service), "gateway", revisioned=False),
+        "data": {
+            ROUTING_CONFIG_KEY: json.dumps(build_routing_config(service), indent=2, sort_keys=True)
+        },
+    }
