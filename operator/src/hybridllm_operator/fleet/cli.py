@@ -92,6 +92,19 @@ def _revoke(args: argparse.Namespace) -> int:
     return _patch(args, {"revoked": True})
 
 
+def _ttl_and_labels(
+    args: argparse.Namespace, verb: str
+) -> tuple[float | None, dict[str, str]] | None:
+    """``--ttl`` and the ``--label`` flags, checked (None: refused, and said why)."""
+    from hybridllm_operator.fleet import enrollment
+
+    try:
+        return enrollment.parse_ttl(args.ttl), enrollment.parse_labels(",".join(args.label))
+    except enrollment.EnrollmentError as exc:
+        print(f"hybridllm fleet {verb}: {exc}", file=sys.stderr)
+        return None
+
+
 def _token(args: argparse.Namespace) -> int:
     import time
 
@@ -99,12 +112,10 @@ def _token(args: argparse.Namespace) -> int:
 
     from hybridllm_operator.fleet import enrollment, kube
 
-    try:
-        ttl = enrollment.parse_ttl(args.ttl)
-        labels = enrollment.parse_labels(",".join(args.label))
-    except enrollment.EnrollmentError as exc:
-        print(f"hybridllm fleet token: {exc}", file=sys.stderr)
+    parsed = _ttl_and_labels(args, "token")
+    if parsed is None:
         return 2
+    ttl, labels = parsed
     kube.load_config()
     secret = args.secret or f"{args.fleet}-bootstrap"
     token = enrollment.BootstrapToken(
@@ -132,12 +143,10 @@ def _invite(args: argparse.Namespace) -> int:
     from hybridllm_common import crd
     from hybridllm_operator.fleet import enrollment, kube, waves
 
-    try:
-        ttl = enrollment.parse_ttl(args.ttl)
-        labels = enrollment.parse_labels(",".join(args.label))
-    except enrollment.EnrollmentError as exc:
-        print(f"hybridllm fleet invite: {exc}", file=sys.stderr)
+    parsed = _ttl_and_labels(args, "invite")
+    if parsed is None:
         return 2
+    ttl, labels = parsed
     if ttl is None:
         print("hybridllm fleet invite: an invitation expires (--ttl 0 is for the bootstrap "
               "token only)", file=sys.stderr)  # fmt: skip
