@@ -60,6 +60,15 @@ GATEWAY_ROUTE_DECISIONS_TOTAL = "hybridllm_gateway_route_decisions_total"  # lab
 # Routed requests by what they ask for. labels: tier, kind (text, structured, tools).
 GATEWAY_REQUEST_KINDS_TOTAL = "hybridllm_gateway_request_kinds_total"
 GATEWAY_UPSTREAM_LATENCY_SECONDS = "hybridllm_gateway_upstream_latency_seconds"
+# Each replica's speed as the gateway learned it from its answers (hybridllm_common.speed;
+# labels: tier, replica): the fixed cost of an answer (network included), prompt tokens
+# per second, the wait each request ahead adds, output seconds per token alone and with
+# every slot of a batch of 8 busy, and the answers behind the figures.
+GATEWAY_REPLICA_OVERHEAD_SECONDS = "hybridllm_gateway_replica_overhead_seconds"
+GATEWAY_REPLICA_PREFILL_TOKENS_PER_SECOND = "hybridllm_gateway_replica_prefill_tokens_per_second"
+GATEWAY_REPLICA_WAIT_SECONDS = "hybridllm_gateway_replica_wait_seconds"
+GATEWAY_REPLICA_OUTPUT_SECONDS = "hybridllm_gateway_replica_output_token_seconds"
+GATEWAY_REPLICA_ANSWERS_TOTAL = "hybridllm_gateway_replica_answers_total"
 
 # Latency histogram buckets (seconds) shared by the runtimes.
 LATENCY_BUCKETS: tuple[float, ...] = (

@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from hybridllm_common import backend_auth
+from hybridllm_common import backend_auth, speed
 from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import cascade as cascade_mod
@@ -65,6 +65,9 @@ class State:
         self.metrics.serve_tiers(self.balancer.tiers)
         self.metrics.serve_revisions(self.balancer.tiers)
         self.metrics.routing_generation.set(routing.generation)
+        self.metrics.speeds.keep(
+            {(name, r.url) for name, pool in self.balancer.tiers.items() for r in pool.replicas}
+        )
         self.routing = routing
 
 
@@ -265,6 +268,12 @@ async def _handle(
                 m.revision_tpot.labels(tier=outcome.tier, revision=outcome.revision).observe(
                     (e2e_s - outcome.ttft_s) / (tokens - 1)
                 )
+            if stream and tokens >= 1 and outcome.replica:  # the replica's own times
+                m.speeds.answered(outcome.tier, outcome.replica, speed.Answer(
+                    load=outcome.load, prompt_tokens=features.prompt_tokens,
+                    ttft_s=outcome.ttft_s - outcome.sent_s, output_tokens=tokens,
+                    decode_s=e2e_s - outcome.ttft_s,
+                ))  # fmt: skip
         reservation.settle(tokens)
 
     outcome = proxy.Outcome()

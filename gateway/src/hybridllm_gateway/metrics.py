@@ -9,6 +9,7 @@ time between the first upstream byte and its write to the client. Its buckets st
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -17,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hybridllm_common import metrics as names
+from hybridllm_common import speed
 
 ADDED_LATENCY_SECONDS = names.GATEWAY_ADDED_LATENCY_SECONDS
 UPSTREAM_ERRORS_TOTAL = names.GATEWAY_UPSTREAM_ERRORS_TOTAL
@@ -150,6 +152,7 @@ class GatewayMetrics:
             "Generation of the routing table in use (the operator's rollout counter).",
             registry=r,
         )
+        self.speeds = ReplicaSpeeds(r)
 
     def serve_revisions(self, tiers: Mapping[str, Any]) -> None:
         """Export each revision's weight and healthy backends as the routing table says
@@ -174,6 +177,67 @@ class GatewayMetrics:
             self.ttft.labels(tier=tier)
             self.held.labels(tier=tier)
             self.cold.labels(tier=tier)
+
+
+SPEED_REFERENCE_LOAD = 8  # the batch the "busy" output time per token is given at
+
+
+class ReplicaSpeeds:
+    """Each replica's speed, learned from its streamed answers (`hybridllm_common.speed`),
+    and its figures as gauges by tier and replica URL, for the router and the autoscaler
+    to read. A replica gone from the routing table is forgotten, its series removed."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.table = speed.SpeedTable()
+        labels = ["tier", "replica"]
+        self.overhead = Gauge(
+            names.GATEWAY_REPLICA_OVERHEAD_SECONDS, "Fixed time of an answer on each replica, "
+            "the network to it included (fitted from its times to first token).",
+            labels, registry=r,
+        )  # fmt: skip
+        self.prefill = Gauge(
+            names.GATEWAY_REPLICA_PREFILL_TOKENS_PER_SECOND,
+            "Prompt tokens per second each replica processes (fitted from its times to "
+            "first token).", labels, registry=r,
+        )  # fmt: skip
+        self.wait = Gauge(
+            names.GATEWAY_REPLICA_WAIT_SECONDS, "Time each request already in flight on a "
+            "replica adds to a new request's first token (fitted).", labels, registry=r,
+        )  # fmt: skip
+        self.output = Gauge(
+            names.GATEWAY_REPLICA_OUTPUT_SECONDS, "Seconds per output token on each replica, "
+            f"with one answer in flight (load=1) and with {SPEED_REFERENCE_LOAD} "
+            f"(load={SPEED_REFERENCE_LOAD}), fitted.", [*labels, "load"], registry=r,
+        )  # fmt: skip
+        self.answers = Counter(
+            names.GATEWAY_REPLICA_ANSWERS_TOTAL,
+            "Streamed answers each replica's figures were learned from.", labels, registry=r,
+        )  # fmt: skip
+
+    def answered(self, tier: str, url: str, answer: speed.Answer) -> None:
+        fitted = self.table.observe(tier, url, answer)
+        self.answers.labels(tier=tier, replica=url).inc()
+        if not fitted.ready():
+            return
+        self.overhead.labels(tier=tier, replica=url).set(fitted.overhead_s)
+        rate = fitted.prefill_tokens_per_s
+        if rate is not None:
+            self.prefill.labels(tier=tier, replica=url).set(rate)
+        self.wait.labels(tier=tier, replica=url).set(fitted.wait_s_per_request)
+        for load in (1, SPEED_REFERENCE_LOAD):
+            self.output.labels(tier=tier, replica=url, load=str(load)).set(
+                fitted.predict_tpot(load)
+            )
+
+    def keep(self, live: set[tuple[str, str]]) -> None:
+        """Forget the replicas not in ``live``, (tier, URL) pairs of the routing table."""
+        for tier, url in self.table.keep(live):
+            for gauge in (self.overhead, self.prefill, self.wait, self.answers):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(tier, url)
+            for load in (1, SPEED_REFERENCE_LOAD):
+                with contextlib.suppress(KeyError):
+                    self.output.remove(tier, url, str(load))
 
 
 OFFERED_WINDOW = 256  # a tier's answers whose mean length estimates a new request's

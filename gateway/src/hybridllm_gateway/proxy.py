@@ -78,6 +78,9 @@ class Outcome:
     delivered: bool = False
     busy: int = 0  # attempts a replica refused as full (503 with Retry-After)
     retry_after: str = ""  # the last such refusal's Retry-After
+    replica: str = ""  # URL of the replica of the last attempt
+    load: int = 0  # its outstanding requests when the last attempt was sent (itself included)
+    sent_s: float = 0.0  # when the last attempt was sent, from the request's arrival
 
 
 @dataclass
@@ -223,6 +226,8 @@ class Forwarder:
         outcome.tier, outcome.unsent = replica.tier, False
         outcome.revision = replica.revision
         replica.num_outstanding += 1
+        outcome.replica, outcome.load = replica.url, replica.num_outstanding
+        outcome.sent_s = time.perf_counter() - t_start
         gauge = self.metrics.outstanding.labels(tier=replica.tier)
         gauge.inc()
         raw = (

@@ -1,0 +1,187 @@
+"""How fast each replica is, learned online from what the gateway measures of its answers.
+
+One estimate for the whole platform: the gateway learns it from every answer and exports
+it (`hybridllm_gateway_replica_*` metrics); the router predicts a request's time on each
+candidate with it, and the autoscaler reads a pool's capacity from the same figures.
+
+Two linear models per replica, each fitted by recursive least squares with exponential
+forgetting (old answers fade, so a replica that slows down or speeds up is followed):
+
+- time to first token: ``ttft = overhead + prompt_tokens / prefill_rate + wait * (load - 1)``,
+  where ``load`` is the replica's outstanding requests when this one was sent (itself
+  included): ``overhead`` is the network and the fixed cost of an answer (a site's gateway
+  sees its WAN here), ``1 / prefill_rate`` the seconds per prompt token, ``wait`` the time
+  each request ahead adds (its share of a busy batch);
+- time per output token: ``tpot = decode + slowdown * (load - 1)``: a continuous batch
+  decodes every sequence each step, so a step grows with the batch.
+
+A replica's decode throughput at ``load`` concurrent requests is then ``load / tpot(load)``
+tokens/s, and its prefill throughput ``prefill_rate``.
+
+Answers are hostile input too (a replica can stall one answer, or a client can ask for a
+prompt the gateway counts wrongly): each update is weighted down in proportion to how far
+its error lies beyond a few times the model's typical error (a Huber weight), so an outlier
+moves the fit by a bounded step. Until a replica has ``MIN_OBSERVATIONS`` answers, its
+tier's pooled model (every replica of the tier) stands in for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MIN_OBSERVATIONS = 8
+FORGETTING = 0.99  # the weight an answer keeps per later answer: ~100 answers of memory
+HUBER_K = 3.0  # errors beyond this many typical errors get a smaller say
+PROMPT_UNIT = 1000.0  # prompt tokens are fitted in thousands, to keep the problem well scaled
+
+
+class Rls:
+    """Recursive least squares with exponential forgetting: ``y ~ theta . x``."""
+
+    def __init__(self, dims: int, forgetting: float = FORGETTING, prior: float = 1e3) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError("forgetting must be in (0, 1]")
+        self.dims, self.forgetting = dims, forgetting
+        self.theta = [0.0] * dims
+        self.p = [[prior if i == j else 0.0 for j in range(dims)] for i in range(dims)]
+        self.count = 0
+        self.scale = 0.0  # the typical absolute error (an exponential average)
+
+    def predict(self, x: list[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+
+    def update(self, x: list[float], y: float) -> float:
+        """Take one observation; the error of the prediction it had before."""
+        if len(x) != self.dims or not all(math.isfinite(v) for v in (*x, y)):
+            raise ValueError("an observation needs finite values, one per dimension")
+        error = y - self.predict(x)
+        weight = 1.0
+        if self.count >= MIN_OBSERVATIONS and self.scale > 0:
+            limit = HUBER_K * self.scale
+            weight = min(1.0, limit / abs(error)) if error else 1.0
+        px = [sum(self.p[i][j] * x[j] for j in range(self.dims)) for i in range(self.dims)]
+        denominator = self.forgetting / weight + sum(x[i] * px[i] for i in range(self.dims))
+        gain = [v / denominator for v in px]
+        self.theta = [t + g * error for t, g in zip(self.theta, gain, strict=True)]
+        self.p = [
+            [(self.p[i][j] - gain[i] * px[j]) / self.forgetting for j in range(self.dims)]
+            for i in range(self.dims)
+        ]
+        self.count += 1
+        self.scale = abs(error) if self.count == 1 else 0.95 * self.scale + 0.05 * min(
+            abs(error), HUBER_K * self.scale if self.scale > 0 else abs(error)
+        )  # fmt: skip
+        return error
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the gateway measured of one answer."""
+
+    load: int  # the replica's outstanding requests when it was sent, itself included
+    prompt_tokens: int  # the prompt's tokens not served from a prefix cache, as far as known
+    ttft_s: float
+    output_tokens: int
+    decode_s: float  # from the first token to the last
+
+    def valid(self) -> bool:
+        return (
+            self.load >= 1
+            and self.prompt_tokens >= 0
+            and math.isfinite(self.ttft_s)
+            and self.ttft_s >= 0
+            and math.isfinite(self.decode_s)
+            and self.decode_s >= 0
+        )
+
+
+@dataclass
+class ReplicaSpeed:
+    """The two models of one replica (or of a tier, pooled)."""
+
+    ttft: Rls = field(default_factory=lambda: Rls(3))
+    tpot: Rls = field(default_factory=lambda: Rls(2))
+
+    def observe(self, answer: Answer) -> None:
+        """Learn from one answer; an answer whose numbers cannot be real is ignored."""
+        if not answer.valid():
+            return
+        self.ttft.update(_ttft_x(answer.prompt_tokens, answer.load), answer.ttft_s)
+        if answer.output_tokens >= 2:  # one token says nothing of the time between tokens
+            self.tpot.update(_tpot_x(answer.load), answer.decode_s / (answer.output_tokens - 1))
+
+    @property
+    def observations(self) -> int:
+        return self.ttft.count
+
+    def ready(self) -> bool:
+        return self.ttft.count >= MIN_OBSERVATIONS and self.tpot.count >= MIN_OBSERVATIONS
+
+    def predict_ttft(self, prompt_tokens: int, load: int) -> float:
+        return max(0.0, self.ttft.predict(_ttft_x(prompt_tokens, load)))
+
+    def predict_tpot(self, load: int) -> float:
+        return max(0.0, self.tpot.predict(_tpot_x(load)))
+
+    def predict_seconds(self, prompt_tokens: int, output_tokens: int, load: int) -> float:
+        """The whole answer's time: first token, then the rest at the batch's pace."""
+        rest = max(0, output_tokens - 1) * self.predict_tpot(load)
+        return self.predict_ttft(prompt_tokens, load) + rest
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.ttft.theta[0])
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens per second (None: not measurably positive yet)."""
+        per_unit = self.ttft.theta[1]
+        return PROMPT_UNIT / per_unit if per_unit > 0 else None
+
+    @property
+    def wait_s_per_request(self) -> float:
+        return max(0.0, self.ttft.theta[2])
+
+    def decode_tokens_per_s(self, load: int) -> float | None:
+        """Output tokens per second of the whole replica with ``load`` answers at once."""
+        tpot = self.predict_tpot(load)
+        return load / tpot if tpot > 0 else None
+
+
+def _ttft_x(prompt_tokens: int, load: int) -> list[float]:
+    return [1.0, prompt_tokens / PROMPT_UNIT, float(load - 1)]
+
+
+def _tpot_x(load: int) -> list[float]:
+    return [1.0, float(load - 1)]
+
+
+class SpeedTable:
+    """Every replica's speed by (tier, URL), with a pooled model per tier standing in for
+    a replica until it has answered enough."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[tuple[str, str], ReplicaSpeed] = {}
+        self.tiers: dict[str, ReplicaSpeed] = {}
+
+    def observe(self, tier: str, url: str, answer: Answer) -> ReplicaSpeed:
+        speed = self.replicas.setdefault((tier, url), ReplicaSpeed())
+        speed.observe(answer)
+        self.tiers.setdefault(tier, ReplicaSpeed()).observe(answer)
+        return speed
+
+    def of(self, tier: str, url: str) -> ReplicaSpeed | None:
+        """The replica's model once it is ready, else its tier's, else None."""
+        own = self.replicas.get((tier, url))
+        if own is not None and own.ready():
+            return own
+        pooled = self.tiers.get(tier)
+        return pooled if pooled is not None and pooled.ready() else None
+
+    def keep(self, live: set[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Forget the replicas not in ``live`` (gone from the routing table); those gone."""
+        gone = [k for k in self.replicas if k not in live]
+        for key in gone:
+            del self.replicas[key]
+        return gone

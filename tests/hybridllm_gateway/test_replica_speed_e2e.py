@@ -1,0 +1,64 @@
+"""The gateway learns each replica's speed from its own answers: two replicas of one tier,
+one four times slower per token, told apart in the exported figures the router and the
+autoscaler read; a replica taken out of the routing table is forgotten."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridllm_common import metrics as names
+
+from .conftest import MODEL
+
+
+def _figures(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            if s.name.startswith("hybridllm_gateway_replica_"):
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_the_gateway_tells_a_slow_replica_from_a_fast_one(procs, table) -> None:
+    fast = procs.tokenserver("fast", "--rate", "200", "--ttft-s", "0.02")
+    slow = procs.tokenserver("slow", "--rate", "50", "--ttft-s", "0.02")
+    routing = table(cloud=[fast.url, slow.url], policy="cloud-only")
+    gw = procs.gateway(routing)
+    with httpx.Client(timeout=30) as http:
+        for i in range(48):  # one at a time: every answer was sent at load 1
+            body = {"model": MODEL, "stream": True, "max_tokens": 12,
+                    "messages": [{"role": "user", "content": f"question {i} " + "x" * (i * 40)}]}  # fmt: skip
+            with http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                r.read()
+    figures = _figures(gw.url)
+
+    def figure(name: str, replica: str, **labels: str) -> float | None:
+        key = (name, tuple(sorted({"tier": "cloud", "replica": replica, **labels}.items())))
+        return figures.get(key)
+
+    answers = [figure(names.GATEWAY_REPLICA_ANSWERS_TOTAL, u) for u in (fast.url, slow.url)]
+    assert sum(a or 0 for a in answers) == 48, answers
+    assert min(a or 0 for a in answers) >= 8, answers  # both spoken for
+    per_token = {u: figure(names.GATEWAY_REPLICA_OUTPUT_SECONDS, u, load="1")
+                 for u in (fast.url, slow.url)}  # fmt: skip
+    # 200 and 50 tokens/s: 5 and 20 ms a token, a loopback and a busy test machine added
+    assert per_token[fast.url] is not None and 0.004 <= per_token[fast.url] <= 0.009, per_token
+    assert per_token[slow.url] is not None and 0.018 <= per_token[slow.url] <= 0.03, per_token
+    overhead = figure(names.GATEWAY_REPLICA_OVERHEAD_SECONDS, slow.url)
+    assert overhead is not None and 0.015 <= overhead <= 0.1, overhead  # the 20 ms first token
+
+    # the slow replica leaves the routing table: its figures go with it
+    routing["tiers"]["cloud"]["backends"] = routing["tiers"]["cloud"]["backends"][:1]
+    (procs.tmp / "routing.json").write_text(json.dumps(routing))
+    deadline = time.monotonic() + 10
+    while any(slow.url in str(k) for k in _figures(gw.url)):
+        assert time.monotonic() < deadline, "the removed replica's figures are still exported"
+        time.sleep(0.1)
+    figures = _figures(gw.url)
+    assert figure(names.GATEWAY_REPLICA_OUTPUT_SECONDS, fast.url, load="1") is not None
