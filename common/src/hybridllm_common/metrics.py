@@ -69,6 +69,9 @@ GATEWAY_REPLICA_PREFILL_TOKENS_PER_SECOND = "hybridllm_gateway_replica_prefill_t
 GATEWAY_REPLICA_WAIT_SECONDS = "hybridllm_gateway_replica_wait_seconds"
 GATEWAY_REPLICA_OUTPUT_SECONDS = "hybridllm_gateway_replica_output_token_seconds"
 GATEWAY_REPLICA_ANSWERS_TOTAL = "hybridllm_gateway_replica_answers_total"
+# 1 while a remote tier (across a WAN: a site gateway's cloud tier) answers its probes, 0
+# while none of its backends does. label: tier.
+GATEWAY_TIER_REACHABLE = "hybridllm_gateway_tier_reachable"
 
 # Latency histogram buckets (seconds) shared by the runtimes.
 LATENCY_BUCKETS: tuple[float, ...] = (

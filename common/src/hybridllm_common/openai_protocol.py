@@ -39,6 +39,7 @@ RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 UNAUTHORIZED = "unauthorized"
 CONTENT_FILTERED = "content_filtered"
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+TIER_UNREACHABLE = "tier_unreachable"  # a tier across a WAN that its probes cannot reach
 INTERNAL_ERROR = "internal_error"
 
 ERROR_STATUS: dict[str, int] = {
@@ -55,6 +56,7 @@ ERROR_STATUS: dict[str, int] = {
     UPSTREAM_UNAVAILABLE: 502,
     SERVER_OVERLOADED: 503,
     MODEL_NOT_READY: 503,
+    TIER_UNREACHABLE: 503,
 }
 
 ERROR_TYPE: dict[int, str] = {

@@ -36,7 +36,7 @@ from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import cascade as cascade_mod
 from hybridllm_gateway import classifier as classifier_mod
 from hybridllm_gateway import config as config_mod
-from hybridllm_gateway import golden, openapi, proxy, relay, router, safety
+from hybridllm_gateway import golden, openapi, probe, proxy, relay, router, safety
 from hybridllm_gateway import metrics as metrics_mod
 from hybridllm_gateway.errors import APIError, error_response
 
@@ -405,6 +405,10 @@ async def _startup(app: web.Application) -> None:
         session, state.metrics, lambda: state.routing, state.backend_headers
     )
     state.tasks.append(asyncio.create_task(checker.run()))
+    prober = probe.Prober(
+        session, lambda: state.balancer.tiers, s, state.metrics, state.backend_headers
+    )
+    state.tasks.append(asyncio.create_task(prober.run()))
     # Everything alive now (modules, the classifier, the app, the event loop's and the
     # server's own objects) lives as long as the process: collected once, then out of the
     # collector's sight, so a full collection walks only request objects. (In steady

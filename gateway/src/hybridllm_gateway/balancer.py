@@ -29,6 +29,10 @@ whose replicas are all ejected is picked from in full (panic mode): with one rep
 ejection would otherwise turn a burst of connect timeouts into seconds of certain 502s.
 The router still sees such a tier as down and spills away from it where it can.
 
+A remote tier (across a WAN from this gateway) is also probed actively (probe.py): its
+backends that fail ``unreachable_after`` probes in a row are unreachable, never picked, not
+even in panic mode, until a probe answers again.
+
 Replica state (outstanding count, failures) is kept by URL across routing reloads, so a
 request in flight during a reload still decrements the right counter.
 """
@@ -63,9 +67,12 @@ class Replica:
     num_ejections_in_row: int = 0
     num_ejections: int = 0
     ejected_until: float = 0.0
+    unreachable: bool = False  # a remote tier's backend its probes cannot reach (probe.py)
+    unreachable_since: float = 0.0
+    failed_probes: int = 0
 
     def healthy(self, now: float) -> bool:
-        return self.weight > 0 and now >= self.ejected_until
+        return self.weight > 0 and now >= self.ejected_until and not self.unreachable
 
 
 @dataclass
@@ -90,10 +97,15 @@ class TierPool:
     """The replicas of one tier and the ring over them."""
 
     def __init__(
-        self, name: str, replicas: list[Replica], load_factor: float, scale_from_zero: bool = False
+        self,
+        name: str,
+        replicas: list[Replica],
+        load_factor: float,
+        scale_from_zero: bool = False,
+        remote: bool = False,
     ) -> None:
         self.name, self.replicas, self.load_factor = name, replicas, load_factor
-        self.scale_from_zero = scale_from_zero
+        self.scale_from_zero, self.remote = scale_from_zero, remote
         self.ring = Ring.build(replicas)
         self.total_weight = sum(r.weight for r in replicas if r.weight > 0)
 
@@ -104,7 +116,12 @@ class TierPool:
     def candidates(self, now: float) -> list[Replica]:
         """The healthy replicas or, when every one is ejected, all of them (panic mode, as
         Envoy does below its panic threshold): failing every request is never better."""
-        return self.healthy(now) or [r for r in self.replicas if r.weight > 0]
+        return self.healthy(now) or [r for r in self.replicas if r.weight > 0 and not r.unreachable]
+
+    def unreachable(self) -> bool:
+        """A remote tier none of whose backends its probes reach."""
+        live = [r for r in self.replicas if r.weight > 0]
+        return self.remote and bool(live) and all(r.unreachable for r in live)
 
     def revision_weights(self) -> dict[str, int]:
         """Revision -> its weight (the largest of its backends')."""
@@ -205,7 +222,9 @@ class Balancer:
                 r.revision, r.weight, r.device = b.revision, b.weight, b.device
                 self.by_url[(name, b.url)] = r
                 replicas.append(r)
-            tiers[name] = TierPool(name, replicas, self.settings.load_factor, tier.scale_from_zero)
+            tiers[name] = TierPool(
+                name, replicas, self.settings.load_factor, tier.scale_from_zero, tier.remote
+            )
         self.tiers = tiers
 
     def record_success(self, r: Replica) -> None:

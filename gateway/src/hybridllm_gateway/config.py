@@ -60,6 +60,10 @@ class Tier(_Wire):
     # The tier's pools may be at zero replicas (minReplicas 0): a request that finds no
     # replica waits for one (the autoscaler sees it waiting and starts one).
     scale_from_zero: bool = False
+    # Across a WAN from this gateway (a site gateway's cloud tier): its backends are probed
+    # every ``probe_interval_s``, and while none answers, a request that needs the tier is
+    # refused at once (503 tier_unreachable) rather than waiting on a link that is down.
+    remote: bool = False
 
 
 class EdgeLimits(_Wire):
@@ -200,6 +204,17 @@ class GatewaySettings(BaseModel):
     )
     max_held_requests: int = Field(
         default=256, ge=0, description="Requests that may wait so, per tier; beyond: 503."
+    )
+    probe_interval_s: float = Field(
+        default=2.0, gt=0, description="How often the backends of a remote tier are probed."
+    )
+    probe_timeout_s: float = Field(
+        default=1.0, gt=0, description="A probe of a remote tier's backend answered later fails."
+    )
+    unreachable_after: int = Field(
+        default=2,
+        ge=1,
+        description="Failed probes in a row that make a remote backend unreachable.",
     )
     stream_relay: str = Field(
         default="raw",

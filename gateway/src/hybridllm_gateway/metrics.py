@@ -153,6 +153,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.speeds = ReplicaSpeeds(r)
+        self.tier_reachable = Gauge(
+            names.GATEWAY_TIER_REACHABLE, "1 while a remote tier (across a WAN) answers its "
+            "probes, 0 while none of its backends does.", ["tier"], registry=r,
+        )  # fmt: skip
 
     def serve_revisions(self, tiers: Mapping[str, Any]) -> None:
         """Export each revision's weight and healthy backends as the routing table says

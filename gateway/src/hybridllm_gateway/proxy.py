@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 HOLD_POLL_S = 0.5  # how often a tier at zero is asked whether a replica is up
 SERVICE_RETRY_S = 0.25  # the pause before trying a Service address again, times attempts
+RETRY_UNREACHABLE_S = 5  # Retry-After of a request refused because its tier is unreachable
 
 
 # Events of a stream that carry no token: the end, the usage chunk (stream_options), a
@@ -158,8 +159,12 @@ class Forwarder:
             sock_read=self.first_byte_timeout_s,
         )
         last_error = "no healthy replica"
+        unreachable = []
         for i, tier in enumerate(tiers):
             pool = self.balancer.tiers.get(tier)
+            if pool is not None and pool.unreachable():
+                unreachable.append(pool)  # across a WAN that is down: not even tried
+                continue
             limit, held = self.max_attempts, False
             while pool is not None:
                 while len(outcome.attempts) < limit:
@@ -193,6 +198,17 @@ class Forwarder:
                 held = True
                 tried.difference_update(r.url for r in pool.replicas)
                 limit = len(outcome.attempts) + self.max_attempts
+        if unreachable and not outcome.attempts:
+            pool = unreachable[0]
+            since = time.monotonic() - min(
+                r.unreachable_since for r in pool.replicas if r.unreachable
+            )
+            raise APIError(
+                oai.TIER_UNREACHABLE,
+                f"the {pool.name} tier is unreachable from this gateway: none of its "
+                f"{len(pool.replicas)} backend(s) has answered a probe for {since:.0f} s",
+                headers={"Retry-After": str(RETRY_UNREACHABLE_S)},
+            )
         if outcome.attempts and outcome.busy == len(outcome.attempts):
             raise APIError(
                 oai.SERVER_OVERLOADED,
