@@ -62,3 +62,43 @@ def test_the_gateway_tells_a_slow_replica_from_a_fast_one(procs, table) -> None:
         time.sleep(0.1)
     figures = _figures(gw.url)
     assert figure(names.GATEWAY_REPLICA_OUTPUT_SECONDS, fast.url, load="1") is not None
+
+
+def test_an_objective_sends_requests_where_the_prediction_says(procs, table) -> None:
+    """An edge replica at 25 tokens/s and a cloud one at 400: once the gateway has learned
+    both, `minimize: latency` sends what the edge could serve to the cloud, and `minimize:
+    cost` with a cheap edge sends it to the edge while the edge's first token meets the SLO."""
+    edge = procs.tokenserver("edge", "--rate", "25")
+    cloud = procs.tokenserver("cloud", "--rate", "400")
+    routing = table(edge=[edge.url], cloud=[cloud.url], policy="edge-first",
+                    objective={"minimize": "latency"}, sloTtftSeconds=1.0)  # fmt: skip
+    gw = procs.gateway(routing)
+    path = procs.tmp / "routing.json"
+
+    def ask(http: httpx.Client, **headers: str) -> httpx.Response:
+        body = {"model": MODEL, "stream": True, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        with http.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                         headers=headers) as r:  # fmt: skip
+            r.read()
+        assert r.status_code == 200
+        return r
+
+    with httpx.Client(timeout=30) as http:
+        first = ask(http)  # nothing learned yet: the policy's choice
+        assert first.headers["x-hybridllm-route"] == "policy"
+        assert first.headers["x-hybridllm-tier"] == "edge"
+        for tier in ("edge", "cloud"):  # each tier's speed, from answers asked of it
+            for _ in range(8):
+                ask(http, **{"x-hybridllm-tier": tier})
+        fast = ask(http)
+        assert fast.headers["x-hybridllm-route"] == "predicted_latency"
+        assert fast.headers["x-hybridllm-tier"] == "cloud"
+        routing["objective"] = {"minimize": "cost",
+                                "costPerMillionTokens": {"edge": 0.1, "cloud": 2.0}}  # fmt: skip
+        path.write_text(json.dumps(routing))
+        deadline = time.monotonic() + 10
+        while (cheap := ask(http)).headers["x-hybridllm-route"] != "predicted_cost":
+            assert time.monotonic() < deadline, "the new objective was not taken"
+            time.sleep(0.1)
+        assert cheap.headers["x-hybridllm-tier"] == "edge"

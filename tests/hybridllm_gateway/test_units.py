@@ -56,6 +56,67 @@ def test_balance_applies_to_every_policy_that_uses_both_tiers(policy: str) -> No
         assert (got.reason == "balance") is moved
 
 
+def test_an_objective_routes_by_predicted_latency_or_cost_within_the_slo() -> None:
+    """The edge answers in ~0.3 s to the first token and 50 ms a token, the cloud (across
+    the WAN) in ~0.1 s and 10 ms: latency picks the cloud; cost picks the cheap edge while
+    its first token meets the SLO, the cloud when it does not; unknown speeds, an edge past
+    its queue depth or a request that needs the cloud leave the policy to decide."""
+    from hybridllm_common import speed
+    from hybridllm_gateway import router
+
+    table = speed.SpeedTable()
+    for i in range(12):
+        load, n = 1 + i % 3, 20 + i
+        table.observe(
+            "edge",
+            "http://edge",
+            speed.Answer(load, 100, 0.3 + 0.05 * (load - 1), n, 0.05 * (n - 1)),
+        )
+        table.observe("cloud", "http://cloud", speed.Answer(load, 100, 0.1, n, 0.01 * (n - 1)))
+
+    def pools(edge_load: int = 0) -> dict[str, balancer.TierPool]:
+        out = {}
+        for name, load in (("edge", edge_load), ("cloud", 0)):
+            r = balancer.Replica(url=f"http://{name}", tier=name, weight=100)
+            r.num_outstanding = load
+            out[name] = balancer.TierPool(name, [r], 1.25)
+        return out
+
+    chooser = classifier.Classifier.load(None)
+    hi = classifier.extract({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64})
+    base = {"tiers": {t: {"backends": [{"url": f"http://{t}"}]} for t in ("edge", "cloud")},
+            "policy": "edge-first"}  # fmt: skip
+    cost = {"minimize": "cost", "costPerMillionTokens": {"edge": 0.1, "cloud": 2.0}}
+
+    def route(objective: dict | None, slo: float = 1.0, **kw: object) -> router.Route:
+        routing = config.parse_routing({**base, "objective": objective, "sloTtftSeconds": slo})
+        return router.choose(
+            routing,
+            kw.pop("p", None) or pools(),
+            chooser,  # type: ignore[arg-type]
+            kw.pop("f", hi),
+            None,
+            table,
+            lambda tier: 40.0,
+        )  # type: ignore[arg-type]
+
+    assert route(None) == router.Route(("edge", "cloud"), "policy")
+    assert route({"minimize": "latency"}) == router.Route(("cloud", "edge"), "predicted_latency")
+    assert route(cost) == router.Route(("edge", "cloud"), "predicted_cost")
+    assert route(cost, slo=0.2) == router.Route(("cloud", "edge"), "predicted_cost")
+    # an edge past maxQueueDepth (8) is no candidate: spilled, as without an objective
+    assert route(cost, p=pools(edge_load=9)) == router.Route(("cloud",), "spill_overload")
+    # past the edge limits: the cloud, whatever the objective
+    long = classifier.extract({"messages": [{"role": "user", "content": "x " * 5000}]})
+    assert route(cost, f=long).reason == "edge_limits"
+    # a tier the gateway has not learned yet: the policy decides
+    table.replicas.pop(("edge", "http://edge"))
+    table.tiers.pop("edge")
+    assert route({"minimize": "latency"}) == router.Route(("edge", "cloud"), "policy")
+    with pytest.raises(ValueError, match="needs costPerMillionTokens"):
+        config.parse_routing({**base, "objective": {"minimize": "cost"}})
+
+
 def test_rejects_unknown_tier_and_empty_table() -> None:
     with pytest.raises(ValueError, match="unknown tiers"):
         config.parse_routing({"tiers": {"moon": {"backends": [{"url": "http://x"}]}}})

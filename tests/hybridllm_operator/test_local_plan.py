@@ -113,6 +113,7 @@ def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path)
                 {"url": edge.replica.url, "revision": "v1", "weight": 100, "device": False}
             ],
             "scaleFromZero": False,
+            "remote": False,
         }
     }
     assert builders.tier_components(plan.service()) == {"edge": "edge", "cloud": "monolithic"}

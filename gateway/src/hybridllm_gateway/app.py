@@ -284,7 +284,8 @@ async def _handle(
             found = state.filter.apply(body)
         if found:
             changed = True
-        route = router.choose(routing, pools, state.classifier, features, explicit)
+        route = router.choose(routing, pools, state.classifier, features, explicit,
+                              m.speeds.table, m.offered.mean)  # fmt: skip
         request[router.ROUTE_REASON] = route.reason
         request[router.ROUTE_TIER] = route.tiers[0]
         m.decisions.labels(tier=route.tiers[0], reason=route.reason).inc()

@@ -87,6 +87,31 @@ class Balance(_Wire):
     margin: int = Field(default=1, ge=0)
 
 
+class Minimize(StrEnum):
+    latency = "latency"
+    cost = "cost"
+
+
+class TierPrices(_Wire):
+    edge: float | None = Field(default=None, ge=0)
+    cloud: float | None = Field(default=None, ge=0)
+
+
+class Objective(_Wire):
+    """Route by prediction (predict.py): the tier whose predicted answer comes first
+    (latency), or the cheapest whose predicted first token meets the SLO (cost)."""
+
+    minimize: Minimize = Minimize.latency
+    cost_per_million_tokens: TierPrices = Field(default_factory=TierPrices)
+
+    @model_validator(mode="after")
+    def _prices(self) -> Objective:
+        prices = self.cost_per_million_tokens
+        if self.minimize == Minimize.cost and (prices.edge is None or prices.cloud is None):
+            raise ValueError("objective minimize: cost needs costPerMillionTokens for both tiers")
+        return self
+
+
 class RateLimits(_Wire):
     requests_per_minute: int = Field(default=600, ge=1)
     tokens_per_minute: int = Field(default=200_000, ge=1)
@@ -112,6 +137,8 @@ class RoutingConfig(_Wire):
     session_affinity: SessionAffinity = Field(default_factory=SessionAffinity)
     cascade: Cascade = Field(default_factory=Cascade)
     balance: Balance = Field(default_factory=Balance)
+    objective: Objective | None = None
+    slo_ttft_seconds: float = Field(default=1.0, gt=0)
     rate_limits: RateLimits = Field(default_factory=RateLimits)
     golden_prompts: list[GoldenPrompt] = Field(default_factory=list)
     tiers: dict[str, Tier] = Field(default_factory=dict)

@@ -23,23 +23,32 @@ In order of precedence:
    soonest when that tier is queueing and the other has room. It never moves a request
    into an edge tier past ``maxQueueDepth``.
 
+7. With an ``objective`` (predict.py), a request both tiers may serve (the classifier's
+   verdict is the edge, or a first-choice policy) goes to the tier the prediction favours:
+   the sooner answer, or the cheapest within the SLO (``predicted_latency``,
+   ``predicted_cost``); before the gateway has learned both tiers' speeds, steps 4-6 decide.
+
 The result is a :class:`Route`: the tiers to try and the reason label used in metrics and
 in the ``x-hybridllm-route`` response header.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from hybridllm_common import openai_protocol as oai
+from hybridllm_common import speed
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import classifier as classifier_mod
 from hybridllm_gateway import config as config_mod
+from hybridllm_gateway import predict as predict_mod
 from hybridllm_gateway.errors import APIError
 
 TIER_HEADER = "x-hybridllm-tier"
+DEFAULT_OUTPUT_TOKENS = 256  # expected answer length before a tier has answered any
 TIERS = ("edge", "cloud")
 
 ROUTE_REASON = web.RequestKey("route_reason", str)  # the reason label, per request
@@ -68,6 +77,8 @@ def choose(
     classifier: classifier_mod.Classifier,
     features: classifier_mod.Features,
     explicit: str | None,
+    speeds: speed.SpeedTable | None = None,
+    mean_output: Callable[[str], float | None] = lambda tier: None,
 ) -> Route:
     present = tuple(t for t in TIERS if t in pools and pools[t].replicas)
     limits = routing.edge_limits
@@ -94,6 +105,27 @@ def choose(
     else:
         first, reason = classifier.decide(features)
     edge = pools["edge"]
+    # A request both tiers may serve (the classifier did not say it needs the cloud; a
+    # first-choice policy is a preference): the objective, where predictions exist.
+    if (
+        routing.objective is not None
+        and speeds is not None
+        and (first == "edge" or reason == "policy")
+    ):
+        candidates = {
+            t: pools[t] for t in TIERS
+            if pools[t].healthy() and (t == "cloud" or not edge.overloaded(limits.max_queue_depth))
+        }  # fmt: skip
+
+        def output_tokens(tier: str) -> int:
+            mean = mean_output(tier)
+            expected = int(mean) if mean is not None else DEFAULT_OUTPUT_TOKENS
+            return min(expected, features.max_tokens) if features.max_tokens else expected
+
+        ranked = predict_mod.rank(routing.objective, routing.slo_ttft_seconds, candidates,
+                                  speeds, features.prompt_tokens, output_tokens)  # fmt: skip
+        if ranked is not None and len(ranked) == len(TIERS):
+            return Route(tuple(p.tier for p in ranked), f"predicted_{routing.objective.minimize}")
     if first == "edge":
         if not edge.healthy():
             return Route(("cloud",), "spill_down")

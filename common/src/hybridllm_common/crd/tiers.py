@@ -427,6 +427,58 @@ class BalanceSpec(_Model):
     )
 
 
+class Minimize(StrEnum):
+    latency = "latency"
+    cost = "cost"
+
+
+class TierPrices(_Model):
+    """What a million tokens (prompt and output) cost on each tier, in any one currency."""
+
+    edge: float | None = Field(
+        default=None, ge=0, le=1_000_000, description="Edge tier (owned hardware: its share "
+        "of the devices' or nodes' cost, often far below the cloud's)."
+    )  # fmt: skip
+    cloud: float | None = Field(
+        default=None, ge=0, le=1_000_000, description="Cloud tier (GPU-hours over tokens)."
+    )
+
+
+class ObjectiveSpec(_Model):
+    """Route by prediction: the gateway predicts each tier's time for the request from what
+    it learned of each replica's speed, and picks the tier that minimises the objective
+    among those the request may go to (the edge limits and the classifier's verdict still
+    bind). Unset: the policy alone decides."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.minimize != 'cost' || (has(self.costPerMillionTokens.edge) && "
+                    "has(self.costPerMillionTokens.cloud))",
+                    "minimize: cost needs costPerMillionTokens for both tiers",
+                    ".costPerMillionTokens",
+                ),
+            ]
+        }
+    )
+
+    minimize: Minimize = Field(
+        default=Minimize.latency,
+        description="latency: the tier whose predicted answer comes first. cost: the cheapest "
+        "tier whose predicted time to first token meets slo.ttftP95Seconds (the fastest when "
+        "none does).",
+    )
+    cost_per_million_tokens: TierPrices = _sub(TierPrices, "Prices per tier (for cost).")
+
+    @model_validator(mode="after")
+    def _prices(self) -> ObjectiveSpec:
+        prices = self.cost_per_million_tokens
+        if self.minimize == Minimize.cost and (prices.edge is None or prices.cloud is None):
+            raise ValueError("minimize: cost needs costPerMillionTokens for both tiers")
+        return self
+
+
 class RoutingSpec(_Model):
     """How the gateway chooses between the edge and the cloud tier."""
 
@@ -438,3 +490,8 @@ class RoutingSpec(_Model):
     session_affinity: SessionAffinity = _sub(SessionAffinity, "Session stickiness.")
     cascade: CascadeSpec = _sub(CascadeSpec, "Edge-to-cloud escalation.")
     balance: BalanceSpec = _sub(BalanceSpec, "Load-aware choice between the tiers.")
+    objective: ObjectiveSpec | None = Field(
+        default=None,
+        description="Route by predicted latency or cost (gateway-learned replica speeds); "
+        "unset: the policy alone.",
+    )

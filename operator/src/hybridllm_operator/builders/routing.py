@@ -79,7 +79,11 @@ def routing_config(
                 for u, rev in service.devices
             ]
         if rows:
-            tiers[tier] = {"backends": rows, "scaleFromZero": scales_from_zero(service, tier)}
+            tiers[tier] = {
+                "backends": rows,
+                "scaleFromZero": scales_from_zero(service, tier),
+                "remote": False,  # in the cluster: no WAN between the gateway and the pools
+            }
     return {
         "service": service.name,
         "namespace": service.namespace,
@@ -91,6 +95,9 @@ def routing_config(
         "sessionAffinity": spec.routing.session_affinity.to_wire(),
         "cascade": spec.routing.cascade.to_wire(),
         "balance": spec.routing.balance.to_wire(),
+        # route by prediction (absent: the policy alone); the SLO a cheaper tier must meet
+        "objective": spec.routing.objective.to_wire() if spec.routing.objective else None,
+        "sloTtftSeconds": spec.slo.ttft_p95_seconds,
         "rateLimits": {
             "requestsPerMinute": spec.gateway.requests_per_minute,
             "tokensPerMinute": spec.gateway.tokens_per_minute,
