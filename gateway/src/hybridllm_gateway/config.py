@@ -1,9 +1,10 @@
 """The routing table the operator renders, the gateway's own settings, and hot reload.
 
 The routing table is the ConfigMap key ``routing.json`` written by
-``hybridllm_operator.builders.build_routing_config``; :class:`RoutingConfig` parses exactly
-that shape (camelCase on the wire). Unknown keys are ignored with a warning so that a newer
-operator does not stop an older gateway from reloading.
+``hybridllm_operator.builders.build_routing_config``; its model (:class:`RoutingConfig`,
+re-exported here) is ``hybridllm_common.routing``, the one the operator writes with. Unknown
+keys are ignored with a warning so that a newer operator does not stop an older gateway
+from reloading.
 
 Kubernetes updates a mounted ConfigMap by swapping a symlink (``..data``), so the file's
 inode changes while its path stays. :class:`FileWatcher` polls ``os.stat`` (following
@@ -20,150 +21,53 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridllm_common import termination
+
+# the routing table: one model, shared with the operator that writes it
+from hybridllm_common.routing import (
+    Backend,
+    Balance,
+    Cascade,
+    EdgeLimits,
+    GoldenPrompt,
+    Minimize,
+    Objective,
+    Policy,
+    RateLimits,
+    RoutingConfig,
+    SessionAffinity,
+    Tier,
+    TierPrices,
+)
+from hybridllm_common.routing import parse as parse_routing
 
 log = logging.getLogger(__name__)
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
-    )
-
-
-class Policy(StrEnum):
-    auto = "auto"
-    edge_first = "edge-first"
-    cloud_first = "cloud-first"
-    edge_only = "edge-only"
-    cloud_only = "cloud-only"
-
-
-class Backend(_Wire):
-    url: str = Field(min_length=1)
-    revision: str = ""
-    weight: int = Field(default=100, ge=0, le=1_000_000)
-    # an enrolled device outside the cluster: never sent the backend token, which opens
-    # the service's runtimes (hybridllm_common.backend_auth)
-    device: bool = False
-
-
-class Tier(_Wire):
-    backends: list[Backend] = Field(default_factory=list)
-    # The tier's pools may be at zero replicas (minReplicas 0): a request that finds no
-    # replica waits for one (the autoscaler sees it waiting and starts one).
-    scale_from_zero: bool = False
-    # Across a WAN from this gateway (a site gateway's cloud tier): its backends are probed
-    # every ``probe_interval_s``, and while none answers, a request that needs the tier is
-    # refused at once (503 tier_unreachable) rather than waiting on a link that is down.
-    remote: bool = False
-
-
-class EdgeLimits(_Wire):
-    max_prompt_tokens: int = Field(default=2048, ge=1)
-    max_output_tokens: int = Field(default=512, ge=1)
-    max_queue_depth: int = Field(default=8, ge=0)
-
-
-class SessionAffinity(_Wire):
-    enabled: bool = True
-    header: str = "x-session-id"
-
-
-class Cascade(_Wire):
-    enabled: bool = False
-    min_mean_logprob: float = -1.5
-
-
-class Balance(_Wire):
-    enabled: bool = False
-    margin: int = Field(default=1, ge=0)
-
-
-class Minimize(StrEnum):
-    latency = "latency"
-    cost = "cost"
-
-
-class TierPrices(_Wire):
-    edge: float | None = Field(default=None, ge=0)
-    cloud: float | None = Field(default=None, ge=0)
-
-
-class Objective(_Wire):
-    """Route by prediction (predict.py): the tier whose predicted answer comes first
-    (latency), or the cheapest whose predicted first token meets the SLO (cost)."""
-
-    minimize: Minimize = Minimize.latency
-    cost_per_million_tokens: TierPrices = Field(default_factory=TierPrices)
-
-    @model_validator(mode="after")
-    def _prices(self) -> Objective:
-        prices = self.cost_per_million_tokens
-        if self.minimize == Minimize.cost and (prices.edge is None or prices.cloud is None):
-            raise ValueError("objective minimize: cost needs costPerMillionTokens for both tiers")
-        return self
-
-
-class RateLimits(_Wire):
-    requests_per_minute: int = Field(default=600, ge=1)
-    tokens_per_minute: int = Field(default=200_000, ge=1)
-
-
-class GoldenPrompt(_Wire):
-    """A question a new revision's backends must answer right (``expect``: a regular
-    expression, any case) before the rollout moves traffic to it."""
-
-    prompt: str = Field(min_length=1)
-    expect: str = Field(min_length=1)
-    max_tokens: int = Field(default=32, ge=1)
-
-
-class RoutingConfig(_Wire):
-    service: str = ""
-    namespace: str = ""
-    model: str = ""
-    revision: str = ""
-    generation: int = Field(default=0, ge=0)  # bumped by the operator with every new weight
-    policy: Policy = Policy.auto
-    edge_limits: EdgeLimits = Field(default_factory=EdgeLimits)
-    session_affinity: SessionAffinity = Field(default_factory=SessionAffinity)
-    cascade: Cascade = Field(default_factory=Cascade)
-    balance: Balance = Field(default_factory=Balance)
-    objective: Objective | None = None
-    slo_ttft_seconds: float = Field(default=1.0, gt=0)
-    rate_limits: RateLimits = Field(default_factory=RateLimits)
-    golden_prompts: list[GoldenPrompt] = Field(default_factory=list)
-    tiers: dict[str, Tier] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _known_tiers(self) -> RoutingConfig:
-        unknown = set(self.tiers) - {"edge", "cloud"}
-        if unknown:
-            raise ValueError(f"unknown tiers {sorted(unknown)}: only edge and cloud exist")
-        if not any(t.backends for t in self.tiers.values()):
-            raise ValueError("no tier has a backend")
-        return self
-
-    def to_wire(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
-
-
-def parse_routing(data: dict[str, Any]) -> RoutingConfig:
-    known = set(RoutingConfig.model_fields) | {
-        f.alias for f in RoutingConfig.model_fields.values() if f.alias
-    }
-    extra = sorted(set(data) - known)
-    if extra:
-        log.warning("routing config: ignoring unknown keys %s", extra)
-    return RoutingConfig.model_validate(data)
+__all__ = [
+    "Backend",
+    "Balance",
+    "Cascade",
+    "EdgeLimits",
+    "FileWatcher",
+    "FilterConfig",
+    "GatewaySettings",
+    "GoldenPrompt",
+    "Minimize",
+    "Objective",
+    "Policy",
+    "RateLimits",
+    "RoutingConfig",
+    "SessionAffinity",
+    "Tier",
+    "TierPrices",
+    "load_routing",
+    "parse_routing",
+]
 
 
 def load_routing(path: Path) -> RoutingConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hybridllm_common import routing
 from hybridllm_operator import rollout as rollout_mod
 from hybridllm_operator.builders.common import (
     CANARY,
@@ -56,56 +57,58 @@ def routing_config(
     spec = service.spec
     stable_revision = service.stable.model.revision
     canary_revision = service.canary.model.revision if service.canary is not None else ""
-    tiers: dict[str, Any] = {}
+    tiers: dict[str, routing.Tier] = {}
     device_tier = {"edge"} if service.devices and service.stable.edge.enabled else set()
     for tier in sorted(set(backends) | set(canary or {}) | device_tier):
         weight = rollout_mod.canary_weight(service.rollout, tier)
         rows = [
-            {"url": u, "revision": stable_revision, "weight": 100 - weight, "device": False}
+            routing.Backend(url=u, revision=stable_revision, weight=100 - weight)
             for u in backends.get(tier, [])
         ]
         rows += [
-            {"url": u, "revision": canary_revision, "weight": weight, "device": False}
+            routing.Backend(url=u, revision=canary_revision, weight=weight)
             for u in (canary or {}).get(tier, [])
         ]
         if tier == "edge":  # devices: at their revision's weight (a rollout's, or the rest)
             rows += [
-                {
-                    "url": u,
-                    "revision": rev,
-                    "weight": weight if rev == canary_revision else 100 - weight,
-                    "device": True,  # never sent the backend token
-                }
+                routing.Backend(
+                    url=u,
+                    revision=rev,
+                    weight=weight if rev == canary_revision else 100 - weight,
+                    device=True,  # never sent the backend token
+                )
                 for u, rev in service.devices
             ]
-        if rows:
-            tiers[tier] = {
-                "backends": rows,
-                "scaleFromZero": scales_from_zero(service, tier),
-                "remote": False,  # in the cluster: no WAN between the gateway and the pools
-            }
-    return {
-        "service": service.name,
-        "namespace": service.namespace,
-        "model": service.served_name,
-        "revision": stable_revision,
-        "generation": service.rollout.routing_generation if service.rollout else 0,
-        "policy": spec.routing.policy.value,
-        "edgeLimits": spec.routing.edge_limits.to_wire(),
-        "sessionAffinity": spec.routing.session_affinity.to_wire(),
-        "cascade": spec.routing.cascade.to_wire(),
-        "balance": spec.routing.balance.to_wire(),
-        # route by prediction (absent: the policy alone); the SLO a cheaper tier must meet
-        "objective": spec.routing.objective.to_wire() if spec.routing.objective else None,
-        "sloTtftSeconds": spec.slo.ttft_p95_seconds,
-        "rateLimits": {
-            "requestsPerMinute": spec.gateway.requests_per_minute,
-            "tokensPerMinute": spec.gateway.tokens_per_minute,
-        },
-        # asked of the canary's backends by the gateways (the rollout waits for them)
-        "goldenPrompts": [p.to_wire() for p in spec.rollout.analysis.golden_prompts],
-        "tiers": tiers,
-    }
+        if rows:  # in the cluster: no WAN between the gateway and the pools (not remote)
+            tiers[tier] = routing.Tier(
+                backends=rows, scale_from_zero=scales_from_zero(service, tier)
+            )
+    objective = spec.routing.objective
+    # built, not validated: a table with no backend yet (devices still to come) is written
+    # all the same, and a gateway keeps its last good one until one has backends
+    table = routing.RoutingConfig.model_construct(
+        service=service.name,
+        namespace=service.namespace,
+        model=service.served_name,
+        revision=stable_revision,
+        generation=service.rollout.routing_generation if service.rollout else 0,
+        policy=spec.routing.policy,
+        edge_limits=routing.lenient(routing.EdgeLimits, spec.routing.edge_limits),
+        session_affinity=routing.lenient(routing.SessionAffinity, spec.routing.session_affinity),
+        cascade=routing.lenient(routing.Cascade, spec.routing.cascade),
+        balance=routing.lenient(routing.Balance, spec.routing.balance),
+        objective=routing.lenient(routing.Objective, objective) if objective else None,
+        slo_ttft_seconds=spec.slo.ttft_p95_seconds,
+        rate_limits=routing.RateLimits(
+            requests_per_minute=spec.gateway.requests_per_minute,
+            tokens_per_minute=spec.gateway.tokens_per_minute,
+        ),
+        golden_prompts=[
+            routing.lenient(routing.GoldenPrompt, p) for p in spec.rollout.analysis.golden_prompts
+        ],
+        tiers=tiers,
+    )
+    return table.to_wire()
 
 
 def build_routing_configmap(service: Service) -> dict[str, Any]:
