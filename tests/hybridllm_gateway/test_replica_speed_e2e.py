@@ -19,7 +19,7 @@ def _figures(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in family.samples:
-            if s.name.startswith("hybridllm_gateway_replica_"):
+            if s.name.startswith(("hybridllm_gateway_replica_", names.GATEWAY_PREDICTION_RATIO)):
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
@@ -50,6 +50,21 @@ def test_the_gateway_tells_a_slow_replica_from_a_fast_one(procs, table) -> None:
     # 200 and 50 tokens/s: 5 and 20 ms a token, a loopback and a busy test machine added
     assert 0.004 <= (per_token[fast.url] or 0.0) <= 0.009, per_token
     assert 0.018 <= (per_token[slow.url] or 0.0) <= 0.03, per_token
+    # each answer after the tier's first 8 tested the prediction made just before it: most
+    # within 20% of it (the first ones by the tier's pooled model, which averages a fast
+    # and a slow replica, until each had 8 answers of its own)
+    ratio = {k[1]: v for k, v in figures.items() if k[0].startswith(names.GATEWAY_PREDICTION_RATIO)
+             and ("term", "tpot") in k[1]}  # fmt: skip
+    bucket = names.GATEWAY_PREDICTION_RATIO + "_bucket"
+
+    def le(bound: str) -> float:
+        key = (bucket, tuple(sorted({"tier": "cloud", "term": "tpot", "le": bound}.items())))
+        return figures[key]
+
+    tested = figures[(names.GATEWAY_PREDICTION_RATIO + "_count",
+                      (("term", "tpot"), ("tier", "cloud")))]  # fmt: skip
+    assert tested == 48 - 8, ratio
+    assert le("1.25") - le("0.8") >= 0.6 * tested, ratio
     overhead = figure(names.GATEWAY_REPLICA_OVERHEAD_SECONDS, slow.url)
     assert 0.015 <= (overhead or 0.0) <= 0.1, overhead  # the 20 ms first token
 

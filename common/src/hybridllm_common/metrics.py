@@ -69,6 +69,12 @@ GATEWAY_REPLICA_PREFILL_TOKENS_PER_SECOND = "hybridllm_gateway_replica_prefill_t
 GATEWAY_REPLICA_WAIT_SECONDS = "hybridllm_gateway_replica_wait_seconds"
 GATEWAY_REPLICA_OUTPUT_SECONDS = "hybridllm_gateway_replica_output_token_seconds"
 GATEWAY_REPLICA_ANSWERS_TOTAL = "hybridllm_gateway_replica_answers_total"
+# How far each answer was from what the learned speed predicted for it just before (actual
+# over predicted; labels: tier, term = ttft or tpot): the model's error, term by term.
+GATEWAY_PREDICTION_RATIO = "hybridllm_gateway_prediction_ratio"
+PREDICTION_RATIO_BUCKETS: tuple[float, ...] = (
+    0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0,
+)  # fmt: skip
 # 1 while a remote tier (across a WAN: a site gateway's cloud tier) answers its probes, 0
 # while none of its backends does. label: tier.
 GATEWAY_TIER_REACHABLE = "hybridllm_gateway_tier_reachable"

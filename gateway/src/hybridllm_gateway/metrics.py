@@ -217,8 +217,23 @@ class ReplicaSpeeds:
             names.GATEWAY_REPLICA_ANSWERS_TOTAL,
             "Streamed answers each replica's figures were learned from.", labels, registry=r,
         )  # fmt: skip
+        self.error = Histogram(
+            names.GATEWAY_PREDICTION_RATIO, "Each answer's time over what the replica's "
+            "learned speed predicted for it just before, by tier and term (ttft: the first "
+            "token; tpot: the time per output token).", ["tier", "term"],
+            buckets=names.PREDICTION_RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
 
     def answered(self, tier: str, url: str, answer: speed.Answer) -> None:
+        before = self.table.of(tier, url)
+        if before is not None and answer.valid():  # the prediction this answer tests
+            ttft = before.predict_ttft(answer.prompt_tokens, answer.load)
+            if ttft > 0:
+                self.error.labels(tier=tier, term="ttft").observe(answer.ttft_s / ttft)
+            tpot = before.predict_tpot(answer.load)
+            if tpot > 0 and answer.output_tokens >= 2:
+                actual = answer.decode_s / (answer.output_tokens - 1)
+                self.error.labels(tier=tier, term="tpot").observe(actual / tpot)
         fitted = self.table.observe(tier, url, answer)
         self.answers.labels(tier=tier, replica=url).inc()
         if not fitted.ready():
