@@ -50,6 +50,8 @@ from cluster_tools import proc_cpu_s, testenv  # noqa: E402
 from portable import portable  # noqa: E402
 from procs import load_average  # noqa: E402
 
+TOKENSERVER = Path(__file__).resolve().parents[1] / "tokenserver.py"
+
 NAMESPACE = "replay"
 RESULTS = ROOT / "bench" / "results" / "autoscaling-operator"
 MODES = "reactive,hybrid,predictive"
@@ -252,7 +254,7 @@ def run(args: argparse.Namespace, labels: list[str], work: Path) -> dict[str, An
         backend_port = free_port()
         with (work / "tokenserver.log").open("ab") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(backend_port),
+                [sys.executable, str(TOKENSERVER), "--port", str(backend_port),
                  "--id", "edge", "--model", "smollm2", "--rate", str(replay.TOKEN_RATE),
                  "--ttft-s", str(replay.TTFT_S), "--default-tokens", str(replay.MAX_TOKENS)],
                 stdout=log, stderr=subprocess.STDOUT,

@@ -56,6 +56,8 @@ sys.path.insert(0, str(ROOT / "bench" / "gateway"))
 from portable import TRACES, portable  # noqa: E402
 from procs import load_average, machine  # noqa: E402
 
+TOKENSERVER = Path(__file__).resolve().parents[1] / "tokenserver.py"
+
 TRACE = TRACES / "servegen-2025" / "m-large-aggregate-10min.csv"
 MODES = ("reactive", "hybrid", "predictive")
 DEFAULT_MODES = "reactive,reactive@0.5,hybrid,predictive"
@@ -276,7 +278,7 @@ def manifest(label: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def replica_command(port: int, name: str, slots: int, cold_start_s: float) -> list[str]:
     return [
-        sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(port),
+        sys.executable, str(TOKENSERVER), "--port", str(port),
         "--id", name, "--model", "smollm2", "--max-concurrency", str(slots),
         "--rate", str(TOKEN_RATE), "--ttft-s", str(TTFT_S),
         "--default-tokens", str(MAX_TOKENS), "--startup-s", str(cold_start_s),

@@ -32,6 +32,7 @@ import procs
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
+TOKENSERVER = Path(__file__).resolve().parents[1] / "tokenserver.py"
 
 # Run as the gateway's process: times each collection, writes them at exit.
 GC_WRAPPER = r"""
@@ -65,7 +66,7 @@ def gc_pauses(seconds: float) -> list[str]:
     py = sys.executable
     tmp = Path(tempfile.mkdtemp(prefix="gwdiag-"))
     bport = procs.free_port()
-    backend = procs.start([py, "-m", "hybridllm_gateway.tokenserver", "--port", str(bport),
+    backend = procs.start([py, str(TOKENSERVER), "--port", str(bport),
                            "--rate", "32", "--id", "backend"], tmp / "backend.log")  # fmt: skip
     lines = ["## Garbage-collector pauses at 256 streams", "",
              f"{seconds:g} s of 256 streams (64 tokens at 32 tokens/s) after a 3 s warm-up; "

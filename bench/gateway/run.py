@@ -41,6 +41,8 @@ import procs
 import report
 from loadgen import KEY
 
+TOKENSERVER = Path(__file__).resolve().parents[1] / "tokenserver.py"
+
 ROOT = Path(__file__).resolve().parents[2]
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 
@@ -79,7 +81,7 @@ def start_servers(args: argparse.Namespace, tmp: Path, running: list[Any]) -> tu
     cpus = procs.cpu_sets(args.cpu_layout)
     bport = procs.free_port()
     backend = f"http://127.0.0.1:{bport}"
-    running.append(procs.start([py, "-m", "hybridllm_gateway.tokenserver", "--port", str(bport),
+    running.append(procs.start([py, str(TOKENSERVER), "--port", str(bport),
                                 "--rate", str(args.rate), "--id", "backend"], tmp / "backend.log", cpus=cpus["backend"]))  # fmt: skip
     procs.wait_up(backend, running[-1], "/health")
     urls, sids = {"direct": backend}, {"backend": running[-1].pid}

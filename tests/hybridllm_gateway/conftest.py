@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+TOKENSERVER = Path(__file__).resolve().parents[2] / "bench" / "tokenserver.py"  # a test double
+
 MODEL = "smollm2"
 CLIENT = httpx.Client(timeout=30.0)  # one pool for the whole session: cheap requests
 
@@ -84,7 +86,7 @@ class Procs:
 
     def _start_tokenserver(self, name: str, *args: str, port: int | None = None) -> Server:
         port = port or free_port()
-        cmd = [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(port),
+        cmd = [sys.executable, str(TOKENSERVER), "--port", str(port),
                "--id", name, "--model", MODEL, *args]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         server = Server(f"http://127.0.0.1:{port}", proc, name)

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 
-from .conftest import MODEL, free_port
+from .conftest import MODEL, TOKENSERVER, free_port
 
 
 def _wait(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
@@ -63,7 +63,7 @@ def test_startup_answers_loading_with_retry_after_then_serves(tmp_path: Any) -> 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(port),
+        [sys.executable, str(TOKENSERVER), "--port", str(port),
          "--model", MODEL, "--startup-s", "8"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -104,7 +104,7 @@ def test_startup_answers_loading_with_retry_after_then_serves(tmp_path: Any) -> 
 
 def test_a_negative_concurrency_is_refused() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--max-concurrency", "-1"],
+        [sys.executable, str(TOKENSERVER), "--max-concurrency", "-1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2

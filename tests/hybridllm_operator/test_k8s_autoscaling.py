@@ -34,6 +34,8 @@ from hybridllm_operator.observability import panels
 from . import promql
 from .conftest import chart_operator_env, own_control_plane
 
+TOKENSERVER = Path(__file__).resolve().parents[2] / "bench" / "tokenserver.py"  # a test double
+
 NAMESPACE = "scale"
 NAME = "svc"
 OPERATOR_COMMAND = (sys.executable, "-m", "hybridllm_common.cli", "operator", "run")
@@ -133,7 +135,7 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
             def serve_backend() -> None:
                 """The edge replica's server, on the port the gateway's table names."""
                 procs.append(_serve(
-                    [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port",
+                    [sys.executable, str(TOKENSERVER), "--port",
                      str(backend_port), "--id", "edge-a", "--model", "smollm2", "--rate", "400"],
                     tmp_path / "tokenserver.log", backend_port,
                 ))  # fmt: skip

@@ -30,7 +30,7 @@ from hybridllm_operator.observability import panels
 
 from . import promql
 from .conftest import chart_operator_env, own_control_plane
-from .test_k8s_autoscaling import Operator, _free_port, _serve
+from .test_k8s_autoscaling import TOKENSERVER, Operator, _free_port, _serve
 
 NAMESPACE = "rollout"
 NAME = "svc"
@@ -156,7 +156,7 @@ def stack(k8s_cluster: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
             for name, extra in (("stable", []), ("good", []), ("bad", ["--ttft-s", "0.4"])):
                 port = ports[name]
                 procs.append(_serve(
-                    [sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(port),
+                    [sys.executable, str(TOKENSERVER), "--port", str(port),
                      "--id", name, "--model", "smollm2", "--rate", "400", *extra],
                     tmp_path / f"{name}.log", port,
                 ))  # fmt: skip

@@ -1,5 +1,4 @@
-"""``hybridllm-gateway`` (also ``hybridllm gateway``): serve, train-classifier, hash-key,
-tokenserver.
+"""``hybridllm-gateway`` (also ``hybridllm gateway``): serve, train-classifier, hash-key.
 
 ``serve --config /etc/hybridllm/routing.json --port 8000 [--api-keys-file PATH]`` is the
 command line the operator renders; the other flags have defaults that suit a pod.
@@ -105,14 +104,8 @@ def _hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenserver(args: argparse.Namespace) -> int:
-    from hybridllm_gateway import tokenserver
-
-    return tokenserver.run(args)
-
-
 def _add_commands(sub: Any) -> None:
-    from hybridllm_gateway import classifier, tokenserver
+    from hybridllm_gateway import classifier
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible gateway")
     _serve_flags(serve)
@@ -128,15 +121,6 @@ def _add_commands(sub: Any) -> None:
     hk.add_argument("name")
     hk.add_argument("--key", help="the key (read from stdin when absent)")
     hk.set_defaults(func=_hash_key)
-
-    ts = sub.add_parser(
-        "tokenserver",
-        help="fixed-rate streaming test backend",
-        parents=[tokenserver.parser()],
-        add_help=False,
-        conflict_handler="resolve",
-    )
-    ts.set_defaults(func=_tokenserver)
 
 
 def register(subparsers: Any) -> None:

@@ -17,7 +17,8 @@ order (a runtime's batch slots: the wait shows in the time to first token, and `
 counts ``waiting``); ``--startup-s S`` answers 503 ("loading", with Retry-After) on
 ``/health`` and the completion routes for S seconds after it starts (a model load).
 
-``python -m hybridllm_gateway.tokenserver --port 9001 --id a --rate 100``
+``python bench/tokenserver.py --port 9001 --id a --rate 100`` (from the repository root). It
+is a test and benchmark double, not part of any shipped package.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridllm-gateway tokenserver", description=__doc__)
+    p = argparse.ArgumentParser(prog="bench/tokenserver.py", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001)
     p.add_argument("--id", default="tokenserver")
