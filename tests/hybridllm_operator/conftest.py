@@ -118,7 +118,7 @@ def own_control_plane(
             testenv.node.load_images(cluster, list(images))
         if crds:
             own.run("apply", "--server-side", "-f", str(ROOT / "crds"))
-            own.run("wait", "--for=condition=Established", "crd/llmservices.hybridllm.io")
+            established(own, "llmservices.hybridllm.io")
         restricted_namespace(own, namespace)
         yield cluster, own
 
@@ -215,12 +215,25 @@ def operator_account_env(
     }
 
 
+def established(kube: Kube, crd_name: str) -> None:
+    """Wait until the API server serves a CRD just applied. Polled rather than `kubectl wait
+    --for=condition=Established`, which has failed at once on a CRD read before the API
+    server wrote any condition (twice, with several suites running side by side)."""
+    jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+
+    def serving() -> bool:
+        got = kube.run("get", f"crd/{crd_name}", "-o", f"jsonpath={jsonpath}", check=False)
+        return got.stdout.strip() == "True"
+
+    kube.eventually(serving, what=f"the CRD {crd_name} established")
+
+
 @pytest.fixture(scope="session")
 def kube(k8s_cluster: Any) -> Kube:
     kube = Kube(k8s_cluster)
     kube.run("apply", "--server-side", "-f", str(ROOT / "crds"))
     for crd_name in ("llmservices.hybridllm.io", "edgefleets.hybridllm.io"):
-        kube.run("wait", "--for=condition=Established", f"crd/{crd_name}", "--timeout=60s")
+        established(kube, crd_name)
         # Established is not the end: the API server publishes the CRD's OpenAPI schema a
         # moment later, and until then `kubectl explain` cannot find the resource.
         kube.eventually(

@@ -1,8 +1,10 @@
 """The device API of the fleet server: the four calls devices make, and its probes.
 
 ``DeviceAPI`` answers them from the state of a :class:`~hybridllm_operator.fleet.server.FleetServer`
-(its fleets, devices and their desired configs); it checks and authenticates each call,
-and hands heartbeats to the server. The protocol is in docs/fleet.md.
+(its ``FleetState``: fleets, devices and their desired configs); it checks and
+authenticates each call, and hands heartbeats to the server (its planner refreshes the
+device's record when it leads; its digest carries them to the leader when it does not).
+The protocol is in docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -83,14 +85,16 @@ class DeviceAPI:
         return response
 
     async def healthz(self, request: web.Request) -> web.Response:
-        if not all(i.synced.is_set() for i in self.server._informers):
+        if not all(i.synced.is_set() for i in self.server.state.informers):
             return _error(
                 503, "not synced with the API server yet", "not_ready", **{"Retry-After": "1"}
             )
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        self.server.metrics.pending_writes.set(len(self.server.dirty) + self.server.writing)
+        self.server.metrics.pending_writes.set(
+            len(self.server.writer.dirty) + self.server.writer.writing
+        )
         return web.Response(
             body=generate_latest(self.server.metrics.registry),
             headers={"content-type": CONTENT_TYPE_LATEST},
@@ -208,7 +212,7 @@ class DeviceAPI:
             if exc.status == 404:
                 return self._refuse("unknown_device", 404, f"device {device.name} is gone")
             return self._unrecorded(exc)
-        self.server._on_device("MODIFIED", device.name, claimed)
+        self.server.state.on_device("MODIFIED", device.name, claimed)
         log.info("enrolled invited device %s in fleet %s", device.name, fleet.name)
         return web.json_response(self._identity(fleet, self.server.devices[device.name]),
                                  status=201)  # fmt: skip
@@ -280,7 +284,7 @@ class DeviceAPI:
             if exc.status == 409:
                 return self._refuse("name_taken", 409, f"device name {name} is taken")
             return self._unrecorded(exc)
-        self.server._on_device("ADDED", name, created)
+        self.server.state.on_device("ADDED", name, created)
         device = self.server.devices[name]
         log.info("enrolled %s in fleet %s (%s)", name, fleet.name,
                  "approved by rule" if rules.auto_approve else "awaiting approval")  # fmt: skip
@@ -362,13 +366,14 @@ class DeviceAPI:
             fleet = self.server.fleets.get(device.fleet)
             if fleet is None or fleet.spec is None:
                 return _error(404, f"fleet {device.fleet} is gone or invalid", "unknown_fleet")
-            want = self.server.desired(fleet, device)
+            want = self.server.state.desired(fleet, device)
             if want is None or fleet.key is None:
-                why = self.server.content(fleet)[1] or "the fleet has no config yet"
+                why = self.server.state.content(fleet)[1] or "the fleet has no config yet"
                 return _error(503, why, "no_config", **{"Retry-After": "10"})
             if str(want.version) != have:
                 return web.json_response(
-                    self.server.document(fleet, device, want), headers={"ETag": f'"{want.version}"'}
+                    self.server.state.document(fleet, device, want),
+                    headers={"ETag": f'"{want.version}"'},
                 )
             left = deadline - time.monotonic()
             if left <= 0:
@@ -390,18 +395,18 @@ class DeviceAPI:
         except ValueError as exc:
             return _error(400, f"heartbeat: {exc}", "invalid_heartbeat")
         fleet = self.server.fleets.get(device.fleet)
-        bad_endpoint = self.server._endpoint_problem(device, report)
+        bad_endpoint = self.server.state.endpoint_problem(device, report)
         if bad_endpoint is not None:
             log.warning("device %s: %s", device.name, bad_endpoint)
             return _error(403, f"heartbeat: {bad_endpoint}", "endpoint_refused")
         now = time.time()
         device.report, device.last_seen, device.heard_at = report, now, now
-        device.heard_here, self.server._heard = True, True
+        device.heard_here, self.server.sharing.heard = True, True
         out: dict[str, Any] = {"approved": device.approved}
         if fleet is not None and fleet.spec is not None:
             if self.server.leading:
-                self.server._refresh(fleet, device, now)
-            want = self.server.desired(fleet, device) if device.approved else None
+                self.server.planner.refresh(fleet, device, now)
+            want = self.server.state.desired(fleet, device) if device.approved else None
             out["configVersion"] = want.version if want else None
             out["heartbeatSeconds"] = max(3, fleet.spec.heartbeat_timeout_seconds // 3)
         return web.json_response(out)
