@@ -1,6 +1,6 @@
 """The device API of the fleet server: the four calls devices make, and its probes.
 
-``DeviceAPI`` answers them from the state of a :class:`~hybridllm_operator.fleet.server.FleetServer`
+``DeviceAPI`` answers them (enrollment through ``enroll.EnrollAPI``) from the state of a :class:`~hybridllm_operator.fleet.server.FleetServer`
 (its ``FleetState``: fleets, devices and their desired configs); it checks and
 authenticates each call, and hands heartbeats to the server (its planner refreshes the
 device's record when it leads; its digest carries them to the leader when it does not).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import re
@@ -19,14 +18,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import pydantic
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hybridllm_common import crd, signing
-from hybridllm_operator.fleet import enrollment, waves
-from hybridllm_operator.fleet import kube as kube_mod
-from hybridllm_operator.fleet.records import Device, Fleet
+from hybridllm_common import signing
+from hybridllm_operator.fleet import answers
+from hybridllm_operator.fleet.enroll import EnrollAPI
+from hybridllm_operator.fleet.records import Device
 
 if TYPE_CHECKING:
     from hybridllm_operator.fleet.server import FleetServer
@@ -38,23 +36,17 @@ MAX_BODY = 64 * 1024
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def _error(status: int, message: str, code: str, **headers: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-    return web.json_response(body, status=status, headers=headers)
-
-
 class DeviceAPI:
     """The HTTP API on a fleet server's state (one per server)."""
 
     def __init__(self, server: FleetServer) -> None:
         self.server = server
-        self._tokens: dict[str, tuple[float, dict[str, str] | None]] = {}  # Secrets, cached 10 s
-        self._enrolling = asyncio.Lock()
+        self.enrollments = EnrollAPI(server)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._timed])
         app.add_routes([
-            web.post("/v1/enroll", self.enroll),
+            web.post("/v1/enroll", self.enrollments.enroll),
             web.get("/v1/devices/{name}", self.device_info),
             web.get("/v1/devices/{name}/config", self.config),
             web.post("/v1/devices/{name}/heartbeat", self.heartbeat),
@@ -86,7 +78,7 @@ class DeviceAPI:
 
     async def healthz(self, request: web.Request) -> web.Response:
         if not all(i.synced.is_set() for i in self.server.state.informers):
-            return _error(
+            return answers.error(
                 503, "not synced with the API server yet", "not_ready", **{"Retry-After": "1"}
             )
         return web.json_response({"status": "ok"})
@@ -101,216 +93,7 @@ class DeviceAPI:
         )
 
     def _refuse(self, reason: str, status: int, message: str, **headers: str) -> web.Response:
-        self.server.metrics.rejected.labels(reason=reason).inc()
-        log.warning("refused (%s): %s", reason, message)
-        return _error(status, message, reason, **headers)
-
-    async def enroll(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "body is not JSON", "invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object", "invalid_json")
-        fleet_name, name = body.get("fleet"), body.get("name")
-        token, public_text = body.get("token"), body.get("publicKey")
-        labels = body.get("labels") or {}
-        for field_name, value in (("fleet", fleet_name), ("name", name)):
-            if not isinstance(value, str) or not _NAME.match(value) or len(value) > 63:
-                return _error(400, f"{field_name} must be a DNS label (lowercase letters, digits, "
-                                   "'-'; at most 63)", f"invalid_{field_name}")  # fmt: skip
-        assert isinstance(fleet_name, str)
-        assert isinstance(name, str)
-        if not isinstance(token, str) or not token or len(token) > 256:
-            return _error(400, "token is required (an invitation's token or the fleet's "
-                               "bootstrap token)", "invalid_token")  # fmt: skip
-        try:
-            signing.public_key_from_text(public_text if isinstance(public_text, str) else "")
-        except signing.SignatureError as exc:
-            return _error(400, f"publicKey: {exc}", "invalid_public_key")
-        assert isinstance(public_text, str)
-        problem = enrollment.label_problem(labels)
-        if problem:
-            return _error(400, problem, "invalid_labels")
-        try:
-            facts = crd.DeviceFacts.model_validate(body.get("facts") or {})
-        except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return _error(400, f"facts.{where}: {first['msg']}", "invalid_facts")
-        fleet = self.server.fleets.get(fleet_name)
-        if fleet is None or fleet.spec is None:
-            return self._refuse(
-                "unknown_fleet", 404, f"no EdgeFleet {self.server.namespace}/{fleet_name}"
-            )
-        async with self._enrolling:  # one at a time: the key and name checks see each other
-            existing = self.server.devices.get(name)
-            if existing is not None and existing.invite is not None:
-                return await self._enroll_invited(fleet, existing, token, public_text, labels,
-                                                  facts)  # fmt: skip
-            return await self._enroll_with_bootstrap(fleet, name, token, public_text, labels,
-                                                     facts)  # fmt: skip
-
-    def _key_refusal(self, name: str, public_text: str) -> web.Response | None:
-        """One key, one device: a revoked device does not come back under a new name."""
-        for other in self.server.devices.values():
-            same_key = (
-                other.public_key is not None
-                and signing.public_key_text(other.public_key) == public_text
-            )
-            if same_key and other.revoked:
-                return self._refuse("revoked", 403, "this device key is revoked")
-            if same_key and other.name != name:
-                return self._refuse("key_taken", 409, f"this device key is enrolled as "
-                                                      f"{other.name}")  # fmt: skip
-        return None
-
-    async def _enroll_invited(
-        self, fleet: Fleet, device: Device, token: str, public_text: str,
-        labels: dict[str, str], facts: crd.DeviceFacts,
-    ) -> web.Response:  # fmt: skip
-        """An invited device: its token, once, before it expires, with the labels the
-        administrator gave it."""
-        invite = device.invite
-        assert invite is not None
-        assert fleet.spec is not None
-        if device.fleet != fleet.name:
-            return self._refuse("wrong_fleet", 403, f"device {device.name} is invited to "
-                                                    f"fleet {device.fleet}")  # fmt: skip
-        if not hmac.compare_digest(enrollment.token_sha256(token), invite.token_sha256):
-            return self._refuse("bad_token", 401, f"token does not match the invitation of "
-                                                  f"device {device.name}")  # fmt: skip
-        if invite.used:
-            enrolled = device.public_key is not None and (
-                signing.public_key_text(device.public_key) == public_text
-            )
-            if enrolled:  # the same device again (it did not keep the first answer)
-                return web.json_response(self._identity(fleet, device), status=200)
-            return self._refuse("invite_used", 409, f"the invitation of device {device.name} "
-                                                    "is used (a token is good for one key)")  # fmt: skip
-        try:
-            enrollment.check_expiry(invite.expires, f"the invitation of device {device.name}")
-            enrollment.check_labels(labels, device.labels, "the invitation")
-        except enrollment.EnrollmentError as exc:
-            expired = "expired" in str(exc)
-            return self._refuse("invite_expired" if expired else "labels_not_granted",
-                                401 if expired else 403, str(exc))  # fmt: skip
-        if not waves.matches(device.labels, fleet.spec.selector):
-            return self._not_member(fleet)
-        refused = self._key_refusal(device.name, public_text)
-        if refused is not None:
-            return refused
-        from kubernetes.client.exceptions import ApiException
-
-        patch = enrollment.claim_patch(invite, public_text, facts)
-        try:
-            claimed = await asyncio.to_thread(self.server.kube.patch_device, device.name, patch)
-        except ApiException as exc:
-            if exc.status in (409, 422):  # the test failed: used (or remade) meanwhile
-                return self._refuse("invite_used", 409, f"the invitation of device "
-                                                        f"{device.name} is used")  # fmt: skip
-            if exc.status == 404:
-                return self._refuse("unknown_device", 404, f"device {device.name} is gone")
-            return self._unrecorded(exc)
-        self.server.state.on_device("MODIFIED", device.name, claimed)
-        log.info("enrolled invited device %s in fleet %s", device.name, fleet.name)
-        return web.json_response(self._identity(fleet, self.server.devices[device.name]),
-                                 status=201)  # fmt: skip
-
-    def _unrecorded(self, exc: Exception) -> web.Response:
-        """The API server refused or failed the enrollment's write: the device tries again."""
-        log.error("an enrollment could not be recorded: %s", exc)
-        return self._refuse("not_recorded", 503, "the enrollment could not be recorded (the "
-                                                 "fleet server's log says why); try again",
-                            **{"Retry-After": "5"})  # fmt: skip
-
-    def _not_member(self, fleet: Fleet) -> web.Response:
-        assert fleet.spec is not None
-        want = ",".join(f"{k}={v}" for k, v in (fleet.spec.selector or {}).items())
-        return self._refuse("not_a_member", 403, f"labels do not match the fleet's "
-                                                 f"spec.selector ({want})")  # fmt: skip
-
-    async def _enroll_with_bootstrap(
-        self, fleet: Fleet, name: str, token: str, public_text: str,
-        labels: dict[str, str], facts: crd.DeviceFacts,
-    ) -> web.Response:  # fmt: skip
-        """A device with the fleet's bootstrap token: before the token expires; approved by
-        hand with the labels it asked for, or by rule with the token's labels."""
-        assert fleet.spec is not None
-        secret = kube_mod.token_secret(fleet.name, fleet.spec)
-        try:
-            bootstrap = await self._bootstrap(secret)
-        except enrollment.EnrollmentError as exc:
-            log.error("the bootstrap token Secret %s cannot be used: %s", secret, exc)
-            return self._refuse("bad_token", 401, f"the fleet's bootstrap token (Secret "
-                                                  f"{secret}) cannot be used; the fleet "
-                                                  "server's log says why")  # fmt: skip
-        if bootstrap is None or not hmac.compare_digest(bootstrap.value.encode(), token.encode()):
-            return self._refuse("bad_token", 401, f"token does not match Secret {secret}")
-        rules = fleet.spec.enrollment
-        try:
-            enrollment.check_expiry(bootstrap.expires, f"the bootstrap token (Secret {secret})")
-            if rules.auto_approve:
-                enrollment.check_labels(labels, bootstrap.labels, f"the bootstrap token "
-                                                                   f"(Secret {secret})")  # fmt: skip
-                labels = bootstrap.labels
-        except enrollment.EnrollmentError as exc:
-            expired = "expired" in str(exc)
-            return self._refuse("token_expired" if expired else "labels_not_granted",
-                                401 if expired else 403, str(exc))  # fmt: skip
-        if not waves.matches(labels, fleet.spec.selector):
-            return self._not_member(fleet)
-        refused = self._key_refusal(name, public_text)
-        if refused is not None:
-            return refused
-        existing = self.server.devices.get(name)
-        if existing is not None:
-            if (
-                existing.public_key is None
-                or signing.public_key_text(existing.public_key) != public_text
-            ):
-                return self._refuse("name_taken", 409, f"device name {name} is enrolled with "
-                                                       "another key")  # fmt: skip
-            return web.json_response(self._identity(fleet, existing), status=200)
-        spec = crd.EdgeDeviceSpec(
-            fleet=fleet.name, public_key=public_text, approved=rules.auto_approve, facts=facts
-        )
-        body_obj = kube_mod.device_body(self.server.namespace, fleet.obj, name, labels, spec)
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            created = await asyncio.to_thread(self.server.kube.create_device, body_obj)
-        except ApiException as exc:
-            if exc.status == 409:
-                return self._refuse("name_taken", 409, f"device name {name} is taken")
-            return self._unrecorded(exc)
-        self.server.state.on_device("ADDED", name, created)
-        device = self.server.devices[name]
-        log.info("enrolled %s in fleet %s (%s)", name, fleet.name,
-                 "approved by rule" if rules.auto_approve else "awaiting approval")  # fmt: skip
-        return web.json_response(self._identity(fleet, device), status=201)
-
-    async def _bootstrap(self, secret: str) -> enrollment.BootstrapToken | None:
-        """The bootstrap token from its Secret (None: no such Secret), cached 10 s."""
-        cached = self._tokens.get(secret)
-        if cached is None or time.monotonic() - cached[0] >= 10:
-            data = await asyncio.to_thread(self.server.kube.secret_data, secret)
-            cached = (time.monotonic(), data)
-            self._tokens[secret] = cached
-        return None if cached[1] is None else enrollment.BootstrapToken.from_secret(cached[1])
-
-    def _identity(self, fleet: Fleet, device: Device) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "device": device.name,
-            "namespace": self.server.namespace,
-            "fleet": fleet.name,
-            "approved": device.approved,
-            "revoked": device.revoked,
-        }
-        if fleet.key is not None:
-            out["fleetPublicKey"] = signing.public_key_text(fleet.key)
-            out["keyId"] = signing.key_id(fleet.key)
-        return out
+        return answers.refuse(self.server, reason, status, message, **headers)
 
     async def _authenticate(
         self, request: web.Request, body: bytes
@@ -344,8 +127,8 @@ class DeviceAPI:
         assert device is not None
         fleet = self.server.fleets.get(device.fleet)
         if fleet is None:
-            return _error(404, f"fleet {device.fleet} is gone", "unknown_fleet")
-        return web.json_response(self._identity(fleet, device))
+            return answers.error(404, f"fleet {device.fleet} is gone", "unknown_fleet")
+        return web.json_response(answers.identity(self.server, fleet, device))
 
     async def config(self, request: web.Request) -> web.Response:
         device, refused = await self._authenticate(request, b"")
@@ -353,23 +136,25 @@ class DeviceAPI:
             return refused
         assert device is not None
         if not device.approved:
-            return _error(403, f"device {device.name} awaits approval (hybridllm fleet approve "
+            return answers.error(403, f"device {device.name} awaits approval (hybridllm fleet approve "
                                f"{device.name} -n {self.server.namespace})", "not_approved",
                           **{"Retry-After": "10"})  # fmt: skip
         try:
             wait = min(float(request.query.get("wait", "0")), MAX_WAIT_S)
         except ValueError:
-            return _error(400, "wait must be a number of seconds", "invalid_wait")
+            return answers.error(400, "wait must be a number of seconds", "invalid_wait")
         have = request.headers.get("If-None-Match", "").strip('"')
         deadline = time.monotonic() + max(0.0, wait)
         while True:
             fleet = self.server.fleets.get(device.fleet)
             if fleet is None or fleet.spec is None:
-                return _error(404, f"fleet {device.fleet} is gone or invalid", "unknown_fleet")
+                return answers.error(
+                    404, f"fleet {device.fleet} is gone or invalid", "unknown_fleet"
+                )
             want = self.server.state.desired(fleet, device)
             if want is None or fleet.key is None:
                 why = self.server.state.content(fleet)[1] or "the fleet has no config yet"
-                return _error(503, why, "no_config", **{"Retry-After": "10"})
+                return answers.error(503, why, "no_config", **{"Retry-After": "10"})
             if str(want.version) != have:
                 return web.json_response(
                     self.server.state.document(fleet, device, want),
@@ -393,12 +178,12 @@ class DeviceAPI:
                 raise ValueError("not an object")
             report = check_report(report)
         except ValueError as exc:
-            return _error(400, f"heartbeat: {exc}", "invalid_heartbeat")
+            return answers.error(400, f"heartbeat: {exc}", "invalid_heartbeat")
         fleet = self.server.fleets.get(device.fleet)
         bad_endpoint = self.server.state.endpoint_problem(device, report)
         if bad_endpoint is not None:
             log.warning("device %s: %s", device.name, bad_endpoint)
-            return _error(403, f"heartbeat: {bad_endpoint}", "endpoint_refused")
+            return answers.error(403, f"heartbeat: {bad_endpoint}", "endpoint_refused")
         now = time.time()
         device.report, device.last_seen, device.heard_at = report, now, now
         device.heard_here, self.server.sharing.heard = True, True
