@@ -126,7 +126,7 @@ def chunk_cost(n: int = 200_000) -> list[str]:
 
     down, count = Transport(), [0]
 
-    def sink(data: bytes) -> None:  # what proxy._relay_raw's sink does per read
+    def sink(data: bytes) -> None:  # what rawpath.RawPath._relay_raw's sink does per read
         if down.is_closing():
             return
         count[0] += data.count(b"data: ")

@@ -20,6 +20,7 @@ import schemathesis
 from hybridllm_gateway import openapi
 
 from ..conftest import streams_beside
+from .conftest import TOKENSERVER
 
 SPEC = openapi.spec()
 schema = (
@@ -43,7 +44,7 @@ def gateway_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     tmp: Path = tmp_path_factory.mktemp("schema")
     bport, gport = port(), port()
-    backend = subprocess.Popen([sys.executable, "-m", "hybridllm_gateway.tokenserver", "--port", str(bport), "--rate", "10000", "--max-tokens", "8"])  # fmt: skip
+    backend = subprocess.Popen([sys.executable, str(TOKENSERVER), "--port", str(bport), "--rate", "10000", "--max-tokens", "8"])  # fmt: skip
     table = {
         "model": "smollm2",
         "tiers": {"edge": {"backends": [{"url": f"http://127.0.0.1:{bport}"}]}},

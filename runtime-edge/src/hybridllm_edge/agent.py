@@ -19,6 +19,12 @@ What it does, in order (docs/fleet.md):
 5. Sends a heartbeat with what it runs and its serving KPIs (tokens/s, TTFT p95, error
    rate, queue depth from the runtime's /metrics) at the interval its config gives.
 
+Here: the key and identity on disk, enrollment, the config long-poll and the checks of a
+config document, applying a config (``Agent.apply``: which runtime serves), supervising
+the runtime, the heartbeat's sending, and the CLI. Starting, checking and stopping a
+runtime, and its command line, are ``agent_runtime.py``'s; the heartbeat's body and the
+KPIs read from the runtime's /metrics, ``agent_kpis.py``'s.
+
 No torch: it imports the model store and httpx, nothing of the runtime but its command.
 """
 
@@ -35,16 +41,17 @@ import re
 import signal
 import socket
 import ssl
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from hybridllm_common import signing
-from hybridllm_models import errors as model_errors
+from hybridllm_edge import agent_kpis, agent_runtime
+from hybridllm_edge.agent_kpis import Kpis
+from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, serving_part
+from hybridllm_edge.agent_runtime import runtime_command as runtime_command  # named here too
 
 log = logging.getLogger("hybridllm_edge.agent")
 
@@ -54,16 +61,6 @@ CURRENT = "config.json"  # the last config accepted (running, or failed: see fai
 LAST_GOOD = "last-good.json"  # the last config that passed its health check and served
 FAILED = "failed.json"
 CLOCK_SKEW_S = 300.0
-HEALTH_PROBE_S = 2.0  # one /health probe of a starting runtime, on loopback
-# What starting a config can fail with: the model store, the process, the health check.
-START_ERRORS = (
-    model_errors.ModelStoreError,
-    RuntimeError,
-    OSError,
-    httpx.HTTPError,
-    ValueError,
-    KeyError,
-)
 
 
 class Rejected(ValueError):
@@ -102,92 +99,6 @@ def check_document(
     return payload
 
 
-def _serving_part(payload: dict[str, Any]) -> str:
-    """What needs a new runtime when it changes (not the version, validity or timings)."""
-    return signing.canonical({k: payload.get(k) for k in ("revision", "model", "runtime")}).decode()
-
-
-def runtime_command(
-    payload: dict[str, Any], host: str, port: int, threads: int | None
-) -> list[str]:
-    model, runtime = payload["model"], payload.get("runtime") or {}
-    args = [
-        sys.executable, "-m", "hybridllm_edge.cli", "serve",
-        "--model", model["uri"], "--model-sha256", model["sha256"],
-        "--backend", model.get("runtime", "llamacpp"),
-        "--served-model-name", model["servedName"],
-        "--host", host, "--port", str(port), "--exit-on-load-error",
-        "--parallel", str(runtime.get("parallel", 4)),
-    ]  # fmt: skip
-    if model.get("quantization"):
-        args += ["--quantization", model["quantization"]]
-    if model.get("contextLength"):
-        args += ["--max-model-len", str(model["contextLength"])]
-    cache = runtime.get("cache")
-    if cache:
-        args += ["--cache-ttl-seconds", str(cache["ttlSeconds"])]
-        args += ["--cache-max-entries", str(cache["maxEntries"])]
-    else:
-        args += ["--no-cache"]
-    if threads:
-        args += ["--threads", str(threads)]
-    return args
-
-
-@dataclass
-class Runtime:
-    payload: dict[str, Any]
-    port: int
-    process: asyncio.subprocess.Process
-    log_path: Path
-    url: str
-
-
-@dataclass
-class Kpis:
-    """Serving KPIs over the last heartbeat interval, from two reads of /metrics."""
-
-    last: dict[str, float] = field(default_factory=dict)
-    ttft: dict[float, float] = field(default_factory=dict)
-    at: float = 0.0
-
-    def update(self, text: str, now: float) -> dict[str, float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        values: dict[str, float] = {}
-        buckets: dict[float, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "hybridllm_generation_tokens_total":
-                    values["tokens"] = s.value
-                elif s.name == "hybridllm_requests_total":
-                    values["finished"] = values.get("finished", 0.0) + s.value
-                elif s.name == "hybridllm_requests_rejected_total":
-                    values["rejected"] = values.get("rejected", 0.0) + s.value
-                elif s.name == "hybridllm_num_requests_waiting":
-                    values["waiting"] = s.value
-                elif s.name == "hybridllm_time_to_first_token_seconds_bucket":
-                    buckets[float(s.labels["le"])] = s.value
-        out: dict[str, float] = {"queueDepth": values.get("waiting", 0.0)}
-        if self.last and now > self.at:
-            span = now - self.at
-            d = {k: max(0.0, values.get(k, 0.0) - self.last.get(k, 0.0)) for k in values}
-            out["tokensPerSecond"] = round(d.get("tokens", 0.0) / span, 3)
-            total = d.get("finished", 0.0) + d.get("rejected", 0.0)
-            out["requests"] = total
-            out["errorRate"] = round(d.get("rejected", 0.0) / total, 4) if total else 0.0
-            window = {le: max(0.0, c - self.ttft.get(le, 0.0)) for le, c in buckets.items()}
-            count = window.get(float("inf"), 0.0)
-            if count:
-                out["ttftP95Seconds"] = next(
-                    le for le, c in sorted(window.items()) if c >= 0.95 * count
-                )
-                if out["ttftP95Seconds"] == float("inf"):
-                    out["ttftP95Seconds"] = max(le for le in window if le != float("inf"))
-        self.last, self.ttft, self.at = values, buckets, now
-        return out
-
-
 class Agent:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -202,6 +113,11 @@ class Agent:
         self.heartbeat_s = 10.0
         self.poll_s = 30.0
         self.kpis = Kpis()
+        self.runtimes = agent_runtime.Launcher(
+            self.state,
+            Path(args.model_cache) if args.model_cache else self.state / "models",
+            args.host, args.port, args.threads, args.advertise_host,
+        )  # fmt: skip
         self.rejected = 0
         self._stopping = asyncio.Event()
         self._draining: set[asyncio.Task[None]] = set()
@@ -344,9 +260,7 @@ class Agent:
         self.poll_s = float(payload.get("pollSeconds", self.poll_s))
         if version == self.failed_version:
             return
-        if self.running is not None and _serving_part(self.running.payload) == _serving_part(
-            payload
-        ):
+        if self.running is not None and serving_part(self.running.payload) == serving_part(payload):
             self.running.payload = payload
             self.version = version
             self._write(CURRENT, envelope)
@@ -356,7 +270,7 @@ class Agent:
         log.info("config %d: revision %s (%s); starting it beside the running one",
                  version, payload["revision"], payload["model"]["uri"])  # fmt: skip
         try:
-            await asyncio.to_thread(self._pull, payload)
+            await asyncio.to_thread(self.runtimes.pull, payload)
             started = await self.start(payload)
         except START_ERRORS as exc:
             self.failed_version, self.message = version, f"config {version} failed: {exc}"
@@ -376,87 +290,14 @@ class Agent:
             self._draining.add(task)  # held: the loop keeps only weak references to tasks
             task.add_done_callback(self._draining.discard)
 
-    def _pull(self, payload: dict[str, Any]) -> None:
-        from hybridllm_models import store
-
-        model = payload["model"]
-        store.Store(self._store_root()).pull(model["uri"], expected_sha256=model["sha256"])
-
-    def _store_root(self) -> Path:
-        return Path(self.args.model_cache) if self.args.model_cache else self.state / "models"
-
     async def start(self, payload: dict[str, Any]) -> Runtime:
-        """A runtime for this config, answering its golden prompt; else it is stopped."""
-        ports = (self.args.port, self.args.port + 1)
-        port = ports[1] if self.running is not None and self.running.port == ports[0] else ports[0]
-        log_path = self.state / f"runtime-{port}.log"
-        env = {**os.environ, "HYBRIDLLM_MODEL_CACHE": str(self._store_root())}
-        with log_path.open("ab") as out:
-            process = await asyncio.create_subprocess_exec(
-                *runtime_command(payload, self.args.host, port, self.args.threads),
-                stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
-        runtime = Runtime(
-            payload, port, process, log_path, f"http://{self.args.advertise_host}:{port}"
-        )
-        try:
-            await self._check(runtime, payload.get("healthCheck") or {})
-        except BaseException:
-            await self._stop(runtime)
-            raise
-        return runtime
-
-    async def _check(self, runtime: Runtime, check: dict[str, Any]) -> None:
-        timeout = float(check.get("timeoutSeconds", 300))
-        local = f"http://127.0.0.1:{runtime.port}"
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(base_url=local, timeout=timeout) as http:
-            while True:
-                if runtime.process.returncode is not None:
-                    raise RuntimeError(f"the runtime exited with {runtime.process.returncode}: "
-                                       f"{_tail(runtime.log_path)}")  # fmt: skip
-                try:
-                    # each probe briefly: whatever holds the port may accept and never
-                    # answer (another process bound it first), and an exited runtime must
-                    # be seen at once, not after the whole check's deadline
-                    probe = await http.get("/health", timeout=HEALTH_PROBE_S)
-                    if probe.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"not healthy after {timeout:.0f} s: {_tail(runtime.log_path)}"
-                    )
-                await asyncio.sleep(0.5)
-            r = await http.post("/v1/chat/completions", json={
-                "model": runtime.payload["model"]["servedName"],
-                "messages": [{"role": "user", "content": check.get("prompt", "Say hello.")}],
-                "max_tokens": int(check.get("maxTokens", 16)), "temperature": 0.0,
-            })  # fmt: skip
-        if r.status_code != 200:
-            raise RuntimeError(f"golden prompt answered {r.status_code}: {r.text[:200]}")
-        answer = r.json()["choices"][0]["message"]["content"] or ""
-        expect = check.get("expect")
-        if not answer.strip() or (expect and not re.search(expect, answer)):
-            raise RuntimeError(f"golden prompt: answer {answer[:120]!r} does not match "
-                               f"{expect or 'a non-empty answer'!r}")  # fmt: skip
-        log.info("golden prompt passed on port %d: %r", runtime.port, answer[:80])
+        """A runtime for this config, beside the running one (on the other port), answering
+        its golden prompt; else it is stopped."""
+        return await self.runtimes.start(payload, self.running)
 
     async def _drain(self, old: Runtime) -> None:
         await self._pause(self.args.drain_seconds)
-        await self._stop(old)
-
-    async def _stop(self, runtime: Runtime) -> None:
-        if runtime.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                runtime.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(runtime.process.wait(), 30)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    runtime.process.kill()
-                await runtime.process.wait()
+        await self.runtimes.stop(old)
 
     async def start_last_good(self) -> None:
         """Serve the last good config at once (no server needed): its signature is checked
@@ -506,25 +347,9 @@ class Agent:
             await self._pause(self.heartbeat_s)
 
     async def heartbeat(self) -> None:
-        running = self.running
-        report: dict[str, Any] = {
-            "configVersion": self.version or None,
-            "failedVersion": self.failed_version,
-            "message": self.message,
-            "healthy": False,
-        }
-        if running is not None:
-            report["revision"] = running.payload["revision"]
-            report["endpoint"] = running.url
-            try:
-                async with httpx.AsyncClient(timeout=5) as http:
-                    health = await http.get(f"http://127.0.0.1:{running.port}/health")
-                    report["healthy"] = health.status_code == 200
-                    metrics = await http.get(f"http://127.0.0.1:{running.port}/metrics")
-                report["kpis"] = self.kpis.update(metrics.text, time.monotonic())
-            except httpx.HTTPError:
-                pass
-        body = json.dumps(report).encode()
+        body = await agent_kpis.heartbeat_body(
+            self.running, self.kpis, self.version, self.failed_version, self.message
+        )
         try:
             r = await self._call("POST", f"/v1/devices/{self.identity['device']}/heartbeat", body,
                                  {"Content-Type": "application/json"})  # fmt: skip
@@ -556,7 +381,7 @@ class Agent:
         finally:
             supervisor.cancel()
             if self.running is not None:
-                await self._stop(self.running)
+                await self.runtimes.stop(self.running)
             if self._client is not None:
                 await self._client.aclose()
 
@@ -581,14 +406,6 @@ def _reason(r: httpx.Response) -> str:
         return str(r.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return r.text[:200]
-
-
-def _tail(path: Path, lines: int = 3) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(text[-lines:])[-400:]
 
 
 def _labels(text: str) -> dict[str, str]:
