@@ -100,7 +100,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     memo.images = operator_settings.images()
     memo.resync_seconds = operator_settings.resync_seconds
     memo.prometheus_url = operator_settings.prometheus_url
-    # every LLMService's autoscaler reads its demand from the same queries (demand.py)
+    # every LLMService's autoscaler reads its demand from the same queries (demand/prometheus.py)
     memo.prometheus_batch = (
         demand.PrometheusBatch(memo.prometheus_url) if memo.prometheus_url else None
     )

@@ -2,42 +2,47 @@
 
 This is the monolithic role: scheduler, model runner and output processing in one
 process. Values discovered at load time (number of KV blocks, EOS ids, context length)
-land in ``EngineInfo``, never back in the config. Stop strings are matched here, on the
-detokenised text, and end the request through the scheduler like an abort; while a
-request runs, the last ``len(longest stop) - 1`` characters are held back so a stream
-never shows the beginning of a stop string.
+land in ``EngineInfo``, never back in the config.
 
-Roles (``--role``) are one engine with two extra seams, not separate engines; the server
-wires them (``server/app.py``):
+Roles (``--role``) are one engine with two extra seams, not separate engines: a decode
+engine has long prompts prefilled by a prefill pool, a prefill engine exports a request's
+blocks as it computes them (``kv_transfer.py``; the server wires them, ``server/app.py``).
 
-- ``decode``: ``connector`` (a ``disagg.connector.RemotePrefillClient``) is asked to fill the
-  blocks of every ``KVLoad`` the scheduler emits; it reports back from its own thread
-  through ``_on_remote_done``, and the next step turns the result into the request's first
-  token (or, on failure, a local prefill). Prompts with at most ``local_prefill_threshold``
-  uncached tokens, or any prompt while the prefill pool has no capacity, stay local.
-- ``prefill``: a request added with ``kv_export`` has its blocks handed, layer by layer, to
-  an ``ExportSink`` (the KV server's per-transfer queue); a sink that refuses (its peer is
-  gone or too slow) aborts the request at the end of the step.
+Where each part lives:
+
+- here: ``LLMEngine`` (loading, adding and aborting requests, the step, stats, and
+  ``generate`` for offline use), its config, load-time info and stats;
+- ``output_processor.py``: a step's outputs made ``RequestOutput``s: detokenisation, stop
+  strings (matched on the text, with the last characters held back while a request runs),
+  a beam search's sequences;
+- ``kv_transfer.py``: ``KVTransfers``, the decode role's remote prefills and the prefill
+  role's exports (``RemotePrefill``, ``RemotePrefillResult``, ``ExportSink``);
+- ``speculation.py``: the proposals made before each step (speculative decoding);
+- ``scheduler.py`` the scheduler, ``async_engine.py`` this engine in its own thread.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from hybridllm_cloud import tokenizer as tokenizer_mod
-from hybridllm_cloud.engine import block_pool, kv_cache_manager, scheduler
-from hybridllm_cloud.engine.beam_search import BeamGroup, BeamKVStats
-from hybridllm_cloud.engine.outputs import EngineCoreOutput, KVLoad, TokenLogprobs
+from hybridllm_cloud.engine import block_pool, kv_cache_manager, scheduler, speculation
+from hybridllm_cloud.engine.beam_search import BeamGroup
+from hybridllm_cloud.engine.kv_transfer import (
+    ExportSink,
+    KVTransfers,
+    RemotePrefill,
+    RemotePrefillResult,
+)
+from hybridllm_cloud.engine.output_processor import OutputProcessor, RequestOutput, SequenceOutput
 from hybridllm_cloud.engine.request import (
     KVExport,
     Priority,
@@ -47,11 +52,24 @@ from hybridllm_cloud.engine.request import (
 )
 from hybridllm_cloud.model import llama
 from hybridllm_cloud.spec_decode import draft as draft_mod
-from hybridllm_cloud.spec_decode import ngram
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig, check_draft
 from hybridllm_cloud.worker import model_runner
 from hybridllm_common import openai_protocol as oai
 from hybridllm_common import structured
+
+# Names other modules and tests know from here; the seams' and the outputs' are re-exported.
+__all__ = [
+    "DTYPES",
+    "EngineConfig",
+    "EngineInfo",
+    "EngineStats",
+    "ExportSink",
+    "LLMEngine",
+    "RemotePrefill",
+    "RemotePrefillResult",
+    "RequestOutput",
+    "SequenceOutput",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,33 +101,6 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off by default
 
 
-class ExportSink(Protocol):
-    """Prefill role: receives a request's blocks after each layer (engine thread)."""
-
-    def put(self, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """False: the transfer is gone (peer closed, timed out); abort the request."""
-        ...
-
-
-@dataclass
-class RemotePrefillResult:
-    token: int
-    logprobs: TokenLogprobs | None = None
-    generator_state: torch.Tensor | None = None
-
-
-class RemotePrefill(Protocol):
-    """Decode role: what the engine needs of the prefill pool (see disagg.connector)."""
-
-    def has_capacity(self) -> bool: ...
-
-    def start(
-        self, load: KVLoad, done: Callable[[str, RemotePrefillResult | None], None]
-    ) -> None: ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-
 @dataclass(frozen=True)
 class EngineInfo:
     num_kv_blocks: int
@@ -117,52 +108,6 @@ class EngineInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     kernels_backend: str
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    token_ids: list[int]  # all generated so far
-    text: str  # all generated text released so far
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    generator_state: torch.Tensor | None = None  # prefill role: seeded requests, when finished
-    # Beam search: the returned sequences, best first (the fields above are the best one's),
-    # and the blocks the group held against one table per beam.
-    sequences: list[SequenceOutput] | None = None
-    beam_kv: BeamKVStats | None = None
-    # Prompt logprobs (SamplingParams.prompt_logprobs), of positions prompt_logprobs_start..:
-    # with the first output only.
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    # Logprobs (SamplingParams.logprobs) of every generated token: on the final output only.
-    logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass
-class SequenceOutput:
-    """One sequence of a beam search, detokenised."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stop_reason: int | str | None
-    score: float  # cumulative log-probability / length ** length_penalty (HF's)
-
-
-@dataclass
-class _OutputState:
-    detok: tokenizer_mod.IncrementalDetokenizer | None
-    stop: tuple[str, ...]
-    num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    released: int = 0  # characters of detok.text already returned
-    logprobs: list[TokenLogprobs] | None = None  # all so far, when the request asked
 
 
 @dataclass
@@ -222,30 +167,7 @@ class LLMEngine:
                 raise ValueError("draft_model: given without speculative method 'draft'")
             check_draft(model.config.vocab_size, draft_model.config.vocab_size, 1, None)
         self.draft_model = draft_model
-        # The draft's cache is indexed by the same block ids: a block costs both.
-        per_block = model_runner.kv_bytes_per_block(model, config.block_size)
-        if draft_model is not None:
-            per_block += model_runner.kv_bytes_per_block(draft_model, config.block_size)
-        kv_bytes = config.kv_cache_memory_bytes
-        if model.device.type == "cuda" and config.num_kv_blocks is None:
-            total = torch.cuda.get_device_properties(model.device).total_memory
-            kv_bytes = int(config.gpu_memory_fraction * total) - torch.cuda.memory_allocated(
-                model.device
-            )
-            if kv_bytes < per_block:
-                raise ValueError(
-                    f"gpu_memory_fraction {config.gpu_memory_fraction} leaves no room for the KV "
-                    "cache after the weights"
-                )
-        num_blocks = config.num_kv_blocks or kv_bytes // per_block
-        if num_blocks * config.block_size < max_len:
-            log.warning(
-                "KV cache of %d blocks holds %d tokens, less than max_model_len %d: capping it",
-                num_blocks,
-                num_blocks * config.block_size,
-                max_len,
-            )
-            max_len = num_blocks * config.block_size
+        num_blocks, max_len = _kv_cache_size(model, draft_model, config, max_len)
         eos = model.config.eos_token_ids
         if tokenizer is not None:
             eos = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *eos]))
@@ -265,21 +187,14 @@ class LLMEngine:
         self.runner = model_runner.ModelRunner(model, num_blocks, config.block_size)
         if draft_model is not None:
             self.runner.drafter = draft_mod.DraftRunner(draft_model, num_blocks, config.block_size)
-        self._outputs: dict[str, _OutputState] = {}
+        self.output_processor = OutputProcessor(tokenizer, self._stop_request)
         self._last_batch = (0, 0)
-        # Disaggregation seams (see the module docstring).
-        self.connector: RemotePrefill | None = None
+        # Disaggregation seams (kv_transfer.py).
         self.notify: Callable[[], None] | None = None  # wakes the thread running step()
-        self._remote_done: queue.SimpleQueue[tuple[str, RemotePrefillResult | None]] = (
-            queue.SimpleQueue()
+        self._remote_event = threading.Event()  # wakes generate()
+        self.transfers = KVTransfers(
+            self.scheduler, self.runner, config.local_prefill_threshold, self._wake
         )
-        self._remote_event = threading.Event()
-        self._export_sinks: dict[str, ExportSink] = {}
-        self._failed_exports: set[str] = set()
-        self.runner.kv_export_sink = self._export
-        self.num_remote_prefills = 0
-        self.num_local_prefills = 0
-        self.num_remote_failures = 0
         # Private: False turns beam KV sharing off (the benchmark's copy-per-beam baseline).
         self._beam_share_kv = True
         log.info(
@@ -345,7 +260,7 @@ class LLMEngine:
         # Prompt logprobs are computed where the prompt is: here; so is the first token of a
         # structured answer (its grammar's matcher lives here).
         request.allow_remote_prefill = (
-            self.connector is not None
+            self.transfers.connector is not None
             and params.prompt_logprobs is None
             and params.constraint is None
         )
@@ -383,18 +298,8 @@ class LLMEngine:
                 raise ValueError("use_beam_search: not supported on a prefill worker")
         self.scheduler.add_request(request)
         if kv_export is not None:
-            self._export_sinks[request_id] = kv_export[1]
-        detok = None
-        if self.tokenizer is not None:
-            detok = tokenizer_mod.IncrementalDetokenizer(
-                self.tokenizer, prompt_tail=list(prompt_token_ids[-5:])
-            )
-        self._outputs[request_id] = _OutputState(
-            detok,
-            params.stop,
-            len(prompt_token_ids),
-            logprobs=[] if params.logprobs is not None else None,
-        )
+            self.transfers.sinks[request_id] = kv_export[1]
+        self.output_processor.add_request(request_id, prompt_token_ids, params)
 
     def _beam_group(self, params: SamplingParams, prompt_len: int) -> BeamGroup:
         stop_ids = () if params.ignore_eos else self.info.eos_token_ids
@@ -403,13 +308,15 @@ class LLMEngine:
         return BeamGroup(params, prompt_len, stop_ids, max_new, share_kv=self._beam_share_kv)
 
     def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            if request_id in self.scheduler.remote and self.connector is not None:
-                self.connector.cancel(request_id)
+        self.transfers.cancel(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
-            self._outputs.pop(request_id, None)
-            self._export_sinks.pop(request_id, None)
+            self.output_processor.abort(request_id)
+            self.transfers.sinks.pop(request_id, None)
+
+    def _stop_request(self, request_id: str) -> None:
+        """Its text reached a stop string (the output processor's callback)."""
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -418,216 +325,54 @@ class LLMEngine:
         return request_id in self.scheduler.requests
 
     def has_schedulable(self) -> bool:
-        return self.scheduler.has_schedulable() or not self._remote_done.empty()
+        return self.scheduler.has_schedulable() or self.transfers.has_results()
 
-    # --- disaggregation ---------------------------------------------------------------------
+    # --- disaggregation (kv_transfer.py) ----------------------------------------------------
 
     def use_remote_prefill(self, connector: RemotePrefill) -> None:
         """Decode role: long prompts are prefilled by ``connector``'s workers."""
-        self.connector = connector
-        threshold = self.config.local_prefill_threshold
+        self.transfers.use_remote_prefill(connector)
 
-        def decide(request: Request, num_uncached: int) -> bool:
-            """Asked once per request, at its first admission attempt."""
-            request.allow_remote_prefill = False
-            remote = num_uncached > threshold and connector.has_capacity()
-            if not remote:
-                self.num_local_prefills += 1
-            return remote
-
-        self.scheduler.remote_prefill = decide
-
-    def _on_remote_done(self, request_id: str, result: RemotePrefillResult | None) -> None:
-        """Called by the connector's thread when a transfer has ended (and stopped writing)."""
-        self._remote_done.put((request_id, result))
+    def _wake(self) -> None:
+        """A remote prefill has ended (the connector's thread): wakes the step's caller."""
         self._remote_event.set()
         if self.notify is not None:
             self.notify()
 
-    def _drain_remote(self) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
-        while True:
-            try:
-                request_id, result = self._remote_done.get_nowait()
-            except queue.Empty:
-                return outputs
-            if result is None:
-                self.num_remote_failures += 1
-                self.scheduler.fail_remote_prefill(request_id)
-                continue
-            self.num_remote_prefills += 1
-            core = self.scheduler.finish_remote_prefill(request_id, result.token, result.logprobs)
-            if core is None:
-                continue
-            if result.generator_state is not None and core.finish_reason is None:
-                try:
-                    self.runner.set_generator_state(request_id, result.generator_state)
-                except (RuntimeError, ValueError) as exc:  # e.g. prefill ran on another device
-                    log.warning("%s: generator state not usable (%s); reseeding", request_id, exc)
-            outputs.append(core)
+    @property
+    def num_remote_prefills(self) -> int:
+        return self.transfers.num_remote_prefills
 
-    def _export(
-        self, request_id: str, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        sink = self._export_sinks.get(request_id)
-        if (
-            sink is not None
-            and request_id not in self._failed_exports
-            and not sink.put(layer, first_block, k, v)
-        ):
-            self._failed_exports.add(request_id)
+    @property
+    def num_local_prefills(self) -> int:
+        return self.transfers.num_local_prefills
+
+    @property
+    def num_remote_failures(self) -> int:
+        return self.transfers.num_remote_failures
 
     # --- one step -------------------------------------------------------------------------
 
-    def _propose(self) -> None:
-        """Speculative decoding: proposals for every running request in decode.
-
-        n-gram proposals are made here, on the full token history; a draft model's are
-        made in the runner once the step is scheduled, so here its ``k`` slots are only
-        reserved (the scheduler trims them to what the request may still emit).
-        """
-        spec = self.config.speculative
-        k = spec.num_speculative_tokens
-        for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens != 1 or request.beam_group:
-                continue  # mid-prefill, or a beam search (its rows are the choices)
-            if request.grammar is not None:
-                # Structured output is not speculated: a proposal would need the grammar's
-                # mask at every proposed position (llguidance can, per draft token), and
-                # the drafts of a constrained answer are mostly forced tokens anyway.
-                continue
-            if spec.method == "ngram":
-                request.spec_token_ids = ngram.propose(
-                    request.all_token_ids(), k, spec.prompt_lookup_max, spec.prompt_lookup_min
-                )
-            else:
-                request.spec_token_ids = [draft_mod.PLACEHOLDER] * k
-
     def step(self) -> list[RequestOutput]:
-        core_outputs = self._drain_remote()
+        core_outputs = self.transfers.drain()
         if self.config.speculative.enabled:
-            self._propose()
+            speculation.propose(self.scheduler.running, self.config.speculative)
         sched = self.scheduler.schedule()
         self._last_batch = (len(sched.scheduled), sched.total_num_scheduled_tokens)
         if sched.kv_loads:
-            assert self.connector is not None
-            for load in sched.kv_loads:
-                self.connector.start(load, self._on_remote_done)
+            self.transfers.start(sched.kv_loads)
         result = self.runner.execute(sched)
         core_outputs += self.scheduler.update_from_output(sched, result)
-        if self._failed_exports:
-            failed = list(self._failed_exports)
-            self._failed_exports.clear()
+        failed = self.transfers.take_failed_exports()
+        if failed:
             log.warning("KV export failed for %s: aborting", ", ".join(failed))
             self.abort(failed)
             core_outputs = [c for c in core_outputs if c.request_id not in failed]
-        return self._process(core_outputs)
-
-    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for core in core_outputs:
-            state = self._outputs.get(core.request_id)
-            if state is None:
-                continue
-            if core.beams is not None:
-                del self._outputs[core.request_id]
-                outputs.append(self._beam_output(core, state))
-                continue
-            finish, stop_reason = core.finish_reason, core.stop_reason
-            new_ids, new_logprobs = core.new_token_ids, core.logprobs
-            if state.detok is not None:
-                # One token at a time: a speculative step emits several, and a stop string
-                # completed by one of them ends the output at that token, as without it.
-                for j, token in enumerate(core.new_token_ids):
-                    state.detok.push(token)
-                    hit = self._match_stop(state) if state.stop else None
-                    if hit is not None:
-                        if finish is None:
-                            self.scheduler.finish_requests(
-                                [core.request_id], RequestStatus.FINISHED_STOPPED
-                            )
-                        finish, stop_reason = "stop", hit
-                        new_ids, new_logprobs = new_ids[: j + 1], new_logprobs[: j + 1]
-                        break
-            state.token_ids.extend(new_ids)
-            if state.logprobs is not None:
-                state.logprobs.extend(new_logprobs)
-            text = state.detok.text if state.detok is not None else ""
-            release_to = len(text)
-            if finish is None and state.stop:
-                release_to = max(state.released, len(text) - max(map(len, state.stop)) + 1)
-            new_text = text[state.released : release_to]
-            state.released = release_to
-            outputs.append(
-                RequestOutput(
-                    request_id=core.request_id,
-                    new_token_ids=new_ids,
-                    new_text=new_text,
-                    token_ids=list(state.token_ids),
-                    text=text[:release_to],
-                    finished=finish is not None,
-                    finish_reason=finish,
-                    stop_reason=stop_reason,
-                    new_logprobs=new_logprobs,
-                    num_prompt_tokens=state.num_prompt_tokens,
-                    num_cached_tokens=core.num_cached_tokens,
-                    prompt_logprobs=core.prompt_logprobs,
-                )
-            )
-            if finish is not None:
-                outputs[-1].logprobs = state.logprobs
-                del self._outputs[core.request_id]
-                if self._export_sinks.pop(core.request_id, None) is not None:
-                    outputs[-1].generator_state = self.runner.generator_state(core.request_id)
+        outputs = self.output_processor.process(core_outputs)
+        for out in outputs:  # prefill role: a finished request's sampler state goes along
+            if out.finished and self.transfers.sinks.pop(out.request_id, None) is not None:
+                out.generator_state = self.runner.generator_state(out.request_id)
         return outputs
-
-    def _beam_output(self, core: EngineCoreOutput, state: _OutputState) -> RequestOutput:
-        """A finished beam search: every returned sequence, detokenised whole."""
-        assert core.beams is not None
-        tok = self.tokenizer
-        seqs = [
-            SequenceOutput(
-                token_ids=b.token_ids,
-                text=tok.decode(b.token_ids) if tok is not None else "",
-                finish_reason=b.finish_reason,
-                stop_reason=b.stop_reason,
-                score=b.score,
-            )
-            for b in core.beams
-        ]
-        best = seqs[0]
-        return RequestOutput(
-            request_id=core.request_id,
-            new_token_ids=list(best.token_ids),
-            new_text=best.text,
-            token_ids=list(best.token_ids),
-            text=best.text,
-            finished=True,
-            finish_reason=best.finish_reason,
-            stop_reason=best.stop_reason,
-            num_prompt_tokens=state.num_prompt_tokens,
-            num_cached_tokens=core.num_cached_tokens,
-            sequences=seqs,
-            beam_kv=core.beam_kv,
-        )
-
-    @staticmethod
-    def _match_stop(state: _OutputState) -> str | None:
-        """Truncates the text at the first stop string; returns the string that matched."""
-        assert state.detok is not None
-        text = state.detok.text
-        window = max(map(len, state.stop), default=0) + 16
-        start = max(0, state.released - window)
-        best: tuple[int, str] | None = None
-        for stop in state.stop:
-            idx = text.find(stop, start)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return None
-        state.detok.text = text[: best[0]]
-        state.released = min(state.released, best[0])
-        return best[1]
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -642,9 +387,9 @@ class LLMEngine:
             last_batch_size=self._last_batch[0],
             last_num_tokens=self._last_batch[1],
             num_remote_waiting=len(self.scheduler.remote),
-            num_remote_prefills=self.num_remote_prefills,
-            num_local_prefills=self.num_local_prefills,
-            num_remote_failures=self.num_remote_failures,
+            num_remote_prefills=self.transfers.num_remote_prefills,
+            num_local_prefills=self.transfers.num_local_prefills,
+            num_remote_failures=self.transfers.num_remote_failures,
             num_spec_drafts=self.scheduler.num_spec_drafts,
             num_spec_draft_tokens=self.scheduler.num_spec_draft_tokens,
             num_spec_accepted_tokens=self.scheduler.num_spec_accepted_tokens,
@@ -670,3 +415,38 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def _kv_cache_size(
+    model: llama.LlamaModel,
+    draft_model: llama.LlamaModel | None,
+    config: EngineConfig,
+    max_len: int,
+) -> tuple[int, int]:
+    """The KV blocks the cache gets (``num_kv_blocks``, or as many as its memory holds),
+    and ``max_len`` capped to the tokens they hold."""
+    # The draft's cache is indexed by the same block ids: a block costs both.
+    per_block = model_runner.kv_bytes_per_block(model, config.block_size)
+    if draft_model is not None:
+        per_block += model_runner.kv_bytes_per_block(draft_model, config.block_size)
+    kv_bytes = config.kv_cache_memory_bytes
+    if model.device.type == "cuda" and config.num_kv_blocks is None:
+        total = torch.cuda.get_device_properties(model.device).total_memory
+        kv_bytes = int(config.gpu_memory_fraction * total) - torch.cuda.memory_allocated(
+            model.device
+        )
+        if kv_bytes < per_block:
+            raise ValueError(
+                f"gpu_memory_fraction {config.gpu_memory_fraction} leaves no room for the KV "
+                "cache after the weights"
+            )
+    num_blocks = config.num_kv_blocks or kv_bytes // per_block
+    if num_blocks * config.block_size < max_len:
+        log.warning(
+            "KV cache of %d blocks holds %d tokens, less than max_model_len %d: capping it",
+            num_blocks,
+            num_blocks * config.block_size,
+            max_len,
+        )
+        max_len = num_blocks * config.block_size
+    return num_blocks, max_len
