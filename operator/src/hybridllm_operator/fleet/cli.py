@@ -105,6 +105,24 @@ def _ttl_and_labels(
         return None
 
 
+def _fleet_or_none(fleets: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The EdgeFleet ``args.fleet`` (None: there is none, and it was said)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from hybridllm_common import crd
+
+    try:
+        obj = fleets.custom.get_namespaced_custom_object(
+            crd.GROUP, crd.VERSION, args.namespace, "edgefleets", args.fleet
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            print(f"EdgeFleet {args.namespace}/{args.fleet} not found", file=sys.stderr)
+            return None
+        raise
+    return dict(obj)
+
+
 def _token(args: argparse.Namespace) -> int:
     import time
 
@@ -140,7 +158,6 @@ def _token(args: argparse.Namespace) -> int:
 def _invite(args: argparse.Namespace) -> int:
     from kubernetes.client.exceptions import ApiException
 
-    from hybridllm_common import crd
     from hybridllm_operator.fleet import enrollment, kube, waves
 
     parsed = _ttl_and_labels(args, "invite")
@@ -153,16 +170,9 @@ def _invite(args: argparse.Namespace) -> int:
         return 2
     kube.load_config()
     fleets = kube.Kube(args.namespace)
-    try:
-        obj = fleets.custom.get_namespaced_custom_object(
-            crd.GROUP, crd.VERSION, args.namespace, "edgefleets", args.fleet
-        )
-    except ApiException as exc:
-        if exc.status == 404:
-            print(f"EdgeFleet {args.namespace}/{args.fleet} not found", file=sys.stderr)
-            return 1
-        raise
-    assert isinstance(obj, dict)
+    obj = _fleet_or_none(fleets, args)
+    if obj is None:
+        return 1
     selector = (obj.get("spec") or {}).get("selector")
     if not waves.matches(labels, selector):
         want = ",".join(f"{k}={v}" for k, v in (selector or {}).items())
@@ -192,25 +202,16 @@ def _invite(args: argparse.Namespace) -> int:
 def _start(args: argparse.Namespace) -> int:
     import time
 
-    from kubernetes.client.exceptions import ApiException
-
-    from hybridllm_common import crd
     from hybridllm_operator import rollout
     from hybridllm_operator.fleet import kube
 
     kube.load_config()
     fleets = kube.Kube(args.namespace)
-    try:
-        obj = fleets.custom.get_namespaced_custom_object(
-            crd.GROUP, crd.VERSION, args.namespace, "edgefleets", args.fleet
-        )
-    except ApiException as exc:
-        if exc.status == 404:
-            print(f"EdgeFleet {args.namespace}/{args.fleet} not found", file=sys.stderr)
-            return 1
-        raise
+    obj = _fleet_or_none(fleets, args)
+    if obj is None:
+        return 1
     fleets.annotate_fleet(args.fleet, rollout.ACTION_ANNOTATION, f"start@{time.time():.3f}")
-    status = dict(obj).get("status") or {} if isinstance(obj, dict) else {}
+    status = obj.get("status") or {}
     message = (status.get("rollout") or {}).get("message", "")
     print(f"start asked of {args.namespace}/{args.fleet} ({message or 'no rollout'}); "
           "`kubectl get edgefleet` shows when the fleet server has acted", file=sys.stderr)  # fmt: skip
