@@ -125,7 +125,8 @@ def _watchers(state: State) -> list[config_mod.FileWatcher]:
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
-        return await handler(request)
+        response: web.StreamResponse = await handler(request)
+        return response
     except APIError as exc:
         request.app[STATE].metrics.rejected.labels(code=exc.code).inc()
         return _answered(request, error_response(exc.code, exc.message, exc.param, exc.headers))

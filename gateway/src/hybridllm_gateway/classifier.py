@@ -104,7 +104,8 @@ def prompt_text(body: dict[str, Any]) -> str:
 
 def extract(body: dict[str, Any]) -> Features:
     text = prompt_text(body)
-    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    found = body.get("messages")
+    messages: list[Any] = found if isinstance(found, list) else []
     system = sum(
         len(_text(m.get("content")))
         for m in messages

@@ -41,7 +41,10 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> config_mod.GatewaySettings:
-    return common_cli.settings_from_args(args, config_mod.GatewaySettings)
+    settings: config_mod.GatewaySettings = common_cli.settings_from_args(
+        args, config_mod.GatewaySettings
+    )
+    return settings
 
 
 def run_worker(settings: config_mod.GatewaySettings, reuse_port: bool) -> None:
@@ -130,7 +133,8 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return common_cli.run_standalone("hybridllm-gateway", __doc__, _add_commands, argv)
+    code: int = common_cli.run_standalone("hybridllm-gateway", __doc__, _add_commands, argv)
+    return code
 
 
 if __name__ == "__main__":
