@@ -174,16 +174,19 @@ FLEET_ACCOUNT = "hybridllm-fleet"  # the fleet server's ServiceAccount and Role
 
 
 def chart_fleet_env(
-    cluster: Any, kube: Kube, env: dict[str, str], workdir: Path, namespace: str
-) -> dict[str, str]:
+    cluster: Any, kube: Kube, env: dict[str, str], workdir: Path, namespace: str,
+    secret_names: tuple[str, ...] = (),
+) -> dict[str, str]:  # fmt: skip
     """``env`` for a fleet server process that runs as the chart's fleet ServiceAccount:
     its ServiceAccount, Role and RoleBinding (``helm template`` of ``templates/fleet.yaml``
-    for ``namespace``) applied to ``cluster``, and a kubeconfig with that account's token.
-    The Deployment and Service are left out: the server is a process here."""
+    for ``namespace``, and ``fleet.secretNames`` where given) applied to ``cluster``, and a
+    kubeconfig with that account's token. The Deployment and Service are left out: the
+    server is a process here."""
+    names = ["--set", "fleet.secretNames={" + ",".join(secret_names) + "}"] if secret_names else []
     rendered = helm(
         "template", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
         "--show-only", "templates/fleet.yaml", "--set", "fleet.enabled=true",
-        "--set", "fleet.tls.secretName=unused", "--set", f"fleet.namespace={namespace}",
+        "--set", "fleet.tls.secretName=unused", "--set", f"fleet.namespace={namespace}", *names,
     ).stdout  # fmt: skip
     wanted = [
         doc for doc in yaml.safe_load_all(rendered)

@@ -197,7 +197,9 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
                                                 "tier=store", "--label", "site=north").splitlines())  # fmt: skip
     assert set(invites) == {"dev-0", "dev-1"}
     assert kube.get("edgedevice", "dev-0", namespace)["spec"]["approved"] is True
-    fleet_env = chart_fleet_env(k8s_cluster, kube, env, tmp_path, namespace)
+    # the Role the chart renders where it is told the fleets' Secrets: those only
+    fleet_env = chart_fleet_env(k8s_cluster, kube, env, tmp_path, namespace,
+                                ("shops-bootstrap", "shops-signing-key"))  # fmt: skip
     ports = {"fleet-a": _free_port(), "fleet-b": _free_port()}
     urls = {name: f"https://127.0.0.1:{port}" for name, port in ports.items()}
     servers: dict[str, subprocess.Popen[bytes]] = {}
@@ -409,6 +411,16 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
             lambda: (r := enroll("dev-6", signing.generate_key(), token)).status_code == 401
             and r, what="the expired bootstrap token refused")  # fmt: skip
         assert "expired at 2020-01-01T00:00:00Z" in expired.text, expired.text
+        # ---- a fleet whose Secrets the server may not read waits, named; the others go on
+        kube.apply({**_fleet(namespace), "metadata": {"name": "kiosks", "namespace": namespace}},
+                   namespace)  # fmt: skip
+
+        def kiosks_problem() -> str:
+            st = (kube.get("edgefleet", "kiosks", namespace) or {}).get("status") or {}
+            return " ".join(c.get("message", "") for c in st.get("conditions", []))
+
+        kube.eventually(lambda: "may not read Secret kiosks-signing-key" in kiosks_problem(),
+                        what="the kiosks fleet's status naming the Secret")  # fmt: skip
         # ---- an endpoint the gateways must not be sent to: a heartbeat naming it is refused
         for endpoint, why in (("http://127.0.0.1:8000", "loopback"),
                               ("http://169.254.169.254:80", "link-local"),

@@ -225,9 +225,18 @@ class EnrollAPI:
 
     async def _bootstrap(self, secret: str) -> enrollment.BootstrapToken | None:
         """The bootstrap token from its Secret (None: no such Secret), cached 10 s."""
+        from kubernetes.client.exceptions import ApiException
+
         cached = self._tokens.get(secret)
         if cached is None or time.monotonic() - cached[0] >= 10:
-            data = await asyncio.to_thread(self.server.kube.secret_data, secret)
+            try:
+                data = await asyncio.to_thread(self.server.kube.secret_data, secret)
+            except ApiException as exc:
+                if exc.status == 403:  # the chart's fleet.secretNames does not list it
+                    raise enrollment.EnrollmentError(
+                        "the fleet server may not read it (add it to the chart's fleet.secretNames)"
+                    ) from None
+                raise
             cached = (time.monotonic(), data)
             self._tokens[secret] = cached
         return None if cached[1] is None else enrollment.BootstrapToken.from_secret(cached[1])

@@ -251,6 +251,19 @@ class Kube:
     def secret_value(self, name: str, key: str) -> str | None:
         return (self.secret_data(name) or {}).get(key) or None
 
+    def signing_key_or_problem(self, fleet: dict[str, Any]) -> tuple[Any, str | None]:
+        """The fleet's signing key, or None and why where the server may not read its
+        Secret (the chart's ``fleet.secretNames`` does not list it): that fleet waits, the
+        others go on."""
+        try:
+            return self.signing_key(fleet), None
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            name = signing_key_secret(fleet["metadata"]["name"])
+            return None, (f"the fleet server may not read Secret {name} (add it to the "
+                          "chart's fleet.secretNames)")  # fmt: skip
+
     def signing_key(self, fleet: dict[str, Any]) -> Any:
         """The fleet's private key from its Secret, made (and owned by the fleet) if missing."""
         name = signing_key_secret(fleet["metadata"]["name"])

@@ -58,7 +58,12 @@ class Planner:
             await self._write_fleet(fleet, fleet.status, now, fleet.problem)
             return
         if fleet.key is None:
-            fleet.key = await asyncio.to_thread(self.kube.signing_key, fleet.obj)
+            fleet.key, refused = await asyncio.to_thread(
+                self.kube.signing_key_or_problem, fleet.obj
+            )
+            if fleet.key is None:
+                await self._write_fleet(fleet, fleet.status, now, refused)
+                return
         content, problem = self.state.content(fleet)
         views = self.views(fleet, now)
         before = fleet.status

@@ -171,8 +171,8 @@ class FleetServer:
     async def _follow(self, now: float) -> None:
         """A replica that does not lead: ready to sign configs, and its digest written."""
         for fleet in list(self.state.fleets.values()):
-            if fleet.spec is not None and fleet.key is None:
-                fleet.key = await asyncio.to_thread(self.kube.signing_key, fleet.obj)
+            if fleet.spec is not None and fleet.key is None:  # None: may not read it
+                fleet.key, _ = await asyncio.to_thread(self.kube.signing_key_or_problem, fleet.obj)
         await self.sharing.follow(now)
 
     # ------------------------------------------------------------------ the device API
