@@ -69,9 +69,8 @@ class Rls:
             for i in range(self.dims)
         ]
         self.count += 1
-        self.scale = abs(error) if self.count == 1 else 0.95 * self.scale + 0.05 * min(
-            abs(error), HUBER_K * self.scale if self.scale > 0 else abs(error)
-        )  # fmt: skip
+        clipped = abs(error) if self.scale == 0 else min(abs(error), HUBER_K * self.scale)
+        self.scale = clipped if self.count == 1 else 0.95 * self.scale + 0.05 * clipped
         return error
 
 

@@ -124,10 +124,10 @@ class EnrollAPI:
         try:
             enrollment.check_expiry(invite.expires, f"the invitation of device {device.name}")
             enrollment.check_labels(labels, device.labels, "the invitation")
+        except enrollment.Expired as exc:
+            return self._refuse("invite_expired", 401, str(exc))
         except enrollment.EnrollmentError as exc:
-            expired = "expired" in str(exc)
-            return self._refuse("invite_expired" if expired else "labels_not_granted",
-                                401 if expired else 403, str(exc))  # fmt: skip
+            return self._refuse("labels_not_granted", 403, str(exc))
         if not waves.matches(device.labels, fleet.spec.selector):
             return self._not_member(fleet)
         refused = self._key_refusal(device.name, public_text)
@@ -187,10 +187,10 @@ class EnrollAPI:
                 enrollment.check_labels(labels, bootstrap.labels, f"the bootstrap token "
                                                                    f"(Secret {secret})")  # fmt: skip
                 labels = bootstrap.labels
+        except enrollment.Expired as exc:
+            return self._refuse("token_expired", 401, str(exc))
         except enrollment.EnrollmentError as exc:
-            expired = "expired" in str(exc)
-            return self._refuse("token_expired" if expired else "labels_not_granted",
-                                401 if expired else 403, str(exc))  # fmt: skip
+            return self._refuse("labels_not_granted", 403, str(exc))
         if not waves.matches(labels, fleet.spec.selector):
             return self._not_member(fleet)
         refused = self._key_refusal(name, public_text)

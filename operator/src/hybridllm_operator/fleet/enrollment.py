@@ -42,6 +42,10 @@ class EnrollmentError(ValueError):
     """A credential or a label set that cannot be used, with the reason for people."""
 
 
+class Expired(EnrollmentError):
+    """A credential past its expiry."""
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(TOKEN_BYTES)
 
@@ -151,7 +155,7 @@ def check_labels(asked: dict[str, str], granted: dict[str, str], by: str) -> Non
 
 def check_expiry(expires: float | None, what: str, now: float | None = None) -> None:
     if expires is not None and (now if now is not None else time.time()) >= expires:
-        raise EnrollmentError(f"{what} expired at {rfc3339(expires)}")
+        raise Expired(f"{what} expired at {rfc3339(expires)}")
 
 
 def invite_spec(fleet: str, token: str, ttl_s: float) -> crd.EdgeDeviceSpec:
