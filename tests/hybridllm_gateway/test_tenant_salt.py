@@ -1,5 +1,6 @@
-"""The gateway gives each tenant its own prefix-cache partition (``cache_salt``), and shows
-the backend token to the service's runtimes, never to an enrolled device.
+"""The gateway gives each tenant its own prefix-cache partition (``cache_salt``), shows
+the backend token to the service's runtimes, never to an enrolled device, and speaks TLS to
+a device, verifying that its certificate names the device meant (``device_tls``).
 
 A real gateway process in front of small recording upstreams (HTTP servers in this test
 that answer a fixed completion and keep every body and Authorization header received).
@@ -10,17 +11,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from hybridllm_common import backend_auth
+from hybridllm_common import backend_auth, device_tls, signing
 from hybridllm_gateway import safety
 
 MODEL = "smollm2"
@@ -68,12 +73,14 @@ class _Recorder(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def _recording() -> Iterator[str]:
+def _recording(tls: ssl.SSLContext | None = None) -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
@@ -86,11 +93,29 @@ def upstream() -> Iterator[str]:
         yield url
 
 
+def _device_tls(tmp: Path, device: str) -> tuple[ssl.SSLContext, str]:
+    """A device's server context with the certificate its fleet issues it, and that CA."""
+    fleet_key, device_key = signing.generate_key(), signing.generate_key()
+    cert, key = tmp / f"{device}.crt", tmp / f"{device}.key"
+    cert.write_text(device_tls.issue(fleet_key, "shops", "stores", device,
+                                     device_key.public_key(), time.time()))  # fmt: skip
+    key.write_text(device_tls.private_key_pem(device_key))
+    ca = device_tls.ca_certificate(fleet_key, "shops", "stores")
+    return device_tls.server_context(str(cert), str(key)), ca
+
+
 def test_the_backend_token_goes_to_the_runtimes_and_never_to_a_device(procs, table, upstream):
+    """...and the device is reached over TLS, its certificate checked for its name: at
+    the same address, a device with another name's certificate is refused (502, naming
+    the check, not the address)."""
     token = "t" * 40
-    with _recording() as device:
+    context, ca = _device_tls(procs.tmp, "dev-a")
+    with _recording(context) as device:
         routing = table(cloud=[upstream], edge=[device])
-        routing["tiers"]["edge"]["backends"][0]["device"] = True  # as the operator marks them
+        routing["deviceCA"] = ca
+        backend = routing["tiers"]["edge"]["backends"][0]
+        backend["device"] = True  # as the operator marks them
+        backend["serverName"] = device_tls.server_name("dev-a", "shops", "stores")
         gw = procs.gateway(routing, env={backend_auth.TOKEN_ENV: token})
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
         for tier in ("cloud", "edge", "cloud"):
@@ -103,6 +128,18 @@ def test_the_backend_token_goes_to_the_runtimes_and_never_to_a_device(procs, tab
             (port[upstream], f"Bearer {token}"), (port[device], None),
             (port[upstream], f"Bearer {token}"),
         ]  # fmt: skip
+        backend["serverName"] = device_tls.server_name("dev-b", "shops", "stores")
+        other = procs.gateway(routing)  # sent to dev-b, and dev-a's certificate answers
+        impostor = httpx.post(other.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        }, headers={"x-hybridllm-tier": "edge"}, timeout=30)  # fmt: skip
+        assert impostor.status_code == 502, impostor.text
+        message = impostor.json()["error"]["message"]
+        assert "failed its TLS certificate check" in message
+        assert "127.0.0.1" not in message
+        assert len(_Recorder.authorization) == 3  # nothing reached it
+        metrics = httpx.get(other.url + "/metrics").text
+        assert 'hybridllm_gateway_upstream_errors_total{kind="tls",tier="edge"}' in metrics
     # a token too short to be one is a gateway that does not start, not one that is open
     bad = procs.tmp / "short.log"
     with bad.open("wb") as out:

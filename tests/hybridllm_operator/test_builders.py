@@ -149,6 +149,7 @@ def test_routing_config_points_at_the_tier_services() -> None:
             "revision": "v7",
             "weight": 100,
             "device": False,
+            "serverName": "",
         }
     ]
     assert config["tiers"]["cloud"]["backends"][0]["url"] == "http://demo-decode.team-a.svc:8000"
@@ -276,13 +277,18 @@ def test_serving_edge_devices_are_edge_backends_and_replace_an_empty_pool() -> N
         "edge": {"pool": {"replicas": 0, "minReplicas": 0}, "devices": {"fleet": "shops"}},
         "autoscaling": {"mode": "off"},
     })  # fmt: skip
-    devices = (("http://10.0.0.7:8000", "v2"), ("http://10.0.0.8:8000", "v1"))
+    name = "dev-7.shops.ns.devices.hybridllm.internal"
+    devices = (
+        builders.ServingDevice("https://10.0.0.7:8000", "v2", name, "CA PEM"),
+        builders.ServingDevice("http://10.0.0.8:8000", "v1"),  # a fleet that allows plain HTTP
+    )
     table = builders.build_routing_config(builders.Service("s", "ns", "u", spec, devices=devices))
     rows = table["tiers"]["edge"]["backends"]
-    assert [(r["url"], r["revision"], r["weight"]) for r in rows] == [
-        ("http://10.0.0.7:8000", "v2", 100), ("http://10.0.0.8:8000", "v1", 100)
+    assert [(r["url"], r["revision"], r["weight"], r["serverName"]) for r in rows] == [
+        ("https://10.0.0.7:8000", "v2", 100, name), ("http://10.0.0.8:8000", "v1", 100, "")
     ]  # fmt: skip
     assert all(r["device"] is True for r in rows)  # the gateway never shows them the token
+    assert table["deviceCA"] == "CA PEM"  # what the gateways verify the certificates with
     # with edge pods too, the pool's Service stays beside the devices
     spec.edge.pool.replicas = 1
     table = builders.build_routing_config(builders.Service("s", "ns", "u", spec, devices=devices))

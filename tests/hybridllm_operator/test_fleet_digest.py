@@ -21,7 +21,7 @@ from hybridllm_operator.fleet import server as server_mod
 
 def _report(i: int, revision: str = "v1") -> dict[str, Any]:
     return {"revision": revision, "configVersion": 2, "healthy": True,
-            "endpoint": f"http://10.0.{i // 250}.{i % 250}:8000",
+            "endpoint": f"https://10.0.{i // 250}.{i % 250}:8000",
             "kpis": {"tokensPerSecond": 20.0 + i % 17, "ttftP95Seconds": 0.1 + i % 7 / 100,
                      "requests": float(i % 50)}}  # fmt: skip
 
@@ -183,23 +183,29 @@ def test_a_forged_digest_entry_is_left_out_and_planning_goes_on() -> None:
 def test_an_endpoint_the_gateways_must_not_be_sent_to_is_left_out_of_a_digest() -> None:
     """A digest entry passes the endpoint rule a device's own heartbeat does
     (fleet/endpoints.py): an IP address, not loopback, link-local or the like, or inside
-    the fleet's endpointNetworks where it lists them."""
+    the fleet's endpointNetworks where it lists them; https, unless the fleet allows
+    plain HTTP."""
     srv = _server("fleet-a")
     srv._on_fleet("ADDED", "shops", {"metadata": {"name": "shops"}, "spec": {"service": "chat"}})
     now = time.time()
     srv._on_digest("ADDED", "b", _config_map("fleet-b", now, {
-        "dev-0": (now - 1, {**_report(0), "endpoint": "http://169.254.169.254:80"}),
-        "dev-1": (now - 1, {**_report(1), "endpoint": "http://kubernetes.default.svc:443"}),
+        "dev-0": (now - 1, {**_report(0), "endpoint": "https://169.254.169.254:80"}),
+        "dev-1": (now - 1, {**_report(1), "endpoint": "http://10.0.0.1:8000"}),  # plain HTTP
         "dev-2": (now - 1, _report(2)),  # 10.0.0.2: a site's address
     }))  # fmt: skip
     srv.lead(True)
     assert not srv.devices["dev-0"].report
     assert not srv.devices["dev-1"].report
-    assert srv.devices["dev-2"].report["endpoint"] == "http://10.0.0.2:8000"
-    assert endpoints.problem("http://10.0.0.2:8000", ["192.168.0.0/16"]) == (
-        "endpoint http://10.0.0.2:8000: 10.0.0.2 is outside the fleet's "
+    assert srv.devices["dev-2"].report["endpoint"] == "https://10.0.0.2:8000"
+    assert endpoints.problem("https://10.0.0.2:8000", ["192.168.0.0/16"]) == (
+        "endpoint https://10.0.0.2:8000: 10.0.0.2 is outside the fleet's "
         "spec.enrollment.endpointNetworks (192.168.0.0/16)"
     )
-    assert endpoints.problem("http://127.0.0.1:8000", ["127.0.0.0/8"]) is None  # allowed
-    assert endpoints.problem("http://[::1]:8000", None) is not None
+    assert endpoints.problem("https://127.0.0.1:8000", ["127.0.0.0/8"]) is None  # allowed
+    assert endpoints.problem("https://[::1]:8000", None) is not None
+    assert "must be an IP address" in (
+        endpoints.problem("https://kubernetes.default.svc", None) or ""
+    )
+    assert "not https" in (endpoints.problem("http://10.0.0.2:8000", None) or "")
+    assert endpoints.problem("http://10.0.0.2:8000", None, plain_http=True) is None
     srv.lead(False)

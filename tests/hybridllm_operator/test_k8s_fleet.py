@@ -33,6 +33,7 @@ import httpx
 import openai
 import pytest
 
+from hybridllm_common import device_tls
 from hybridllm_common import metrics as names
 from hybridllm_models import sources, store, uri
 from hybridllm_operator import builders
@@ -316,6 +317,13 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         lambda: len(((routing.table() or {}).get("tiers", {}).get("edge") or {}).get("backends", [])) == 3,
         what="the three devices in the routing table",
     )  # fmt: skip
+    # over TLS: each device serves with the certificate its fleet issued it, and the
+    # gateways verify it names the device (hybridllm_common.device_tls)
+    table = routing.table() or {}
+    assert table["deviceCA"] == fleet()["deviceCA"]
+    assert sorted((b["url"].split(":")[0], b["serverName"]) for b in table["tiers"]["edge"]["backends"]) == [
+        ("https", f"{n}.shops.{NAMESPACE}.devices.hybridllm.internal") for n in DEVICES
+    ]  # fmt: skip
     routing.sync()
     stack["procs"].append(_serve(
         [*CLI, "gateway", "serve", "--config", str(tmp / "routing.json"), "--port",
@@ -435,14 +443,18 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
     restarted = agents["dev-1"]
     restarted.stop()
     restarted.start()
-    with httpx.Client(timeout=10) as http:
+    # with the certificate it kept: checked as a gateway does, for the device's name
+    verify = device_tls.client_context((restarted.state / "tls-ca.crt").read_text())
+    sni = {"sni_hostname": f"dev-1.shops.{NAMESPACE}.devices.hybridllm.internal"}
+    with httpx.Client(timeout=10, verify=verify) as http:
 
         def serving() -> str | None:
             for p in (restarted.port, restarted.port + 1):
                 try:
-                    r = http.post(f"http://127.0.0.1:{p}/v1/chat/completions", json={
+                    r = http.post(f"https://127.0.0.1:{p}/v1/chat/completions", json={
                         "model": "smollm2", "max_tokens": 4,
-                        "messages": [{"role": "user", "content": "Say hi."}]})  # fmt: skip
+                        "messages": [{"role": "user", "content": "Say hi."}]},
+                        extensions=sni)  # fmt: skip
                 except httpx.TransportError:
                     continue
                 if r.status_code == 200:

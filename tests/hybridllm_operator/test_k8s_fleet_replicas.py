@@ -28,8 +28,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hybridllm_common import device_tls, signing
 from hybridllm_common import metrics as names
-from hybridllm_common import signing
 from hybridllm_operator.fleet import cli as fleet_cli
 from hybridllm_operator.fleet import digest
 
@@ -144,7 +144,7 @@ class Device:
     def _beat(self, http: httpx.Client) -> None:
         r = self._call(http, "POST", f"/v1/devices/{self.name}/heartbeat", json={
             "revision": self.revision or None, "configVersion": self.version or None,
-            "healthy": bool(self.version), "endpoint": "http://10.0.0.1:8000",
+            "healthy": bool(self.version), "endpoint": "https://10.0.0.1:8000",
             "kpis": {"tokensPerSecond": 40.0, "ttftP95Seconds": 0.2, "errorRate": 0.0,
                      "requests": 10.0},
         })  # fmt: skip
@@ -421,10 +421,26 @@ def test_two_replicas_one_leads_the_other_hands_over_heartbeats_and_takes_over(
 
         kube.eventually(lambda: "may not read Secret kiosks-signing-key" in kiosks_problem(),
                         what="the kiosks fleet's status naming the Secret")  # fmt: skip
+        # ---- a device's TLS certificate: for its own key, naming it, from the fleet's CA
+        # (the one in the fleet's status), on a call signed with its key
+        cert = devices[1]._call(http, "POST", "/v1/devices/dev-1/certificate")
+        assert cert.status_code == 200, cert.text
+        issued = cert.json()
+        assert issued["ca"] == fleet()["deviceCA"]
+        assert issued["serverName"] == f"dev-1.shops.{namespace}.devices.hybridllm.internal"
+        device_tls.check_issued(issued["certificate"], issued["ca"], devices[1].key.public_key(),
+                                devices[1].fleet_key, time.time())  # fmt: skip
+        with pytest.raises(device_tls.CertificateError, match="another key"):
+            device_tls.check_issued(issued["certificate"], issued["ca"],
+                                    devices[2].key.public_key(), devices[1].fleet_key,
+                                    time.time())  # fmt: skip
+        unsigned = http.post(f"{urls[follow]}/v1/devices/dev-1/certificate")
+        assert unsigned.status_code == 401, unsigned.text
         # ---- an endpoint the gateways must not be sent to: a heartbeat naming it is refused
-        for endpoint, why in (("http://127.0.0.1:8000", "loopback"),
-                              ("http://169.254.169.254:80", "link-local"),
-                              ("http://kubernetes.default.svc:443", "must be an IP address")):  # fmt: skip
+        for endpoint, why in (("https://127.0.0.1:8000", "loopback"),
+                              ("https://169.254.169.254:80", "link-local"),
+                              ("https://kubernetes.default.svc:443", "must be an IP address"),
+                              ("http://10.0.0.1:8000", "not https")):  # fmt: skip
             beat = devices[1]._call(http, "POST", "/v1/devices/dev-1/heartbeat",
                                     json={"endpoint": endpoint})  # fmt: skip
             assert beat.status_code == 403, beat.text

@@ -171,9 +171,60 @@ class _ProbeAccessFilter(logging.Filter):
         return not (isinstance(args, tuple) and len(args) >= 3 and args[2] == "/health")
 
 
-def run_server(app: FastAPI, host: str, port: int) -> None:
-    """Serve a runtime's app with uvicorn, as both runtimes do."""
+TLS_RELOAD_S = 30.0  # how often a served certificate file is looked at for a new one
+
+
+def run_server(
+    app: FastAPI, host: str, port: int, certfile: str | None = None, keyfile: str | None = None
+) -> None:
+    """Serve a runtime's app with uvicorn, as both runtimes do; over TLS with a certificate
+    (TLS 1.3; the files are loaded again when the certificate's changes: a device agent
+    renews it while its runtime serves)."""
     import uvicorn
 
     logging.getLogger("uvicorn.access").addFilter(_ProbeAccessFilter())
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    if certfile is None or keyfile is None:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+        return
+    import ssl
+    import threading
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            ssl_certfile=certfile, ssl_keyfile=keyfile)  # fmt: skip
+    config.load()  # its SSLContext, made once; the server below serves with it
+    context = config.ssl
+    assert context is not None
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    threading.Thread(target=_reload_certificate, args=(context, certfile, keyfile),
+                     daemon=True, name="tls-reload").start()  # fmt: skip
+    uvicorn.Server(config).run()
+
+
+def _reload_certificate(
+    context: Any, certfile: str, keyfile: str, interval: float = TLS_RELOAD_S,
+    stop: Any = None,
+) -> None:  # fmt: skip
+    """Load a renewed certificate into the serving context (new connections get it), until
+    ``stop`` (a threading.Event) is set."""
+    import os
+    import threading
+
+    def stamp() -> tuple[int, int, int]:  # a rename of a new file changes the inode
+        try:
+            st = os.stat(certfile)
+        except OSError:
+            return (0, 0, 0)
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    stop = stop or threading.Event()
+    seen = stamp()
+    while not stop.wait(interval):
+        now = stamp()
+        if now != seen:
+            try:
+                context.load_cert_chain(certfile, keyfile)
+                seen = now
+                log.info("loaded the renewed certificate %s", certfile)
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                log.error("the certificate %s could not be loaded (still serving the old "
+                          "one): %s", certfile, exc)  # fmt: skip

@@ -69,6 +69,9 @@ class Backend(_Wire):
     # an enrolled device outside the cluster: never sent the backend token, which opens
     # the service's runtimes (hybridllm_common.backend_auth)
     device: bool = False
+    # a device over TLS: the name its certificate must carry (hybridllm_common.device_tls),
+    # verified against the table's device_ca
+    server_name: str = Field(default="", max_length=253)
 
 
 class Tier(_Wire):
@@ -104,6 +107,8 @@ class RoutingConfig(_Wire):
     # asked of a rollout's canary backends by the gateways (the rollout waits for them)
     golden_prompts: list[GoldenPrompt] = Field(default_factory=list)
     tiers: dict[str, Tier] = Field(default_factory=dict)
+    # the CA of the fleet whose devices serve the edge tier (PEM): their certificates'
+    device_ca: str = Field(default="", max_length=8192, alias="deviceCA")
 
     @model_validator(mode="after")
     def _known_tiers(self) -> RoutingConfig:
@@ -112,6 +117,11 @@ class RoutingConfig(_Wire):
             raise ValueError(f"unknown tiers {sorted(unknown)}: only edge and cloud exist")
         if not any(t.backends for t in self.tiers.values()):
             raise ValueError("no tier has a backend")
+        for tier in self.tiers.values():
+            for b in tier.backends:
+                if b.server_name and not (b.url.startswith("https://") and self.device_ca):
+                    raise ValueError(f"backend {b.url}: a server name needs an https URL and "
+                                     "the table's deviceCA")  # fmt: skip
         return self
 
     def to_wire(self) -> dict[str, Any]:

@@ -40,12 +40,16 @@ request in flight during a reload still decrements the right counter.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import math
 import random
+import ssl
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from hybridllm_common import device_tls
 from hybridllm_gateway import config as config_mod
 
 RING_POINTS_PER_BACKEND = 160
@@ -67,6 +71,8 @@ class Replica:
     num_ejections_in_row: int = 0
     num_ejections: int = 0
     ejected_until: float = 0.0
+    # a device over TLS: aiohttp's ssl and server_hostname for it (``tls_args``)
+    connect: dict[str, Any] = field(default_factory=dict)
     unreachable: bool = False  # a remote tier's backend its probes cannot reach (probe.py)
     unreachable_since: float = 0.0
     failed_probes: int = 0
@@ -205,6 +211,19 @@ class TierPool:
         return random.choices(ties, weights=[r.weight for r in ties])[0]
 
 
+@functools.lru_cache(maxsize=8)
+def _device_context(ca_pem: str) -> ssl.SSLContext:
+    return device_tls.client_context(ca_pem)
+
+
+def tls_args(ca_pem: str, server_name: str) -> dict[str, Any]:
+    """aiohttp's arguments for a device backend over TLS (``device_tls``): trust its
+    fleet's CA alone, and verify the certificate names the device meant. None for others."""
+    if not server_name:
+        return {}
+    return {"ssl": _device_context(ca_pem), "server_hostname": server_name}
+
+
 class Balancer:
     """All tiers; rebuilt from each routing table, replica state kept by URL."""
 
@@ -220,6 +239,7 @@ class Balancer:
             for b in tier.backends:
                 r = self.by_url.get((name, b.url)) or Replica(url=b.url.rstrip("/"), tier=name)
                 r.revision, r.weight, r.device = b.revision, b.weight, b.device
+                r.connect = tls_args(routing.device_ca, b.server_name)
                 self.by_url[(name, b.url)] = r
                 replicas.append(r)
             tiers[name] = TierPool(

@@ -56,7 +56,12 @@ class ClientPath(Attempts):
         pre_s = t_send - t_start
         for fresh in (False, True):
             try:
-                resp = await self.session.post(url, data=payload, headers=headers, timeout=timeout)
+                resp = await self.session.post(url, data=payload, headers=headers, timeout=timeout,
+                                               **replica.connect)  # fmt: skip
+            except aiohttp.ClientConnectorCertificateError as exc:
+                self._fail(replica, "tls")  # not the device it should be (or no TLS at all)
+                outcome.status, outcome.unsent = 0, True
+                return None, report_fault(replica, "failed its TLS certificate check", exc)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 if not fresh and _stale_connection(exc):
                     # A pooled keep-alive connection the replica closed while it was idle

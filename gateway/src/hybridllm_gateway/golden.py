@@ -26,9 +26,11 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
+from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import config as config_mod
 from hybridllm_gateway import metrics as metrics_mod
 
@@ -49,8 +51,10 @@ async def ask(
     model: str,
     golden: config_mod.GoldenPrompt,
     headers: dict[str, str] | None = None,
+    connect: dict[str, Any] | None = None,
 ) -> tuple[bool, str]:
-    """One golden prompt to one backend: (passed, what it answered or why it failed)."""
+    """One golden prompt to one backend: (passed, what it answered or why it failed);
+    ``connect``: a device's TLS (``balancer.tls_args``)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": golden.prompt}],
@@ -64,6 +68,7 @@ async def ask(
             json=body,
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=TIMEOUT_S),
+            **(connect or {}),
         ) as resp:
             text = await resp.text()
             status = resp.status
@@ -126,7 +131,7 @@ class GoldenChecker:
                     verdicts.setdefault(backend.revision, []).append(self.results[key])
                 elif key not in self.asking:
                     self.asking[key] = asyncio.get_running_loop().create_task(
-                        self._ask_all(key, tier_name, table, backend.device)
+                        self._ask_all(key, tier_name, table, backend)
                     )
             for revision, per_backend in verdicts.items():
                 for index in range(len(table.golden_prompts)):
@@ -140,14 +145,16 @@ class GoldenChecker:
         key: tuple[str, str, str],
         tier: str,
         table: config_mod.RoutingConfig,
-        device: bool = False,
+        backend: config_mod.Backend,
     ) -> None:
         url, revision, _ = key
-        headers = None if device else self.backend_headers
+        headers = None if backend.device else self.backend_headers
+        connect = balancer_mod.tls_args(table.device_ca, backend.server_name)
         try:
             verdicts = []
             for index, golden in enumerate(table.golden_prompts):
-                passed, answer = await ask(self.session, url, table.model, golden, headers)
+                passed, answer = await ask(self.session, url, table.model, golden, headers,
+                                           connect)  # fmt: skip
                 if not passed:
                     log.warning(
                         "golden prompt %d failed on %s (%s tier, revision %s): expected /%s/, "

@@ -58,7 +58,7 @@ class Prober:
         headers = {} if replica.device else self.headers
         try:
             async with self.session.get(replica.url + "/health", timeout=timeout,
-                                        headers=headers) as resp:  # fmt: skip
+                                        headers=headers, **replica.connect) as resp:  # fmt: skip
                 await resp.read()
                 ok = resp.status < 500
         except (aiohttp.ClientError, TimeoutError, OSError):

@@ -275,7 +275,8 @@ class Forwarder(ClientPath, RawPath):
         while True:
             for replica in pool.replicas:
                 try:
-                    async with self.session.get(replica.url + "/health", timeout=timeout) as r:
+                    async with self.session.get(replica.url + "/health", timeout=timeout,
+                                                **replica.connect) as r:  # fmt: skip
                         if r.status == 200:
                             return True
                 except (aiohttp.ClientError, TimeoutError, OSError):

@@ -41,7 +41,7 @@ from typing import Any, cast
 import kopf
 from kubernetes.client import exceptions as k8s_errors
 
-from hybridllm_common import crd
+from hybridllm_common import crd, device_tls
 from hybridllm_operator import autoscaling, builders, demand, kubeconfig, reconcile, rollout
 from hybridllm_operator.jobs import AutoscalerJob, RolloutJob, Ticker, Waker, _post
 from hybridllm_operator.settings import OperatorSettings
@@ -314,27 +314,40 @@ async def fleet_changed(
     type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any
 ) -> None:
     """Keep each EdgeFleet's status: a rollout step that moves the devices waits for the
-    fleet's rollout of the new revision (its rollout loop looks every few seconds)."""
+    fleet's rollout of the new revision (its rollout loop looks every few seconds); a new
+    device CA wakes the namespace's LLMServices (their gateways verify devices with it)."""
     key = (str(meta.get("namespace")), str(meta.get("name")))
+    ca_before = memo.fleets.get(key, {}).get("deviceCA")
     if type == "DELETED":
         memo.fleets.pop(key, None)
     else:
         memo.fleets[key] = dict(body.get("status") or {})
+    if memo.fleets.get(key, {}).get("deviceCA") != ca_before:
+        for (ns, _), waker in list(memo.wakers.items()):
+            if ns == key[0]:
+                waker.event.set()
 
 
 def serving_devices(
     memo: kopf.Memo, namespace: str, spec: Mapping[str, Any]
-) -> tuple[tuple[str, str], ...]:
-    """The serving devices of an LLMService's spec.edge.devices: (URL, revision), sorted."""
+) -> tuple[builders.ServingDevice, ...]:
+    """The serving devices of an LLMService's spec.edge.devices, sorted. A device serving
+    HTTPS is left out until its fleet's CA is known (the gateways could not verify it)."""
     selector = ((spec.get("edge") or {}).get("devices")) or {}
     fleet, want = selector.get("fleet"), selector.get("matchLabels") or {}
     if not fleet:
         return ()
-    return tuple(sorted(
-        (url, revision)
-        for (ns, _), (f, labels, url, revision) in memo.devices.items()
-        if ns == namespace and f == fleet and all(labels.get(k) == v for k, v in want.items())
-    ))  # fmt: skip
+    ca = str(memo.fleets.get((namespace, fleet), {}).get("deviceCA") or "")
+    out = []
+    for (ns, name), (f, labels, url, revision) in memo.devices.items():
+        if ns != namespace or f != fleet or any(labels.get(k) != v for k, v in want.items()):
+            continue
+        if not url.startswith("https://"):
+            out.append(builders.ServingDevice(url, revision))
+        elif ca:
+            out.append(builders.ServingDevice(
+                url, revision, device_tls.server_name(name, fleet, namespace), ca))  # fmt: skip
+    return tuple(sorted(out))
 
 
 @kopf.on.event(*LLMSERVICES)

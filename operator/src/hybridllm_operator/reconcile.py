@@ -241,7 +241,7 @@ def _service_from(
     images: builders.Images,
     scaled: dict[str, int] | None = None,
     rollout_state: crd.RolloutStatus | None = None,
-    devices: tuple[tuple[str, str], ...] = (),
+    devices: tuple[builders.ServingDevice, ...] = (),
 ) -> builders.Service:
     meta = body["metadata"]
     return builders.Service(
@@ -333,7 +333,7 @@ def reconcile(
     applied: Applied | None = None,
     scaling: autoscaling.ServiceAutoscaler | None = None,
     rollouts: rollout.Controller | None = None,
-    devices: tuple[tuple[str, str], ...] = (),
+    devices: tuple[builders.ServingDevice, ...] = (),
 ) -> crd.LLMServiceStatus:
     """Converge one LLMService (given as its API object) and return the status written.
 

@@ -47,10 +47,10 @@ from typing import Any
 
 import httpx
 
-from hybridllm_common import signing
+from hybridllm_common import device_tls, signing
 from hybridllm_edge import agent_kpis, agent_runtime
 from hybridllm_edge.agent_kpis import Kpis
-from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, serving_part
+from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, Tls, serving_part
 from hybridllm_edge.agent_runtime import runtime_command as runtime_command  # named here too
 
 log = logging.getLogger("hybridllm_edge.agent")
@@ -60,6 +60,8 @@ KEY = "device.key"
 CURRENT = "config.json"  # the last config accepted (running, or failed: see failed.json)
 LAST_GOOD = "last-good.json"  # the last config that passed its health check and served
 FAILED = "failed.json"
+TLS_CERT, TLS_KEY, TLS_CA = "tls.crt", "tls.key", "tls-ca.crt"  # the runtime's HTTPS
+CERT_RETRY_S = 30.0
 CLOCK_SKEW_S = 300.0
 
 
@@ -122,6 +124,13 @@ class Agent:
         self._stopping = asyncio.Event()
         self._draining: set[asyncio.Task[None]] = set()
         self._client: httpx.AsyncClient | None = None
+        self.tls = Tls(self.state / TLS_CERT, self.state / TLS_KEY, self.state / TLS_CA)
+        self._cert_retry_at = 0.0
+        if not args.plain_http:
+            if not self.tls.key.exists():  # the device key, in the form a TLS server loads
+                self._write_text(TLS_KEY, device_tls.private_key_pem(self.key), private=True)
+            if self.tls.cert.exists() and self.tls.ca.exists():
+                self.runtimes.tls = self.tls  # had before: the last good config serves HTTPS
 
     # ------------------------------------------------------------------ disk
 
@@ -150,6 +159,14 @@ class Agent:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)  # a crash leaves the old file or the new one, never half
+
+    def _write_text(self, name: str, text: str, private: bool = False) -> None:
+        path = self.state / name
+        tmp = path.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        tmp.touch(mode=0o600 if private else 0o644)
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
     # ------------------------------------------------------------------ server calls
 
@@ -211,6 +228,50 @@ class Agent:
                              "HYBRIDLLM_FLEET_TOKEN to enroll")  # fmt: skip
         return token
 
+    async def certify(self, switch: bool = True) -> None:
+        """Get or renew the runtime's TLS certificate (``device_tls``: for this device's
+        key, naming the device; the gateways verify it). With ``switch``, a runtime serving
+        plain HTTP for want of one is replaced by one serving HTTPS."""
+        if self.args.plain_http or time.monotonic() < self._cert_retry_at:
+            return
+        try:
+            have = self.tls.cert.read_text()
+        except OSError:
+            have = None
+        if not device_tls.needs_renewal(have, time.time()):
+            return
+        self._cert_retry_at = time.monotonic() + CERT_RETRY_S
+        try:
+            r = await self._call("POST", f"/v1/devices/{self.identity['device']}/certificate")
+        except httpx.HTTPError as exc:
+            log.info("no certificate yet: fleet server unreachable (%s)", type(exc).__name__)
+            return
+        if r.status_code != 200:
+            log.log(logging.INFO if r.status_code == 403 else logging.WARNING,
+                    "no certificate yet (%s): %s", r.status_code, _reason(r))  # fmt: skip
+            return
+        try:
+            body = r.json()
+            cert, ca = str(body["certificate"]), str(body["ca"])
+            fleet_key = signing.public_key_from_text(self.identity["fleetPublicKey"])
+            device_tls.check_issued(cert, ca, self.key.public_key(), fleet_key, time.time())
+        except (ValueError, KeyError, TypeError) as exc:  # SignatureError is a ValueError
+            log.error("the fleet server's certificate is refused: %s", exc)
+            return
+        self._write_text(TLS_CA, ca)
+        self._write_text(TLS_CERT, cert)  # last: a runtime reloads it (with the CA beside it)
+        log.info("got a certificate for %s, valid %.0f days", body.get("serverName"),
+                 (device_tls.validity(cert)[1] - time.time()) / 86400)  # fmt: skip
+        self.runtimes.tls = self.tls
+        running = self.running
+        if switch and running is not None and running.tls is None:
+            log.info("serving plain HTTP on port %d; starting HTTPS beside it", running.port)
+            try:
+                self._switch(await self.start(running.payload))
+            except START_ERRORS as exc:
+                self.message = f"could not start the runtime with TLS: {exc}"
+                log.error("%s", self.message)
+
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
@@ -267,6 +328,7 @@ class Agent:
             self._write(LAST_GOOD, envelope)
             log.info("config %d: same model and runtime, nothing to restart", version)
             return
+        await self.certify(switch=False)  # the new runtime serves HTTPS from its start
         log.info("config %d: revision %s (%s); starting it beside the running one",
                  version, payload["revision"], payload["model"]["uri"])  # fmt: skip
         try:
@@ -278,13 +340,17 @@ class Agent:
             self._write(FAILED, envelope)
             log.error("config %d failed, still serving the previous one: %s", version, exc)
             return
-        old, self.running = self.running, started
         self.version, self.message = version, ""
         self.failed_version = None
         self._write(CURRENT, envelope)
         self._write(LAST_GOOD, envelope)
         log.info("switched to config %d (revision %s) on port %d", version,
                  payload["revision"], started.port)  # fmt: skip
+        self._switch(started)
+
+    def _switch(self, started: Runtime) -> None:
+        """Serve from ``started``; the old runtime drains, then stops."""
+        old, self.running = self.running, started
         if old is not None:
             task = asyncio.get_running_loop().create_task(self._drain(old))
             self._draining.add(task)  # held: the loop keeps only weak references to tasks
@@ -343,6 +409,7 @@ class Agent:
                     self.running = running
                     continue
             if self.identity.get("fleetPublicKey"):
+                await self.certify()
                 await self.heartbeat()
             await self._pause(self.heartbeat_s)
 
@@ -441,6 +508,9 @@ def add_agent(subparsers: Any) -> None:
     p.add_argument("--advertise-host", default=None,
                    help="host the gateway reaches this device at (default: --host, or the "
                         "host name when that is 0.0.0.0)")  # fmt: skip
+    p.add_argument("--plain-http", action="store_true",
+                   help="serve plain HTTP, without the certificate the fleet server issues "
+                        "(the fleet must allow it: spec.enrollment.plainHTTPEndpoints)")  # fmt: skip
     p.add_argument("--threads", type=int, help="CPU threads of the runtime")
     p.add_argument("--drain-seconds", type=float, default=15.0,
                    help="how long the old runtime keeps answering after a switch")  # fmt: skip

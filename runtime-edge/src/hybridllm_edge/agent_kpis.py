@@ -79,10 +79,10 @@ async def heartbeat_body(
         report["revision"] = running.payload["revision"]
         report["endpoint"] = running.url
         try:
-            async with httpx.AsyncClient(timeout=5) as http:
-                health = await http.get(f"http://127.0.0.1:{running.port}/health")
+            async with running.client(5) as http:
+                health = await http.get("/health")
                 report["healthy"] = health.status_code == 200
-                metrics = await http.get(f"http://127.0.0.1:{running.port}/metrics")
+                metrics = await http.get("/metrics")
             report["kpis"] = kpis.update(metrics.text, time.monotonic())
         except httpx.HTTPError:
             pass

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import signal
+import ssl
 import sys
 import time
 from dataclasses import dataclass
@@ -46,8 +47,25 @@ def serving_part(payload: dict[str, Any]) -> str:
     return signing.canonical({k: payload.get(k) for k in ("revision", "model", "runtime")}).decode()
 
 
+@dataclass(frozen=True)
+class Tls:
+    """The device's certificate files (``hybridllm_common.device_tls``): its runtime serves
+    HTTPS with them, and the agent checks its own runtime against the fleet's CA."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def loopback_verify(self) -> ssl.SSLContext:
+        """The agent's own calls to its runtime on 127.0.0.1: the chain is checked against
+        the fleet's CA; the name is not (it is this device's, on loopback)."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.check_hostname = False
+        return context
+
+
 def runtime_command(
-    payload: dict[str, Any], host: str, port: int, threads: int | None
+    payload: dict[str, Any], host: str, port: int, threads: int | None, tls: Tls | None = None
 ) -> list[str]:
     model, runtime = payload["model"], payload.get("runtime") or {}
     args = [
@@ -70,6 +88,8 @@ def runtime_command(
         args += ["--no-cache"]
     if threads:
         args += ["--threads", str(threads)]
+    if tls is not None:
+        args += ["--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)]
     return args
 
 
@@ -79,7 +99,17 @@ class Runtime:
     port: int
     process: asyncio.subprocess.Process
     log_path: Path
-    url: str
+    url: str  # what the heartbeat reports (the advertised host)
+    tls: Tls | None = None  # serving HTTPS with the device's certificate
+
+    @property
+    def local(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def client(self, timeout: float) -> httpx.AsyncClient:
+        """A client of this runtime on loopback (the agent's checks and KPI reads)."""
+        verify: Any = self.tls.loopback_verify() if self.tls is not None else True
+        return httpx.AsyncClient(base_url=self.local, timeout=timeout, verify=verify)
 
 
 @dataclass
@@ -92,6 +122,7 @@ class Launcher:
     port: int  # a runtime takes this port or the next, whichever the running one does not
     threads: int | None
     advertise_host: str  # in a runtime's URL, the endpoint the heartbeat reports
+    tls: Tls | None = None  # a runtime started now serves HTTPS (set once a certificate is had)
 
     def pull(self, payload: dict[str, Any]) -> None:
         from hybridllm_models import store
@@ -108,10 +139,12 @@ class Launcher:
         env = {**os.environ, "HYBRIDLLM_MODEL_CACHE": str(self.store_root)}
         with log_path.open("ab") as out:
             process = await asyncio.create_subprocess_exec(
-                *runtime_command(payload, self.host, port, self.threads),
+                *runtime_command(payload, self.host, port, self.threads, self.tls),
                 stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
-        runtime = Runtime(payload, port, process, log_path, f"http://{self.advertise_host}:{port}")
+        scheme = "https" if self.tls is not None else "http"
+        runtime = Runtime(payload, port, process, log_path,
+                          f"{scheme}://{self.advertise_host}:{port}", self.tls)  # fmt: skip
         try:
             await self.check(runtime, payload.get("healthCheck") or {})
         except BaseException:
@@ -121,9 +154,8 @@ class Launcher:
 
     async def check(self, runtime: Runtime, check: dict[str, Any]) -> None:
         timeout = float(check.get("timeoutSeconds", 300))
-        local = f"http://127.0.0.1:{runtime.port}"
         deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(base_url=local, timeout=timeout) as http:
+        async with runtime.client(timeout) as http:
             while True:
                 if runtime.process.returncode is not None:
                     raise RuntimeError(f"the runtime exited with {runtime.process.returncode}: "

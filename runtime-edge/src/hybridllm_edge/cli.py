@@ -39,7 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"hybridllm-edge: {exc}", file=sys.stderr)
         return 2
     app = app_mod.create_app(settings)
-    http_errors.run_server(app, settings.host, settings.port)
+    http_errors.run_server(app, settings.host, settings.port, settings.ssl_certfile,
+                           settings.ssl_keyfile)  # fmt: skip
     return 0
 
 

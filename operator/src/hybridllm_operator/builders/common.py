@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridllm_common import crd
 from hybridllm_forecaster import rollouts
@@ -79,6 +79,16 @@ class Images:
     gateway: str = "hybridllm/gateway:0.1.0"
 
 
+class ServingDevice(NamedTuple):
+    """An edge device of spec.edge.devices that serves: where and at which revision; over
+    TLS, the name its certificate carries and its fleet's CA (``device_tls``)."""
+
+    url: str
+    revision: str
+    server_name: str = ""
+    ca: str = ""
+
+
 @dataclass(frozen=True)
 class Service:
     """The parts of an LLMService object the builders need."""
@@ -92,8 +102,8 @@ class Service:
     scaled: Mapping[str, int] = field(default_factory=dict)
     # The rollout's state (status.rollout): the stable pools' spec, the canary's weight.
     rollout: crd.RolloutStatus | None = None
-    # Serving edge devices of spec.edge.devices (their URL and the revision they run).
-    devices: tuple[tuple[str, str], ...] = ()
+    # Serving edge devices of spec.edge.devices.
+    devices: tuple[ServingDevice, ...] = ()
     # The autoscaler's forecast need of each pool over its lead time and the rollout
     # step's pause (replicas at the target utilisation): the canary's surge.
     forecast: Mapping[str, float] = field(default_factory=dict)

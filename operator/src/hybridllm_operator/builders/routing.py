@@ -72,12 +72,13 @@ def routing_config(
         if tier == "edge":  # devices: at their revision's weight (a rollout's, or the rest)
             rows += [
                 routing.Backend(
-                    url=u,
-                    revision=rev,
-                    weight=weight if rev == canary_revision else 100 - weight,
+                    url=d.url,
+                    revision=d.revision,
+                    weight=weight if d.revision == canary_revision else 100 - weight,
                     device=True,  # never sent the backend token
+                    server_name=d.server_name,  # its certificate's name, verified
                 )
-                for u, rev in service.devices
+                for d in service.devices
             ]
         if rows:  # in the cluster: no WAN between the gateway and the pools (not remote)
             tiers[tier] = routing.Tier(
@@ -107,6 +108,7 @@ def routing_config(
             routing.lenient(routing.GoldenPrompt, p) for p in spec.rollout.analysis.golden_prompts
         ],
         tiers=tiers,
+        device_ca=next((d.ca for d in service.devices if d.ca), ""),
     )
     return table.to_wire()
 

@@ -1,4 +1,4 @@
-"""The device API of the fleet server: the four calls devices make, and its probes.
+"""The device API of the fleet server: the calls devices make, and its probes.
 
 ``DeviceAPI`` answers them (enrollment through ``enroll.EnrollAPI``) from the state of a :class:`~hybridllm_operator.fleet.server.FleetServer`
 (its ``FleetState``: fleets, devices and their desired configs); it checks and
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hybridllm_common import signing
+from hybridllm_common import device_tls, signing
 from hybridllm_operator.fleet import answers
 from hybridllm_operator.fleet.enroll import EnrollAPI
 from hybridllm_operator.fleet.records import Device
@@ -50,6 +50,7 @@ class DeviceAPI:
             web.get("/v1/devices/{name}", self.device_info),
             web.get("/v1/devices/{name}/config", self.config),
             web.post("/v1/devices/{name}/heartbeat", self.heartbeat),
+            web.post("/v1/devices/{name}/certificate", self.certificate),
             web.get("/metrics", self.prometheus),
             web.get("/healthz", self.healthz),
         ])  # fmt: skip
@@ -165,6 +166,30 @@ class DeviceAPI:
                 return web.Response(status=304, headers={"ETag": f'"{want.version}"'})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(fleet.changed.wait(), left)
+
+    async def certificate(self, request: web.Request) -> web.Response:
+        """A TLS certificate for the device's own key, naming the device
+        (``hybridllm_common.device_tls``): the gateways verify its runtime with it."""
+        body = await request.read()
+        device, refused = await self._authenticate(request, body)
+        if refused is not None:
+            return refused
+        assert device is not None
+        if not device.approved:
+            return answers.error(403, f"device {device.name} awaits approval", "not_approved",
+                                 **{"Retry-After": "10"})  # fmt: skip
+        fleet = self.server.fleets.get(device.fleet)
+        if fleet is None or fleet.key is None:
+            return answers.error(503, f"fleet {device.fleet} has no signing key yet", "no_key",
+                                 **{"Retry-After": "10"})  # fmt: skip
+        namespace = self.server.namespace
+        pem = device_tls.issue(fleet.key, fleet.name, namespace, device.name,
+                               device.public_key, time.time())  # fmt: skip
+        log.info("issued a certificate to device %s (fleet %s)", device.name, fleet.name)
+        return web.json_response({
+            "certificate": pem, "ca": fleet.device_ca(namespace),
+            "serverName": device_tls.server_name(device.name, fleet.name, namespace),
+        })  # fmt: skip
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         body = await request.read()

@@ -6,7 +6,10 @@ gateways at anything they can reach: the cloud metadata address, a Service insid
 cluster, the gateway itself. So an endpoint is an IP address literal (a host name could
 resolve to a cluster Service), and either inside the fleet's
 ``spec.enrollment.endpointNetworks`` or, where those are unset, none of loopback,
-link-local, unspecified or multicast.
+link-local, unspecified or multicast. And it is ``https``: the gateways verify the
+device's certificate (``hybridllm_common.device_tls``), unless the fleet's
+``spec.enrollment.plainHTTPEndpoints`` allows plain HTTP (devices whose agent predates
+certificates, on a site network trusted as it is).
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ from urllib.parse import urlsplit
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-def problem(endpoint: str, networks: list[str] | None) -> str | None:
+def problem(endpoint: str, networks: list[str] | None, plain_http: bool = False) -> str | None:
     """Why ``endpoint`` (``http(s)://host:port``) is refused, or None where it is allowed."""
-    host = urlsplit(endpoint).hostname or ""
+    parts = urlsplit(endpoint)
+    if parts.scheme != "https" and not plain_http:
+        return (f"endpoint {endpoint}: not https (the gateways verify a device's certificate; "
+                "an agent gets one from the fleet server, or allow plain HTTP with the "
+                "fleet's spec.enrollment.plainHTTPEndpoints)")  # fmt: skip
+    host = parts.hostname or ""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

@@ -80,6 +80,7 @@ class Planner:
             await self._took_action(fleet, action, planned)
         status = planned.status
         status.signing_key_id = signing.key_id(fleet.key)
+        status.device_ca = fleet.device_ca(self.state.namespace)
         for name, (version, wave) in planned.assign.items():
             device = self.state.devices[name]
             device.status.update(

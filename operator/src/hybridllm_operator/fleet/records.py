@@ -40,6 +40,7 @@ class Fleet:
     status: crd.EdgeFleetStatus
     problem: str | None = None
     key: Any = None
+    ca: tuple[str, str] | None = None  # (the key's id, the CA certificate made from it)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     written: dict[str, Any] = field(default_factory=dict)
     written_at: float = 0.0
@@ -47,3 +48,13 @@ class Fleet:
     demand: dict[str, waves.DemandHistory] = field(default_factory=dict)
     sampled_at: float = 0.0
     handled_action: str | None = None  # the hand command acted on (until it is removed)
+
+    def device_ca(self, namespace: str) -> str:
+        """The fleet's CA certificate (``device_tls``), made once per signing key."""
+        assert self.key is not None
+        from hybridllm_common import device_tls, signing
+
+        key_id = signing.key_id(self.key)
+        if self.ca is None or self.ca[0] != key_id:
+            self.ca = (key_id, device_tls.ca_certificate(self.key, self.name, namespace))
+        return self.ca[1]

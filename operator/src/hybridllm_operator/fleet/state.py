@@ -191,7 +191,10 @@ class FleetState:
         fleet = self.fleets.get(device.fleet)
         if "endpoint" not in report or fleet is None or fleet.spec is None:
             return None
-        return endpoints.problem(report["endpoint"], fleet.spec.enrollment.endpoint_networks)
+        rules = fleet.spec.enrollment
+        return endpoints.problem(
+            report["endpoint"], rules.endpoint_networks, rules.plain_http_endpoints
+        )
 
     # ------------------------------------------------------------------ long polls
 
