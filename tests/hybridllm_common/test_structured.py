@@ -251,3 +251,23 @@ def test_history_with_tool_calls_and_results_is_written_in_the_prompt_format() -
     with pytest.raises(oai.APIError) as caught:
         tool_calls.plan_chat(oai.ChatCompletionRequest.model_validate(bad), None)
     assert caught.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_a_batch_of_masks_is_each_sequence_s_own(vocab: structured.Vocabulary) -> None:
+    """The cloud engine makes a step's masks in one call (``allowed_batch``): each row is
+    what that sequence's matcher allows alone, at its own place in its own grammar."""
+    import numpy as np
+
+    digits = structured.Constraint.regex(r"[0-9]{3}", "regex")
+    json_object = structured.from_request(_chat(response_format={"type": "json_object"}))
+    assert json_object is not None
+    matchers = [vocab.matcher(c) for c in (digits, json_object, digits)]
+    for token in vocab.tokenizer.tokenize_str("123"):
+        assert matchers[2].accept(token)  # the third at its end; the others at the start
+    batch = structured.allowed_batch(matchers)
+    assert batch.shape == (3, vocab.vocab_size)
+    for row, m in zip(batch, matchers, strict=True):
+        assert np.array_equal(row, m.allowed())
+    assert batch[0][vocab.tokenizer.tokenize_str("7")[0]]  # a digit may start
+    assert batch[2].sum() == 1  # after three digits only the end of the sequence is left
+    assert batch[2][2]

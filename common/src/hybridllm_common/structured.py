@@ -35,7 +35,7 @@ from typing import Any
 import llguidance
 import llguidance.numpy
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
 from hybridllm_common import openai_protocol as oai
@@ -277,6 +277,25 @@ class Matcher:
         """The grammar can take nothing more (it consumed an end of sequence, or reached the
         end of a grammar that has no continuation)."""
         return bool(self._m.is_stopped())
+
+
+_EXECUTOR: Any = None
+
+
+def allowed_batch(matchers: list[Matcher]) -> np.ndarray:
+    """Which tokens may come next, for several sequences at once: bool[len, vocab_size].
+    One llguidance call fills every sequence's bit mask (in parallel where it has threads),
+    and one numpy call unpacks them: a batch step pays that once, not once per row."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = LLExecutor()
+    vocab = matchers[0].vocab.vocab_size
+    words = np.zeros((len(matchers), (vocab + 31) // 32), dtype=np.int32)
+    llguidance.numpy.fill_next_token_bitmask_par(
+        _EXECUTOR, [(m._m, i) for i, m in enumerate(matchers)], words
+    )
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab].astype(bool)
 
 
 async def matchers(

@@ -43,6 +43,7 @@ from hybridllm_cloud.engine.outputs import (
 )
 from hybridllm_cloud.engine.request import Request, RequestStatus
 from hybridllm_cloud.engine.request_queues import RequestQueues
+from hybridllm_common import structured
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class Scheduler(RequestQueues):
             self._free,
             config.enable_chunked_prefill,
         )
+        # This step's rows with a grammar: their masks are made together (``schedule``).
+        self._constrained: list[tuple[ScheduledRequest, structured.Matcher]] = []
 
     # --- one step -------------------------------------------------------------------------
 
@@ -162,6 +165,11 @@ class Scheduler(RequestQueues):
             bisect.insort(self.running, request, key=Request.sort_key)
             out.scheduled.append(self._record(request, num_new))
             budget -= num_new
+        if self._constrained:  # every structured row's next-token mask, in one batch
+            masks = structured.allowed_batch([g for _, g in self._constrained])
+            for (record, _), mask in zip(self._constrained, masks, strict=True):
+                record.allowed_tokens = mask
+            self._constrained = []
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.request_id)  # None: a beam's row
             if request is not None and request.kv_export is not None:
@@ -204,10 +212,9 @@ class Scheduler(RequestQueues):
                 list(request.output_token_ids) if request.sampling_params.penalized else None
             ),
             spec_token_ids=spec,
-            allowed_tokens=(
-                request.grammar.allowed() if sample and request.grammar is not None else None
-            ),
         )
+        if sample and request.grammar is not None:  # its mask: with the others', at the end
+            self._constrained.append((record, request.grammar))
         if params.prompt_logprobs is not None and not request.output_token_ids:
             self._prompt_targets(request, record)
         if spec and self.config.spec_draft:

@@ -109,10 +109,11 @@ def sample(
     if masked:
         assert allowed is not None
         logits = logits.clone()
-        for row in masked:
-            keep = torch.from_numpy(allowed[row]).to(logits.device)
-            logits[row, : keep.shape[0]].masked_fill_(~keep, float("-inf"))
-            logits[row, keep.shape[0] :] = float("-inf")
+        rows = torch.tensor(masked, device=logits.device)
+        drop = ~torch.from_numpy(np.stack([allowed[r] for r in masked])).to(logits.device)
+        width = drop.shape[1]  # the grammar's vocabulary; logits may be wider (padding)
+        logits[rows, :width] = logits[rows, :width].masked_fill(drop, float("-inf"))
+        logits[rows, width:] = float("-inf")
     penalized = [
         row
         for row, p in enumerate(params)
