@@ -91,7 +91,7 @@ def _watch(
         stop = asyncio.Event()
         memo = kopf.Memo(
             cluster=cluster, namespaces=[namespace], heard=watchdog.Heard(), stop=stop,
-            wakers={(namespace, name): object() for name in served},
+            services={(namespace, name): object() for name in served},
             executor=concurrent.futures.ThreadPoolExecutor(2), stopped_by_watchdog=False,
         )  # fmt: skip
         task = asyncio.create_task(watchdog.watchdog(memo, logging.getLogger("test")))

@@ -23,8 +23,11 @@ operator's one ticker (jobs.py); the guards around kopf's watches (waiting for d
 start-up, the watchdog) are in watchdog.py.
 
 State lives in kopf's memo: the operator-wide memo (filled at start-up) holds the API
-clients, the images, the executor that runs the blocking reconciles and the wakers by
-``(namespace, name)``; each handler gets a shallow copy of it, so all see the same ones.
+clients, the images, the executor that runs the blocking reconciles, and each running
+LLMService's `ServiceState` by ``(namespace, name)`` (jobs.py: its waker, autoscaler,
+rollout controller and jobs, made when its daemon starts and dropped when it ends); each
+handler gets a shallow copy of the memo, so all see the same ones. The metrics URLs of
+Ready gateway pods are a kopf index (``gateway_metrics``), not a map kept by hand.
 kopf keeps its own bookkeeping in annotations, not in ``status``, because the CRD's status
 schema is structural and would prune anything kopf wrote there. Daemons need kopf's
 finalizer on each LLMService, so that deleting one stops its daemon first.
@@ -43,7 +46,7 @@ from kubernetes.client import exceptions as k8s_errors
 
 from hybridllm_common import crd, device_tls
 from hybridllm_operator import autoscaling, builders, demand, kubeconfig, reconcile, rollout
-from hybridllm_operator.jobs import AutoscalerJob, RolloutJob, Ticker, Waker, _post
+from hybridllm_operator.jobs import AutoscalerJob, RolloutJob, ServiceState, Ticker, Waker, _post
 from hybridllm_operator.settings import OperatorSettings
 from hybridllm_operator.watchdog import Heard, wait_for_discovery, watchdog
 
@@ -108,16 +111,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, 
     memo.forecast_bin_s = operator_settings.forecast_bin_seconds
     memo.forecast_season_s = operator_settings.forecast_season_seconds
     memo.forecast_model = operator_settings.forecast_model
-    memo.scalers = {}  # (namespace, name) -> autoscaling.ServiceAutoscaler
-    memo.gateways = {}  # (namespace, name) -> {pod name: metrics URL} of Ready gateway pods
-    memo.rollouts = {}  # (namespace, name) -> rollout.Controller
+    memo.services = {}  # (namespace, name) -> its ServiceState while its daemon runs
     memo.devices = {}  # (namespace, EdgeDevice name) -> its fleet, labels, URL, revision
     memo.fleets = {}  # (namespace, EdgeFleet name) -> its status (the fleet server's)
     # Reconciles are short, blocking API calls: a bounded pool of threads runs them.
     memo.executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=operator_settings.max_workers, thread_name_prefix="reconcile"
     )
-    memo.wakers = {}
     # Handlers get a shallow copy of the memo: what they change for all to see lives in
     # objects the copies share (the dicts above, this counter), never in a memo attribute.
     memo.heard = Heard()
@@ -139,8 +139,6 @@ async def start_watchdog(memo: kopf.Memo, logger: Logger, **_: Any) -> None:
     # that makes it, and kopf.event (the jobs post Events) needs the context kopf gives its
     # handlers, which its start-up activities do not have yet.
     memo.ticker = Ticker()
-    memo.specs = {}  # (namespace, name) -> (generation, its parsed spec or None: invalid)
-    memo.jobs = {}  # (namespace, name) -> [its AutoscalerJob, its RolloutJob]
 
 
 @kopf.on.cleanup()
@@ -166,45 +164,60 @@ async def _sleep_until_woken(waker: Waker, timeout: float | None) -> bool:
     return True
 
 
-def _scaling(memo: kopf.Memo, key: tuple[str, str], meta: Mapping[str, Any]) -> Any:
-    """This LLMService's autoscaler, shared by its reconciler and its autoscaling job,
-    made from the state saved in the annotation (what it set before a restart)."""
-    scaling = memo.scalers.get(key)
-    if scaling is None:
-        scaling = autoscaling.ServiceAutoscaler(
-            bin_s=memo.forecast_bin_s, model=memo.forecast_model,
-            season_s=memo.forecast_season_s,
-        )  # fmt: skip
-        scaling.restore((meta.get("annotations") or {}).get(autoscaling.STATE_ANNOTATION))
-        memo.scalers[key] = scaling
-    return scaling
+def _state(
+    memo: kopf.Memo, key: tuple[str, str], body: kopf.Body, gateway_metrics: kopf.Index[Any, str]
+) -> ServiceState:
+    """This LLMService's state for its daemon's life: its autoscaler made from the state
+    saved in the annotation (what it set before a restart), its rollout controller from
+    ``status.rollout`` (the step a restarted operator was at)."""
+    scaling = autoscaling.ServiceAutoscaler(
+        bin_s=memo.forecast_bin_s, model=memo.forecast_model, season_s=memo.forecast_season_s
+    )
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    scaling.restore(annotations.get(autoscaling.STATE_ANNOTATION))
+    return ServiceState(
+        key=key,
+        scaling=scaling,
+        rollouts=rollout.Controller((body.get("status") or {}).get("rollout")),
+        gateway_urls=lambda: list(gateway_metrics.get(key, [])),
+    )
 
 
-def _rollouts(memo: kopf.Memo, key: tuple[str, str], body: Mapping[str, Any]) -> Any:
-    """This LLMService's rollout controller, shared by its reconciler and its rollout job,
-    made from ``status.rollout`` (where a restarted operator finds the step it was at)."""
-    controller = memo.rollouts.get(key)
-    if controller is None:
-        controller = rollout.Controller((body.get("status") or {}).get("rollout"))
-        memo.rollouts[key] = controller
-    return controller
+@kopf.index("", "v1", "pods", labels=OWNED)
+def gateway_metrics(
+    meta: kopf.Meta, status: kopf.Status, **_: Any
+) -> dict[tuple[str, str], str] | None:
+    """The metrics URL of each Ready gateway pod, by its LLMService: the autoscaler's and
+    the rollout's direct reads when there is no Prometheus."""
+    labels = meta.get("labels") or {}
+    if labels.get(builders.LABEL_COMPONENT) != "gateway" or meta.get("deletionTimestamp"):
+        return None
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    ip = status.get("podIP")
+    if not ready or not ip:
+        return None
+    host = f"[{ip}]" if ":" in str(ip) else ip
+    key = (str(meta.get("namespace")), str(labels.get(builders.LABEL_INSTANCE)))
+    return {key: f"http://{host}:{builders.PORT}/metrics"}
 
 
 @kopf.daemon(*LLMSERVICES, cancellation_timeout=30.0)
 async def reconciler(
-    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **_: Any
+    body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, logger: Logger, **kwargs: Any
 ) -> None:
     """Reconcile this LLMService now, then each time something wakes it, until deleted.
     Its autoscaler and its rollout run as jobs of the operator's one `Ticker` for as long
     as this daemon does."""
     key = _key(meta)
-    waker = Waker()
-    memo.wakers[key] = waker
-    scaling = _scaling(memo, key, meta)
-    rollouts = _rollouts(memo, key, body)
+    state = _state(memo, key, body, kwargs["gateway_metrics"])  # kopf's index (below)
+    waker, scaling, rollouts = state.waker, state.scaling, state.rollouts
+    memo.services[key] = state
     memo.ticker.start()
-    jobs = [AutoscalerJob(key, body, memo, logger), RolloutJob(key, body, memo, logger)]
-    memo.jobs[key] = jobs
+    jobs = [AutoscalerJob(state, body, memo, logger), RolloutJob(state, body, memo, logger)]
+    state.jobs = jobs
     for job in jobs:
         memo.ticker.add(job)
     loop = asyncio.get_running_loop()
@@ -263,16 +276,8 @@ async def reconciler(
     finally:
         for job in jobs:
             job.stopped = True
-        if memo.jobs.get(key) is jobs:
-            del memo.jobs[key]
-        if memo.wakers.get(key) is waker:
-            del memo.wakers[key]
-        if memo.scalers.get(key) is scaling:  # the object is gone (or the operator stops)
-            del memo.scalers[key]
-        if memo.rollouts.get(key) is rollouts:
-            del memo.rollouts[key]
-        memo.gateways.pop(key, None)
-        memo.specs.pop(key, None)
+        if memo.services.get(key) is state:  # the object is gone (or the operator stops)
+            del memo.services[key]
 
 
 def _namespace_terminating(exc: Exception) -> bool:
@@ -304,9 +309,7 @@ async def device_changed(
         fleet = (body.get("spec") or {}).get("fleet")
         memo.devices[key] = (fleet, labels, status["endpoint"], status.get("revision") or "")
     if memo.devices.get(key) != before:
-        for (ns, _), waker in list(memo.wakers.items()):
-            if ns == namespace:
-                waker.event.set()
+        _wake_namespace(memo, namespace)
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, "edgefleets")
@@ -323,9 +326,13 @@ async def fleet_changed(
     else:
         memo.fleets[key] = dict(body.get("status") or {})
     if memo.fleets.get(key, {}).get("deviceCA") != ca_before:
-        for (ns, _), waker in list(memo.wakers.items()):
-            if ns == key[0]:
-                waker.event.set()
+        _wake_namespace(memo, key[0])
+
+
+def _wake_namespace(memo: kopf.Memo, namespace: str) -> None:
+    for (ns, _), state in list(memo.services.items()):
+        if ns == namespace:
+            state.waker.event.set()
 
 
 def serving_devices(
@@ -353,11 +360,13 @@ def serving_devices(
 @kopf.on.event(*LLMSERVICES)
 async def llmservice_event(type: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     memo.heard.events += 1  # the watch works (the watchdog's sign of progress)
-    jobs = memo.jobs.get(_key(meta))
-    if jobs and rollout.ACTION_ANNOTATION in (meta.get("annotations") or {}):
-        memo.ticker.poke(jobs[1])  # a hand command (`hybridllm rollout ...`): act on it now
-    waker = cast(Waker | None, memo.wakers.get(_key(meta)))
-    if waker is not None and type != "DELETED" and meta.get("generation") != waker.generation:
+    state = cast(ServiceState | None, memo.services.get(_key(meta)))
+    if state is None:
+        return
+    if state.jobs and rollout.ACTION_ANNOTATION in (meta.get("annotations") or {}):
+        memo.ticker.poke(state.jobs[1])  # a hand command (`hybridllm rollout ...`): now
+    waker = state.waker
+    if type != "DELETED" and meta.get("generation") != waker.generation:
         waker.event.set()
 
 
@@ -368,34 +377,9 @@ async def pod_changed(
     """A pool's pod changed (scheduled, pulling, crashing, ready): the status may say why a
     pool is not ready. Pods belong to ReplicaSets; their LLMService is in their labels."""
     labels = meta.get("labels") or {}
-    key = (meta.get("namespace"), labels.get(builders.LABEL_INSTANCE))
-    if labels.get(builders.LABEL_COMPONENT) == "gateway":
-        _index_gateway(memo, key, type, meta, status)
-    waker = cast(Waker | None, memo.wakers.get(key))
-    if waker is not None:
-        waker.event.set()
-
-
-def _index_gateway(
-    memo: kopf.Memo,
-    key: tuple[Any, Any],
-    type: str | None,
-    meta: kopf.Meta,
-    status: Mapping[str, Any],
-) -> None:
-    """Keep the metrics URL of each Ready gateway pod, for the autoscaler's direct reads."""
-    pods = memo.gateways.setdefault(key, {})
-    name = str(meta.get("name"))
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
-    ip = status.get("podIP")
-    if type == "DELETED" or meta.get("deletionTimestamp") or not ready or not ip:
-        pods.pop(name, None)
-    else:
-        host = f"[{ip}]" if ":" in str(ip) else ip
-        pods[name] = f"http://{host}:{builders.PORT}/metrics"
+    state = memo.services.get((meta.get("namespace"), labels.get(builders.LABEL_INSTANCE)))
+    if state is not None:
+        state.waker.event.set()
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
@@ -416,23 +400,27 @@ async def child_changed(
     refs = cast(list[dict[str, Any]], meta.get("ownerReferences") or [])
     for owner in refs:
         if owner.get("kind") == "LLMService" and owner.get("controller"):
-            waker = cast(Waker | None, memo.wakers.get((meta.get("namespace"), owner["name"])))
-            if waker is not None:
+            state = cast(
+                ServiceState | None, memo.services.get((meta.get("namespace"), owner["name"]))
+            )
+            if state is not None:
                 kind = str(body.get("kind") or resource.kind)
-                waker.applied.observe(kind, meta, deleted=type == "DELETED")
+                state.waker.applied.observe(kind, meta, deleted=type == "DELETED")
                 if kind == "Deployment" and type != "DELETED":
-                    _say_if_scaled_by_hand(memo, owner, body, meta)
-                waker.event.set()
+                    _say_if_scaled_by_hand(state.scaling, owner, body, meta)
+                state.waker.event.set()
 
 
 def _say_if_scaled_by_hand(
-    memo: kopf.Memo, owner: Mapping[str, Any], body: kopf.Body, meta: kopf.Meta
+    scaling: autoscaling.ServiceAutoscaler,
+    owner: Mapping[str, Any],
+    body: kopf.Body,
+    meta: kopf.Meta,
 ) -> None:
     """A Deployment whose replicas someone else set while the autoscaler owns them: the
     reconcile sets them back; an Event on the LLMService says who and why."""
-    scaling = memo.scalers.get((meta.get("namespace"), owner["name"]))
     component = (meta.get("labels") or {}).get(builders.LABEL_COMPONENT)
-    if scaling is None or not scaling.applies or component not in scaling.desired:
+    if not scaling.applies or component not in scaling.desired:
         return
     replicas = (body.get("spec") or {}).get("replicas")
     by = replicas_manager(meta)

@@ -4,6 +4,10 @@ that the operator's one `Ticker` runs when they are due, for as long as the LLMS
 reconciler (handlers.py) runs; each hands what it decided to the reconciler through the
 service's `Waker`. Before, each was a kopf daemon of its own: three tasks and their timers
 per LLMService, which at a thousand services kept an idle operator busy.
+
+What the operator holds of one LLMService while its reconciler runs is one
+`ServiceState` (its waker, autoscaler, rollout controller, jobs, parsed spec and gateway
+pods), made when the daemon starts and dropped when it ends.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import heapq
 import json
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import kopf
 from kubernetes.client import exceptions as k8s_errors
@@ -38,6 +42,38 @@ class Waker:
     generation: int | None = None  # the last generation reconciled (or found invalid)
     reconciles: int = 0
     applied: reconcile.Applied = dataclasses.field(default_factory=reconcile.Applied)
+
+
+@dataclasses.dataclass(eq=False)
+class ServiceState:
+    """One LLMService, as the operator holds it while its reconciler daemon runs: how
+    events wake the daemon, the autoscaler and rollout controller its reconciles and its
+    jobs share, the jobs, its spec parsed once per generation, and the metrics URLs of its
+    Ready gateway pods (kopf's index of them, read through ``gateway_urls``)."""
+
+    key: tuple[str, str]
+    scaling: autoscaling.ServiceAutoscaler
+    rollouts: rollout.Controller
+    gateway_urls: Callable[[], list[str]]
+    waker: Waker = dataclasses.field(default_factory=Waker)
+    jobs: list[Job] = dataclasses.field(default_factory=list)
+    parsed: tuple[Any, crd.LLMServiceSpec | None] | None = None
+
+    def spec(self, body: Mapping[str, Any]) -> crd.LLMServiceSpec | None:
+        """The object's spec, or None when it is invalid (the reconciler says why in the
+        status). Parsed once per generation: the jobs look every few seconds, the spec
+        changes only with ``metadata.generation``."""
+        generation = (body.get("metadata") or {}).get("generation")
+        if self.parsed is not None and self.parsed[0] == generation and generation is not None:
+            return self.parsed[1]
+        try:
+            spec: crd.LLMServiceSpec | None = reconcile.parse_spec(
+                self.key[1], dict(body.get("spec") or {})
+            )
+        except reconcile.InvalidSpec:
+            spec = None
+        self.parsed = (generation, spec)
+        return spec
 
 
 class Ticker:
@@ -119,9 +155,10 @@ class Job:
     what = "look"
 
     def __init__(
-        self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
+        self, state: ServiceState, body: kopf.Body, memo: kopf.Memo, logger: Logger
     ) -> None:
-        self.key, self.body, self.memo, self.logger = key, body, memo, logger
+        self.state, self.body, self.memo, self.logger = state, body, memo, logger
+        self.key = state.key
         self.stopped = False
         self.running = False
         self.poked = False
@@ -137,34 +174,17 @@ def _post(body: kopf.Body, controller: Any, logger: Logger) -> None:
         logger.info("rollout: %s: %s", reason, message)
 
 
-def _spec_or_none(memo: kopf.Memo, key: tuple[str, str], body: Mapping[str, Any]) -> Any:
-    """The object's spec, or None when it is invalid (the reconciler says why in the
-    status). Parsed once per generation: the jobs look every few seconds, the spec
-    changes only with ``metadata.generation``."""
-    generation = (body.get("metadata") or {}).get("generation")
-    cached = memo.specs.get(key)
-    if cached is not None and cached[0] == generation and generation is not None:
-        return cached[1]
-    try:
-        spec: crd.LLMServiceSpec | None = reconcile.parse_spec(key[1], dict(body.get("spec") or {}))
-    except reconcile.InvalidSpec:
-        spec = None
-    memo.specs[key] = (generation, spec)
-    return spec
-
-
 PERSIST_EVERY_S = 60.0  # the autoscaler's state is saved at least this often while it runs
 
 
-def _demand_source(memo: kopf.Memo, key: tuple[str, str]) -> demand.DemandSource:
+def _demand_source(memo: kopf.Memo, state: ServiceState) -> demand.DemandSource:
+    key = state.key
     if memo.prometheus_url:
         return demand.PrometheusDemand(
             memo.prometheus_url, key[0], key[1], bin_s=memo.forecast_bin_s,
             rate_window_s=memo.rate_window_s, batch=memo.prometheus_batch,
         )  # fmt: skip
-    return demand.GatewayScrape(
-        lambda: list(memo.gateways.get(key, {}).values()), bin_s=memo.forecast_bin_s
-    )
+    return demand.GatewayScrape(state.gateway_urls, bin_s=memo.forecast_bin_s)
 
 
 def _visible(scaling: Any) -> Any:
@@ -200,24 +220,25 @@ class AutoscalerJob(Job):
     what = "autoscaling"
 
     def __init__(
-        self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
+        self, state: ServiceState, body: kopf.Body, memo: kopf.Memo, logger: Logger
     ) -> None:
-        super().__init__(key, body, memo, logger)
+        super().__init__(state, body, memo, logger)
         self.source: demand.DemandSource | None = None
         self.shown: Any = None
-        self.saved_at, self.saved = 0.0, cast(str | None, None)
+        self.saved_at = 0.0
+        self.saved: str | None = None
         self.advised: dict[str, int] = {}  # the last recommendation per pool (advisory mode)
 
     async def __call__(self) -> float:
-        memo, key, body = self.memo, self.key, self.body
-        scaling = memo.scalers.get(key)
-        spec = _spec_or_none(memo, key, body)
-        if spec is None or scaling is None:
+        memo, key, body, state = self.memo, self.key, self.body, self.state
+        scaling = state.scaling
+        spec = state.spec(body)
+        if spec is None:
             return 15.0
         scaling.configure(spec)
         if scaling.mode in DECIDING and scaling.observed:
             loop = asyncio.get_running_loop()
-            self.source = self.source or _demand_source(memo, key)
+            self.source = self.source or _demand_source(memo, state)
             changed = await loop.run_in_executor(memo.scale_executor, _step, scaling, self.source)
             if self.stopped:
                 return 0.0
@@ -238,12 +259,11 @@ class AutoscalerJob(Job):
                             f"recommended ({decision.reason})",
                         )  # fmt: skip
                     self.advised[component] = decision.recommended
-            waker = cast(Waker | None, memo.wakers.get(key))
-            if waker is not None and (changed or _visible(scaling) != self.shown):
+            if changed or _visible(scaling) != self.shown:
                 self.shown = _visible(scaling)
-                waker.event.set()
-            state = json.dumps(scaling.state(), separators=(",", ":"))
-            if state != self.saved and (changed or time.time() - self.saved_at >= PERSIST_EVERY_S):
+                state.waker.event.set()
+            saved = json.dumps(scaling.state(), separators=(",", ":"))
+            if saved != self.saved and (changed or time.time() - self.saved_at >= PERSIST_EVERY_S):
                 try:
                     await loop.run_in_executor(
                         memo.executor,
@@ -252,9 +272,9 @@ class AutoscalerJob(Job):
                         key[0],
                         key[1],
                         autoscaling.STATE_ANNOTATION,
-                        state,
+                        saved,
                     )
-                    self.saved, self.saved_at = state, time.time()
+                    self.saved, self.saved_at = saved, time.time()
                 except (k8s_errors.ApiException, OSError) as exc:
                     self.logger.info("autoscaler state not saved (retrying later): %s", exc)
         # The next boundary of the interval on the wall clock: every LLMService of one
@@ -266,10 +286,10 @@ class AutoscalerJob(Job):
 BOUNDARY_SLACK_S = 0.01  # wake just past the boundary, never just before it
 
 
-def _windows(memo: kopf.Memo, key: tuple[str, str]) -> analysis.WindowSource:
+def _windows(memo: kopf.Memo, state: ServiceState) -> analysis.WindowSource:
     if memo.prometheus_url:
-        return analysis.PrometheusWindows(memo.prometheus_url, key[0], key[1])
-    return analysis.ScrapeWindows(lambda: list(memo.gateways.get(key, {}).values()))
+        return analysis.PrometheusWindows(memo.prometheus_url, *state.key)
+    return analysis.ScrapeWindows(state.gateway_urls)
 
 
 class RolloutJob(Job):
@@ -281,9 +301,9 @@ class RolloutJob(Job):
     what = "rollout"
 
     def __init__(
-        self, key: tuple[str, str], body: kopf.Body, memo: kopf.Memo, logger: Logger
+        self, state: ServiceState, body: kopf.Body, memo: kopf.Memo, logger: Logger
     ) -> None:
-        super().__init__(key, body, memo, logger)
+        super().__init__(state, body, memo, logger)
         self.source: analysis.WindowSource | None = None
         # what a fleet's devices report, for a step that moves them (through Prometheus,
         # which scrapes the fleet server; without it such a step is judged on the gateways
@@ -293,34 +313,28 @@ class RolloutJob(Job):
         )
 
     async def __call__(self) -> float:
-        memo, key, body = self.memo, self.key, self.body
-        controller = memo.rollouts.get(key)
-        spec = _spec_or_none(memo, key, body)
-        if spec is None or controller is None or controller.state is None:
+        memo, key, body, state = self.memo, self.key, self.body, self.state
+        controller = state.rollouts
+        spec = state.spec(body)
+        if spec is None or controller.state is None:
             return ROLLOUT_IDLE_S  # the reconcile pokes it when a rollout starts
         loop = asyncio.get_running_loop()
         action = (body.get("metadata", {}).get("annotations") or {}).get(rollout.ACTION_ANNOTATION)
-        self.source = self.source or _windows(memo, key)
+        self.source = self.source or _windows(memo, state)
         try:
             fleet = _fleet(memo, key[0], spec)
-            scaling = memo.scalers.get(key)
-            profile = (
-                scaling.day_profile()
-                if scaling is not None and rollout.is_scheduled(controller.state)
-                else None
-            )
+            scaling = state.scaling
+            profile = scaling.day_profile() if rollout.is_scheduled(controller.state) else None
             obs = await loop.run_in_executor(
                 memo.scale_executor, rollout.look, controller, spec, self.source, action,
-                fleet, self.kpis, profile, scaling.forecast_need if scaling is not None else None,
+                fleet, self.kpis, profile, scaling.forecast_need,
             )  # fmt: skip
             if self.stopped:
                 return 0.0
             before = controller.state
             controller.advance(spec, obs)
             if controller.state != before:
-                waker = cast(Waker | None, memo.wakers.get(key))
-                if waker is not None:
-                    waker.event.set()
+                state.waker.event.set()
             _post(body, controller, self.logger)
             if action:
                 await loop.run_in_executor(

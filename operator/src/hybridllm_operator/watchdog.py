@@ -89,7 +89,7 @@ def llmservice_metadata(cluster: reconcile.Cluster, namespace: str | None) -> li
 
 
 def _unserved(
-    cluster: reconcile.Cluster, namespaces: list[str | None], wakers: dict[Any, Any]
+    cluster: reconcile.Cluster, namespaces: list[str | None], services: dict[Any, Any]
 ) -> list[str]:
     """LLMServices older than the grace period that no daemon of ours reconciles."""
     listed: list[dict[str, Any]] = []
@@ -102,7 +102,7 @@ def _unserved(
         if (
             not meta.get("deletionTimestamp")
             and (now - created).total_seconds() > WATCHDOG_GRACE_S
-            and (meta["namespace"], meta["name"]) not in wakers
+            and (meta["namespace"], meta["name"]) not in services
         ):
             out.append(f"{meta['namespace']}/{meta['name']}")
     return out
@@ -145,14 +145,14 @@ async def watchdog(memo: kopf.Memo, logger: Logger) -> None:
     count = WatchdogCount(events=memo.heard.events)
     while True:
         await asyncio.sleep(WATCHDOG_PERIOD_S)
-        serving = any(not namespaces or ns in namespaces for ns, _ in list(memo.wakers))
+        serving = any(not namespaces or ns in namespaces for ns, _ in list(memo.services))
         unserved: list[str] = []
         # Serving any LLMService proves the watch: no listing then (at a thousand services
         # the listing of their metadata every period was most of an idle operator's work).
         if not serving:
             try:
                 unserved = await loop.run_in_executor(
-                    memo.executor, _unserved, memo.cluster, namespaces, memo.wakers
+                    memo.executor, _unserved, memo.cluster, namespaces, memo.services
                 )
             except (k8s_errors.ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
                 logger.info("watchdog could not list LLMServices: %s", exc)
