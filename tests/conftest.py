@@ -39,9 +39,9 @@ def pytest_configure(config: pytest.Config) -> None:
 # HYBRIDLLM_TEST_BUDGET_S. Past it the run fails, loudly, with the slowest tests. Warm: the
 # model store held the converted models when the run started (a cold run converts them,
 # and compiles llama.cpp for the clean-venv install test, inside the tests: it is
-# reported, not failed). The goal is 40 min; the suite measures about 44-47 min today
-# (README, "Development"), so the check holds the line at 55 until it is cut.
-BUDGET_S = float(os.environ.get("HYBRIDLLM_TEST_BUDGET_S", "3300"))
+# reported, not failed). 40 min: the suite measures 28-33 min warm on two cores (README,
+# "Development"), and CI's cold run has 90 min in all.
+BUDGET_S = float(os.environ.get("HYBRIDLLM_TEST_BUDGET_S", "2400"))
 _started = pytest.StashKey[tuple[float, bool]]()
 
 

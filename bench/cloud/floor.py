@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import RESULTS, machine, make_engine
 
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 GOAL_BATCH, GOAL_RATIO = 32, 1.2  # issue #23: our decode step within 1.2x of the floor at 32
 

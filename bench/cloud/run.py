@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from portable import TRACES, git_head, model_path, portable, torch_machine_line

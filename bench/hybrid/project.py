@@ -143,7 +143,7 @@ def calibrate_cloud(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from hybridllm_cloud.engine import llm_engine
-    from hybridllm_cloud.engine.request import SamplingParams
+    from hybridllm_cloud.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     base = llm_engine.LLMEngine.from_path(model_path(args.model),

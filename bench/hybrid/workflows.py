@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from portable import git_head, model_path, portable, torch_machine_line

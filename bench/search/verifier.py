@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_cloud.search import step_search
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

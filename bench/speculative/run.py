@@ -154,7 +154,7 @@ def _timing(t0: float, first: float | None, end: float, n: int) -> dict[str, flo
 
 
 def run_ours(engine: Any, prompt: list[int], max_tokens: int) -> tuple[dict[str, float], list[int]]:
-    from hybridllm_cloud.engine.request import SamplingParams
+    from hybridllm_cloud.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rid = f"b{time.monotonic_ns()}"

@@ -72,7 +72,7 @@ def cloud(rounds: int, free_tokens: int) -> dict[str, Any]:
     import torch
 
     from hybridllm_cloud.engine import llm_engine
-    from hybridllm_cloud.engine.request import SamplingParams
+    from hybridllm_cloud.sampling_params import SamplingParams
     from hybridllm_common import openai_protocol as oai
     from hybridllm_common import structured
 

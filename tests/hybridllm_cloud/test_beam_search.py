@@ -20,8 +20,9 @@ import torch
 
 from hybridllm_cloud import config as config_mod
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.outputs import SchedulerOutput
-from hybridllm_cloud.engine.request import RequestStatus, SamplingParams
+from hybridllm_cloud.engine.request import RequestStatus
+from hybridllm_cloud.outputs import SchedulerOutput
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_cloud.server import app as app_mod
 from hybridllm_common import admission
 from hybridllm_common import openai_protocol as oai

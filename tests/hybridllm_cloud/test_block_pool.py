@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridllm_cloud.engine import block_pool, kv_cache_manager
-from hybridllm_cloud.engine.request import Request, RequestStatus, SamplingParams
+from hybridllm_cloud.engine.request import Request, RequestStatus
+from hybridllm_cloud.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:

@@ -23,7 +23,7 @@ import torch
 
 from hybridllm_cloud.disagg import connector, prefill_server, protocol, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 CONFIG = llm_engine.EngineConfig(num_kv_blocks=192, block_size=4, max_model_len=256)
 MODEL_ID = "tiny:test"

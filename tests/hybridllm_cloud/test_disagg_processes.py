@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

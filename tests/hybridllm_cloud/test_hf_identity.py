@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 NUM_NEW = 16
 TEXTS = [

@@ -11,7 +11,8 @@ import asyncio
 from pathlib import Path
 
 from hybridllm_cloud.engine import async_engine, llm_engine
-from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_cloud.engine.request import Priority
+from hybridllm_cloud.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 

@@ -10,8 +10,8 @@ import torch
 
 from hybridllm_cloud import config as config_mod
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
 from hybridllm_cloud.model import llama
+from hybridllm_cloud.sampling_params import SamplingParams
 
 TEXT = (
     "The paged KV cache stores the keys and values of every request in fixed-size blocks, "

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridllm_cloud import sampler
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
-from hybridllm_cloud.worker import sampler
+from hybridllm_cloud.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

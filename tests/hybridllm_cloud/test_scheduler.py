@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hybridllm_cloud.engine import block_pool, kv_cache_manager, scheduler
-from hybridllm_cloud.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from hybridllm_cloud.engine.request import Priority, Request, RequestStatus, SamplingParams
+from hybridllm_cloud.engine.request import Priority, Request, RequestStatus
+from hybridllm_cloud.outputs import ModelRunnerOutput, SchedulerOutput
+from hybridllm_cloud.sampling_params import SamplingParams
 
 
 def make_scheduler(

@@ -26,14 +26,16 @@ import uvicorn
 from hybridllm_cloud import cli
 from hybridllm_cloud import config as config_mod
 from hybridllm_cloud.engine import block_pool, kv_cache_manager, llm_engine, scheduler
-from hybridllm_cloud.engine.outputs import ModelRunnerOutput
-from hybridllm_cloud.engine.request import Request, SamplingParams
+from hybridllm_cloud.engine.request import Request
 from hybridllm_cloud.model import config as model_config
-from hybridllm_cloud.model import llama
+from hybridllm_cloud.outputs import ModelRunnerOutput
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_cloud.server import app as app_mod
 from hybridllm_cloud.spec_decode import draft as draft_mod
 from hybridllm_cloud.spec_decode import ngram, rejection_sampler
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig
+
+from . import random_model
 
 _spec = importlib.util.spec_from_file_location(
     "speculative_bench", Path(__file__).resolve().parents[2] / "bench" / "speculative" / "run.py"
@@ -557,8 +559,8 @@ def _tiny_config(vocab: int, layers: int = 2) -> model_config.LlamaConfig:
 
 def test_a_draft_with_another_vocabulary_or_too_many_layers_is_refused() -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
-    target = llama.random_llama(_tiny_config(100), f32, cpu, 256)
-    other = llama.random_llama(_tiny_config(120), f32, cpu, 256, seed=1)
+    target = random_model.random_llama(_tiny_config(100), f32, cpu, 256)
+    other = random_model.random_llama(_tiny_config(120), f32, cpu, 256, seed=1)
     config = llm_engine.EngineConfig(
         num_kv_blocks=16,
         block_size=4,
@@ -575,7 +577,7 @@ def test_a_draft_with_another_vocabulary_or_too_many_layers_is_refused() -> None
 
 def test_the_draft_cache_is_counted_in_the_kv_budget() -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
-    target = llama.random_llama(_tiny_config(100, layers=4), f32, cpu, 256)
+    target = random_model.random_llama(_tiny_config(100, layers=4), f32, cpu, 256)
     budget = 1 << 20
     plain = llm_engine.LLMEngine(
         target, None, llm_engine.EngineConfig(block_size=4, kv_cache_memory_bytes=budget)

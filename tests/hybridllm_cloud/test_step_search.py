@@ -24,8 +24,8 @@ import torch
 
 from hybridllm_cloud import config as config_mod
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.outputs import TokenLogprobs
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.outputs import TokenLogprobs
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_cloud.search import step_search
 from hybridllm_cloud.search import verifier as verifier_mod
 from hybridllm_cloud.server import app as app_mod

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig
 from hybridllm_common import openai_protocol as oai
 from hybridllm_common import structured

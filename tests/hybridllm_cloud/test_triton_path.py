@@ -19,7 +19,7 @@ import json, sys
 from pathlib import Path
 from hybridllm_kernels import ops
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 engine = llm_engine.LLMEngine.from_path(
     Path(sys.argv[1]), llm_engine.EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=6)
 )

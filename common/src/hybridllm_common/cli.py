@@ -102,6 +102,14 @@ def _command_name(argv: Sequence[str]) -> str | None:
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def add_group(subparsers: Any, name: str, add_commands: Callable[[Any], None]) -> None:
+    """``hybridllm NAME COMMAND``: a distribution's commands under its name in
+    :data:`COMMANDS`; ``add_commands`` is the function its own command
+    (:func:`run_standalone`) takes them from."""
+    group = subparsers.add_parser(name, help=summary(name))
+    add_commands(group.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True))
+
+
 def run_standalone(
     prog: str,
     description: str | None,
@@ -154,6 +162,29 @@ def settings_from_args(args: argparse.Namespace, model: type[SettingsT]) -> Sett
     """The settings model from the flags that were given (raises pydantic.ValidationError)."""
     given = {k: v for k, v in vars(args).items() if k in model.model_fields and v is not None}
     return model(**given)
+
+
+def add_serve(
+    subparsers: Any,
+    model: type[SettingsT],
+    env_prefix: str,
+    prog: str,
+    serve: Callable[[SettingsT], int],
+) -> None:
+    """A runtime's ``serve`` subcommand: one flag per field of ``model``; ``serve(settings)``
+    runs the server (imported there, so ``--help`` loads no server). Invalid flags are
+    each named (:func:`report_invalid`), exit code 2."""
+    parser = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
+    add_settings_flags(parser, model, env_prefix)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            settings = settings_from_args(args, model)
+        except pydantic.ValidationError as exc:
+            return report_invalid(prog, exc)
+        return serve(settings)
+
+    parser.set_defaults(func=run)
 
 
 def report_invalid(prog: str, exc: pydantic.ValidationError) -> int:

@@ -12,8 +12,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import pydantic
-
 from hybridllm_cloud import config as config_mod
 from hybridllm_common import cli as common_cli
 
@@ -24,14 +22,10 @@ def settings_from_args(args: argparse.Namespace) -> config_mod.ServeSettings:
     return common_cli.settings_from_args(args, config_mod.ServeSettings)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(settings: config_mod.ServeSettings) -> int:
     from hybridllm_cloud.server import app as app_mod
     from hybridllm_common import http_errors
 
-    try:
-        settings = settings_from_args(args)
-    except pydantic.ValidationError as exc:
-        return common_cli.report_invalid("hybridllm-cloud serve", exc)
     if settings.torch_threads is not None:
         import torch
 
@@ -42,15 +36,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve(subparsers: Any) -> None:
-    serve = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
-    common_cli.add_settings_flags(serve, config_mod.ServeSettings, "HYBRIDLLM_CLOUD_")
-    serve.set_defaults(func=_serve)
+    common_cli.add_serve(
+        subparsers, config_mod.ServeSettings, "HYBRIDLLM_CLOUD_", "hybridllm-cloud serve", _serve
+    )
 
 
 def register(subparsers: Any) -> None:
     """Entry point of ``hybridllm cloud ...``."""
-    cloud = subparsers.add_parser("cloud", help=common_cli.summary("cloud"))
-    _add_serve(cloud.add_subparsers(dest="cloud_command", metavar="COMMAND", required=True))
+    common_cli.add_group(subparsers, "cloud", _add_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

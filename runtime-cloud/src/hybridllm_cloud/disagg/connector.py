@@ -38,7 +38,7 @@ import torch
 
 from hybridllm_cloud.disagg import protocol, transport
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.outputs import KVLoad, TokenLogprobs
+from hybridllm_cloud.outputs import KVLoad, TokenLogprobs
 from hybridllm_cloud.worker import model_runner
 from hybridllm_common import backend_auth
 

@@ -32,7 +32,8 @@ import torch
 
 from hybridllm_cloud.disagg import protocol, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
-from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_cloud.engine.request import Priority
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_common import backend_auth
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridllm_cloud.engine import llm_engine
-from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_cloud.engine.request import Priority
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_common import structured
 
 log = logging.getLogger(__name__)

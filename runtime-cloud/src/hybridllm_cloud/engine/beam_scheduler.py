@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 from hybridllm_cloud.engine import kv_cache_manager
 from hybridllm_cloud.engine.beam_search import BeamGroup
-from hybridllm_cloud.engine.outputs import (
+from hybridllm_cloud.engine.request import Request, RequestStatus
+from hybridllm_cloud.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
-from hybridllm_cloud.engine.request import Request, RequestStatus
 
 
 def beam_trunk(request: Request) -> None:

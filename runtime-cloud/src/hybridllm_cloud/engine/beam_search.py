@@ -41,34 +41,13 @@ block it shares on its first write after a split, as an engine without shared KV
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hybridllm_cloud.engine import block_pool
-from hybridllm_cloud.engine.outputs import ScheduledRequest, TokenLogprobs
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.outputs import BeamKVStats, BeamSequence, ScheduledRequest, TokenLogprobs
+from hybridllm_cloud.sampling_params import SamplingParams
 
 NEG = -1.0e9  # HF's "impossible" score
-
-
-@dataclass
-class BeamSequence:
-    """One returned sequence: generated tokens (with the EOS that ended it, if any)."""
-
-    token_ids: list[int]
-    score: float  # sum of log-probabilities / generated length ** length_penalty
-    finish_reason: str  # "stop" | "length"
-    stop_reason: int | None = None
-
-
-@dataclass
-class BeamKVStats:
-    """Blocks a group held at its peak, against what one table per beam would hold."""
-
-    peak_blocks: int = 0  # distinct blocks (shared ones counted once)
-    peak_blocks_copy_per_beam: int = 0  # sum of the beams' table lengths
-    num_block_copies: int = 0  # copy-on-write block copies issued
 
 
 class BeamGroup:

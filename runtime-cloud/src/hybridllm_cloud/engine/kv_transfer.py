@@ -23,9 +23,9 @@ from typing import Protocol
 
 import torch
 
-from hybridllm_cloud.engine.outputs import EngineCoreOutput, KVLoad, TokenLogprobs
 from hybridllm_cloud.engine.request import Request
 from hybridllm_cloud.engine.scheduler import Scheduler
+from hybridllm_cloud.outputs import EngineCoreOutput, KVLoad, TokenLogprobs
 from hybridllm_cloud.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)

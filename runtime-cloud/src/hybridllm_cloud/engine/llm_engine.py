@@ -43,14 +43,9 @@ from hybridllm_cloud.engine.kv_transfer import (
     RemotePrefillResult,
 )
 from hybridllm_cloud.engine.output_processor import OutputProcessor, RequestOutput, SequenceOutput
-from hybridllm_cloud.engine.request import (
-    KVExport,
-    Priority,
-    Request,
-    RequestStatus,
-    SamplingParams,
-)
-from hybridllm_cloud.model import llama
+from hybridllm_cloud.engine.request import KVExport, Priority, Request, RequestStatus
+from hybridllm_cloud.model import kv_cache, llama
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_cloud.spec_decode import draft as draft_mod
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig, check_draft
 from hybridllm_cloud.worker import model_runner
@@ -426,9 +421,9 @@ def _kv_cache_size(
     """The KV blocks the cache gets (``num_kv_blocks``, or as many as its memory holds),
     and ``max_len`` capped to the tokens they hold."""
     # The draft's cache is indexed by the same block ids: a block costs both.
-    per_block = model_runner.kv_bytes_per_block(model, config.block_size)
+    per_block = kv_cache.kv_bytes_per_block(model, config.block_size)
     if draft_model is not None:
-        per_block += model_runner.kv_bytes_per_block(draft_model, config.block_size)
+        per_block += kv_cache.kv_bytes_per_block(draft_model, config.block_size)
     kv_bytes = config.kv_cache_memory_bytes
     if model.device.type == "cuda" and config.num_kv_blocks is None:
         total = torch.cuda.get_device_properties(model.device).total_memory

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridllm_cloud import tokenizer as tokenizer_mod
-from hybridllm_cloud.engine.beam_search import BeamKVStats
-from hybridllm_cloud.engine.outputs import EngineCoreOutput, TokenLogprobs
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.outputs import BeamKVStats, EngineCoreOutput, TokenLogprobs
+from hybridllm_cloud.sampling_params import SamplingParams
 
 
 @dataclass

@@ -23,15 +23,11 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
 
 from hybridllm_cloud.engine import block_pool, kv_cache_manager
 from hybridllm_cloud.engine.beam_scheduler import beam_trunk
-from hybridllm_cloud.engine.outputs import EngineCoreOutput, KVLoad, SchedulerOutput, TokenLogprobs
 from hybridllm_cloud.engine.request import Priority, Request, RequestStatus
-
-if TYPE_CHECKING:
-    from hybridllm_cloud.engine.scheduler import SchedulerConfig
+from hybridllm_cloud.outputs import EngineCoreOutput, KVLoad, SchedulerOutput, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +35,8 @@ log = logging.getLogger(__name__)
 class RequestQueues:
     """Every request of the scheduler, by id and by queue (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, kv: kv_cache_manager.KVCacheManager) -> None:
-        self.config = config
+    def __init__(self, max_model_len: int, kv: kv_cache_manager.KVCacheManager) -> None:
+        self.max_model_len = max_model_len
         self.kv = kv
         self.requests: dict[str, Request] = {}
         self.waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
@@ -72,10 +68,10 @@ class RequestQueues:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_prompt_tokens >= self.config.max_model_len:
+        if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens leaves no room in a context of "
-                f"{self.config.max_model_len}"
+                f"{self.max_model_len}"
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -250,6 +246,6 @@ class RequestQueues:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

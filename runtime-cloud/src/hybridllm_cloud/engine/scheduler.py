@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 from hybridllm_cloud.engine import kv_cache_manager, speculation
 from hybridllm_cloud.engine.beam_scheduler import BeamScheduling
-from hybridllm_cloud.engine.outputs import (
+from hybridllm_cloud.engine.request import Request, RequestStatus
+from hybridllm_cloud.engine.request_queues import RequestQueues
+from hybridllm_cloud.outputs import (
     EngineCoreOutput,
     KVExportSlice,
     ModelRunnerOutput,
@@ -41,8 +43,6 @@ from hybridllm_cloud.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from hybridllm_cloud.engine.request import Request, RequestStatus
-from hybridllm_cloud.engine.request_queues import RequestQueues
 from hybridllm_common import structured
 
 
@@ -59,7 +59,8 @@ class Scheduler(RequestQueues):
     """The step over the queues of ``RequestQueues`` (see the module docstring)."""
 
     def __init__(self, config: SchedulerConfig, kv: kv_cache_manager.KVCacheManager) -> None:
-        super().__init__(config, kv)
+        super().__init__(config.max_model_len, kv)
+        self.config = config
         self.remote_prefill: Callable[[Request, int], bool] | None = None
         # Speculative decoding totals (vLLM's spec_decode counters).
         self.num_spec_drafts = 0  # verifications (requests x steps with proposals)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hybridllm_cloud.engine.outputs import ScheduledRequest
 from hybridllm_cloud.engine.request import Request
+from hybridllm_cloud.outputs import ScheduledRequest
 from hybridllm_cloud.spec_decode import draft as draft_mod
 from hybridllm_cloud.spec_decode import ngram
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig

@@ -1,1 +1,2 @@
-"""Model definitions and weight loading (tensor math only; no scheduling state)."""
+"""Model definitions, weight loading and the paged KV cache they read and write (tensor math
+only; no scheduling state)."""

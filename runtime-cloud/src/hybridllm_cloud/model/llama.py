@@ -3,7 +3,7 @@
 Every op goes through ``hybridllm_kernels.ops`` (Triton on CUDA, torch references
 elsewhere); only the matmuls and the embedding are plain torch. The forward pass takes
 all scheduled tokens of a step packed into one sequence (``[num_tokens, ...]``) plus the
-attention metadata built by the model runner; for every layer the K/V of all tokens are
+attention metadata built by ``kv_cache.pack``; for every layer the K/V of all tokens are
 written to the cache before any attention reads it, which is what lets requests in the
 same step share prefix blocks.
 
@@ -241,35 +241,3 @@ def load_llama(
         lm_head,
         max_position or cfg.max_position_embeddings,
     )
-
-
-def random_llama(
-    cfg: model_config.LlamaConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_position: int,
-    seed: int = 0,
-) -> LlamaModel:
-    """Random weights of the given shape: benchmarks of larger configurations."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def w(*shape: int) -> torch.Tensor:
-        t = torch.randn(*shape, generator=gen, dtype=torch.float32) * 0.02
-        return t.to(device=device, dtype=dtype)
-
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    ones = torch.ones(h, device=device, dtype=dtype)
-    layers = [
-        LayerWeights.from_hf(
-            ones,
-            w(qkv_out, h),
-            w(h, cfg.num_attention_heads * cfg.head_dim),
-            ones,
-            w(2 * i, h),
-            w(h, i),
-        )
-        for _ in range(cfg.num_hidden_layers)
-    ]
-    embed = w(cfg.vocab_size, h)
-    return LlamaModel(cfg, embed, layers, ones, embed, max_position)

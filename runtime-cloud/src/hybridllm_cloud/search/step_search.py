@@ -36,11 +36,11 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hybridllm_cloud.engine.llm_engine import LLMEngine, RequestOutput
-    from hybridllm_cloud.engine.outputs import TokenLogprobs
+    from hybridllm_cloud.outputs import TokenLogprobs
 
 AGGREGATES = ("mean", "min", "last")
 MAX_CANDIDATES = 16

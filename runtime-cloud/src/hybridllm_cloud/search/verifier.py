@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridllm_cloud import config as config_mod
+from hybridllm_cloud import model_path
 from hybridllm_cloud import tokenizer as tokenizer_mod
 from hybridllm_cloud.engine import async_engine, llm_engine
 from hybridllm_cloud.model import llama
@@ -49,9 +50,7 @@ def load(
         assert layers is not None
         model = draft_mod.truncated(generator.model, layers, "verifier_num_layers")
         return llm_engine.LLMEngine(model, generator.tokenizer, cfg), None
-    from hybridllm_cloud.server.app import resolve_model_path
-
-    path = resolve_model_path(settings.verifier_model, settings.verify_model)
+    path = model_path.resolve_model_path(settings.verifier_model, settings.verify_model)
     model = llama.load_llama(
         path,
         llm_engine.DTYPES[cfg.dtype],

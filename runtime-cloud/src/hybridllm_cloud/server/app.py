@@ -1,4 +1,5 @@
-"""FastAPI app factory: state on ``app.state`` from a lifespan handler, one error format.
+"""FastAPI app factory of the cloud runtime: the shared app (``hybridllm_common.serving.app``)
+with this runtime's engine, roles and ``/v1/search``.
 
 ``create_app(settings)`` loads the model in the lifespan handler (``/health`` answers 503
 until it is loaded); tests pass a ready ``LLMEngine`` instead. Every error leaves as
@@ -14,46 +15,26 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import Response
 
 from hybridllm_cloud import config as config_mod
+from hybridllm_cloud import model_path
 from hybridllm_cloud import tokenizer as tokenizer_mod
 from hybridllm_cloud.disagg import connector, prefill_server, transport
 from hybridllm_cloud.engine import async_engine, llm_engine
 from hybridllm_cloud.search import verifier as verifier_mod
 from hybridllm_cloud.server import metrics as server_metrics
 from hybridllm_cloud.server import search_api, serving
-from hybridllm_common import backend_auth, http_errors, termination
+from hybridllm_common import backend_auth
 from hybridllm_common import openai_protocol as oai
+from hybridllm_common.serving import app as serving_app
 
 log = logging.getLogger(__name__)
 
 
 APIError = oai.APIError
-
-
-def resolve_model_path(model: str, verify: bool = True, sha256: str | None = None) -> Path:
-    """A local HF-layout directory as is; anything else through the model store, its
-    files re-hashed against the manifest when ``verify`` (a corrupt artifact raises
-    ``hybridllm_models.IntegrityError``)."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    import hybridllm_models
-
-    return Path(hybridllm_models.ensure(model, target="hf", verify=verify, expected_sha256=sha256))
-
-
-def served_name(settings: config_mod.ServeSettings) -> str:
-    if settings.served_model_name:
-        return settings.served_model_name
-    if Path(settings.model).is_dir():
-        return Path(settings.model).name
-    return settings.model.rsplit("#", 1)[-1].split(".", 1)[0] or settings.model
 
 
 def model_id(engine: llm_engine.LLMEngine, name: str) -> str:
@@ -128,18 +109,13 @@ def create_app(
 
             try:
                 path = await asyncio.to_thread(
-                    resolve_model_path,
+                    model_path.resolve_model_path,
                     settings.model,
                     settings.verify_model,
                     settings.model_sha256,
                 )
             except hybridllm_models.ModelStoreError as exc:
-                # Serve nothing, but stay up and say why: /health answers 503 with the
-                # reason (a crash loop would hide it behind restarts).
-                if settings.exit_on_load_error:
-                    termination.exit_for(str(exc), log)
-                log.error("refusing to serve: %s", exc)
-                app.state.not_ready_reason = str(exc)
+                serving_app.refuse_to_serve(app, str(exc), log)
                 yield
                 return
             engine = await asyncio.to_thread(
@@ -168,38 +144,15 @@ def create_app(
             if app.state.verifier is not None:
                 app.state.verifier.engine.shutdown()
 
-    app = FastAPI(title="hybridllm cloud runtime", lifespan=lifespan)
-    app.state.settings = settings
-    app.state.ready = False
-    app.state.not_ready_reason = "model is loading"
-    app.state.metrics = server_metrics.ServerMetrics()
-    app.state.model_name = served_name(settings)
+    app = serving_app.create_app(
+        "hybridllm cloud runtime",
+        settings,
+        server_metrics.ServerMetrics(),
+        lifespan,
+        lambda app: serving.Serving(app, APIError),
+        lambda engine: engine.engine.info.max_model_len,
+    )
     app.state.verifier = None
-
-    http_errors.install(app, lambda code: app.state.metrics.rejected.labels(code=code).inc())
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not app.state.ready:
-            return http_errors.error_response(oai.MODEL_NOT_READY, app.state.not_ready_reason)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> oai.ModelList:
-        max_len = app.state.engine.engine.info.max_model_len if app.state.ready else None
-        return oai.ModelList(data=[oai.ModelCard(id=app.state.model_name, max_model_len=max_len)])
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
-        return await serving.Serving(app, APIError).chat(body, request)
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: oai.CompletionRequest, request: Request) -> Response:
-        return await serving.Serving(app, APIError).completion(body, request)
 
     @app.post("/v1/search", response_model=None)
     async def search(body: search_api.SearchRequest, request: Request) -> Response:

@@ -1,19 +1,23 @@
-"""Prometheus metrics of one server instance, on a registry of its own (no globals)."""
+"""Prometheus metrics of one cloud server instance, on a registry of its own (no globals).
+
+The families both runtimes export are ``hybridllm_common.serving.metrics.ServerMetrics``;
+this adds the engine's own: KV cache and prefix cache, preemptions and step failures,
+disaggregation, speculative decoding and verifier-guided search.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hybridllm_cloud.disagg import connector
 from hybridllm_cloud.engine import llm_engine
 from hybridllm_common import metrics as names
-
-STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+from hybridllm_common.serving import metrics as serving_metrics
 
 # Speculative decoding (vLLM's spec_decode counters). Registered only by a server that
 # speculates (``enable_speculative``): the acceptance rate is
@@ -58,47 +62,10 @@ class _Totals(Collector):
             yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
 
 
-class ServerMetrics:
+class ServerMetrics(serving_metrics.ServerMetrics):
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__("Requests per engine step")
         r, b = self.registry, names.LATENCY_BUCKETS
-        self.ttft = Histogram(
-            names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token", buckets=b, registry=r
-        )
-        self.tbt = Histogram(
-            names.TIME_PER_OUTPUT_TOKEN_SECONDS, "Time between output tokens", buckets=b, registry=r
-        )
-        self.e2e = Histogram(
-            names.E2E_REQUEST_LATENCY_SECONDS, "End-to-end request latency", buckets=b, registry=r
-        )
-        self.prompt_tokens = Counter(
-            names.PROMPT_TOKENS_TOTAL.removesuffix("_total"), "Prompt tokens", registry=r
-        )
-        self.generation_tokens = Counter(
-            names.GENERATION_TOKENS_TOTAL.removesuffix("_total"), "Generated tokens", registry=r
-        )
-        self.requests = Counter(
-            names.REQUESTS_TOTAL.removesuffix("_total"),
-            "Finished requests",
-            ["finish_reason"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            names.REQUESTS_REJECTED_TOTAL.removesuffix("_total"),
-            "Rejected requests",
-            ["code"],
-            registry=r,
-        )
-        self.structured = Counter(
-            names.STRUCTURED_REQUESTS_TOTAL.removesuffix("_total"),
-            "Requests decoded under a grammar (structured output, tool calls)",
-            ["kind"],
-            registry=r,
-        )
-        self.running = Gauge(names.NUM_REQUESTS_RUNNING, "Requests running", registry=r)
-        self.waiting = Gauge(
-            names.NUM_REQUESTS_WAITING, "Requests waiting (queue depth)", registry=r
-        )
         self.blocks_used = Gauge(names.KV_BLOCKS_USED, "KV blocks in use", registry=r)
         self.blocks_free = Gauge(names.KV_BLOCKS_FREE, "KV blocks free", registry=r)
         self.hit_rate = Gauge(
@@ -114,19 +81,13 @@ class ServerMetrics:
             names.ENGINE_REQUESTS_FAILED_TOTAL,
             "Requests the engine failed after isolating a failed step",
         )
-        self.batch_size = Histogram(
-            names.BATCH_SIZE, "Requests per engine step", buckets=STEP_BUCKETS, registry=r
-        )
-        self.step_tokens = Histogram(
-            names.TOKENS_PER_STEP, "Tokens per engine step", buckets=STEP_BUCKETS, registry=r
-        )
 
         # Disaggregation (both roles; zero in the monolithic one).
-        self.kv_bytes = Counter(
-            names.KV_TRANSFER_BYTES_TOTAL.removesuffix("_total"),
+        self.kv_bytes = serving_metrics.counter(
+            names.KV_TRANSFER_BYTES_TOTAL,
             "KV cache bytes moved between prefill and decode workers",
-            ["direction"],
-            registry=r,
+            r,
+            ("direction",),
         )
         self.kv_seconds = Histogram(
             names.KV_TRANSFER_SECONDS,
@@ -141,27 +102,25 @@ class ServerMetrics:
             buckets=b,
             registry=r,
         )
-        self.prefills = Counter(
-            names.REMOTE_PREFILLS_TOTAL.removesuffix("_total"),
+        self.prefills = serving_metrics.counter(
+            names.REMOTE_PREFILLS_TOTAL,
             "Prefills by where they ran (decode role) and outcome",
-            ["where", "outcome"],
-            registry=r,
+            r,
+            ("where", "outcome"),
         )
         self.transfers_active = Gauge(
             names.KV_TRANSFERS_ACTIVE, "KV transfers in progress", ["role"], registry=r
         )
         self.role_info = Gauge(names.ENGINE_ROLE_INFO, "Role of this engine", ["role"], registry=r)
         # Verifier-guided search (/v1/search).
-        self.searches = Counter(
-            SEARCH_REQUESTS_TOTAL.removesuffix("_total"),
-            "Verifier-guided searches answered",
-            registry=r,
+        self.searches = serving_metrics.counter(
+            SEARCH_REQUESTS_TOTAL, "Verifier-guided searches answered", r
         )
-        self.search_tokens = Counter(
-            SEARCH_COMPUTED_TOKENS_TOTAL.removesuffix("_total"),
+        self.search_tokens = serving_metrics.counter(
+            SEARCH_COMPUTED_TOKENS_TOTAL,
             "Tokens computed for answered searches (uncached prompt plus generated), by model",
-            ["model"],
-            registry=r,
+            r,
+            ("model",),
         )
         self._local_prefills = 0
         self._speculative = False
@@ -205,14 +164,11 @@ class ServerMetrics:
 
     def on_step(self, stats: llm_engine.EngineStats) -> None:
         """Called from the engine thread after every step (prometheus_client is thread-safe)."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
+        super().on_step(stats)
         self.blocks_used.set(stats.num_kv_blocks_used)
         self.blocks_free.set(stats.num_kv_blocks_free)
         self.hit_rate.set(stats.prefix_hit_rate)
         self.totals.set(names.PREEMPTIONS_TOTAL, stats.num_preemptions)
-        self.batch_size.observe(stats.last_batch_size)
-        self.step_tokens.observe(stats.last_num_tokens)
         if self._speculative:
             self.totals.set(SPEC_DECODE_NUM_DRAFTS_TOTAL, stats.num_spec_drafts)
             self.totals.set(SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, stats.num_spec_draft_tokens)

@@ -33,6 +33,7 @@ from hybridllm_cloud.engine.request import Priority
 from hybridllm_cloud.search import step_search
 from hybridllm_common import openai_protocol as oai
 from hybridllm_common import tool_calls
+from hybridllm_common.serving import requests
 
 if TYPE_CHECKING:
     from hybridllm_cloud.server.serving import Serving
@@ -222,7 +223,7 @@ async def handle(serving: Serving, body: SearchRequest, request: Request) -> JSO
     serving.check_capacity()
     verifier = app.state.verifier
     prio = Priority.BATCH if body.priority == "batch" else Priority.INTERACTIVE
-    result = await serving.until_disconnected(
+    result = await requests.until_disconnected(
         run_search(
             problem,
             params,

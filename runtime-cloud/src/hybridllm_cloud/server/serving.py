@@ -8,30 +8,32 @@ mean token logprob are returned. A beam search (vLLM's ``use_beam_search``, widt
 is an HTTP error rather than a broken stream. A client that goes away (stream cancelled,
 or ``http.disconnect`` while a non-streaming answer is computed) aborts every engine
 request it started, which frees their KV blocks at the next step boundary.
+
+The checks, the outputs' queue and the answers' shapes are the edge runtime's too
+(``hybridllm_common.serving.requests`` and ``.responses``); this module is what the
+engine adds: ``best_of`` ranking, beam search, prefix-cache salts, priorities.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import json
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from hybridllm_cloud.engine import async_engine
 from hybridllm_cloud.engine.llm_engine import RequestOutput
-from hybridllm_cloud.engine.request import Priority, SamplingParams
+from hybridllm_cloud.engine.request import Priority
+from hybridllm_cloud.sampling_params import SamplingParams
 from hybridllm_common import admission, structured, tool_calls
 from hybridllm_common import openai_protocol as oai
+from hybridllm_common.serving import requests, responses
 
 Item = tuple[int, RequestOutput | BaseException]
-T = TypeVar("T")
 
 # Parameters the shared admission refuses that this runtime implements (checked here).
 SUPPORTED_HERE = frozenset({"best_of", "use_beam_search", "length_penalty", "early_stopping"})
@@ -54,18 +56,11 @@ class _Search:
         return not self.beam and self.best_of > self.n
 
 
-@dataclass
-class _Timing:
-    start: float = field(default_factory=time.monotonic)
-    last: float | None = None
-
-
 class Serving:
     def __init__(self, app: FastAPI, error: Callable[..., Exception]) -> None:
         self.app = app
         self.error = error
-        if not app.state.ready:  # no engine yet, or none at all (the model was refused)
-            raise error(oai.MODEL_NOT_READY, app.state.not_ready_reason)
+        requests.check_ready(app)
         self.engine = app.state.engine
         self.tokenizer = self.engine.engine.tokenizer
         self.metrics = app.state.metrics
@@ -75,8 +70,7 @@ class Serving:
     # --- admission ------------------------------------------------------------------------
 
     def _check_ready(self, model: str) -> None:
-        if model and model != self.app.state.model_name:
-            raise self.error(oai.MODEL_NOT_FOUND, f"model {model!r} is not served here", "model")
+        requests.check_model(self.app, model)
 
     def _params(
         self,
@@ -84,22 +78,8 @@ class Serving:
         prompt_len: int,
         logprobs: int | None,
     ) -> SamplingParams:
-        max_tokens = admission.max_new_tokens(body, prompt_len, self.max_len)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            seed=body.seed,
-            stop=tuple(body.stop_list()),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            logprobs=logprobs,
-            cache_salt=body.cache_salt or "",
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-        )
-        return params
+        fields = requests.sampling_fields(body, prompt_len, self.max_len, logprobs)
+        return SamplingParams(**fields, cache_salt=body.cache_salt or "")
 
     def _search(self, body: oai.ChatCompletionRequest | oai.CompletionRequest) -> _Search:
         """``n``, ``best_of`` and vLLM's ``use_beam_search`` / ``length_penalty`` /
@@ -177,32 +157,18 @@ class Serving:
     def chat_text(self, plan: tool_calls.ChatPlan) -> str:
         """The messages (and tools) through the model's chat template (a 400 naming
         ``messages`` when the template refuses them)."""
-        try:
-            return self.tokenizer.apply_chat_template(plan.messages, tools=plan.tools)
-        except Exception as exc:
-            raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
+        return requests.render_chat(
+            lambda: self.tokenizer.apply_chat_template(plan.messages, tools=plan.tools)
+        )
 
     async def _grammars(self, params: SamplingParams, count: int) -> list[Any]:
-        """One matcher per engine request (``structured.matchers``: checked and built off
-        the event loop and the step loop)."""
-        constraint = params.constraint
-        if constraint is None:
-            return [None] * count
         engine = self.engine.engine
-        built = await structured.matchers(lambda: engine.vocabulary, constraint, count)
-        self.metrics.structured.labels(kind=constraint.kind).inc()
-        return list(built)
+        return await requests.grammars(
+            lambda: engine.vocabulary, params.constraint, count, self.metrics
+        )
 
     def check_capacity(self) -> None:
-        """503 with Retry-After when the engine's queue is at its bound."""
-        if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
-            retry = str(self.app.state.settings.retry_after_seconds)
-            raise self.error(
-                oai.SERVER_OVERLOADED,
-                "too many queued requests, retry later",
-                None,
-                {"Retry-After": retry},
-            )
+        requests.check_capacity(self.app, self.engine.num_waiting)
 
     def _start(
         self,
@@ -219,49 +185,27 @@ class Serving:
         n = 1 if beam else max(n, best_of)
         self.check_capacity()
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        base = oai.new_id("req")
-        ids = [f"{base}-{i}" for i in range(n)]
+        ids = requests.request_ids(n)
         prio = Priority.BATCH if priority == "batch" else Priority.INTERACTIVE
         for i, request_id in enumerate(ids):
-            p = params
-            if params.seed is not None and i:
-                p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            p = requests.choice_params(params, i)
             grammar = grammars[i] if grammars else None
             self.engine.add(request_id, prompt, p, prio, queue, tag=i, grammar=grammar)
         self.metrics.prompt_tokens.inc(len(prompt) * n)
         return ids, queue
 
-    async def _items(
+    def _items(
         self, ids: list[str], queue: asyncio.Queue[Item]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all choices until each finished; aborts the rest if left early."""
-        open_tags = set(range(len(ids)))
-        timing = [_Timing() for _ in ids]
-        try:
-            while open_tags:
-                tag, item = await queue.get()
-                if isinstance(item, BaseException):
-                    open_tags.discard(tag)
-                    raise item
-                self._observe(timing[tag], item)
-                if item.finished:
-                    open_tags.discard(tag)
-                yield tag, item
-        finally:
-            for tag in open_tags:
-                self.engine.abort(ids[tag])
+        return requests.outputs(ids, queue, self.engine.abort, self.metrics)
 
-    def _observe(self, t: _Timing, out: RequestOutput) -> None:
-        now = time.monotonic()
-        if t.last is None:
-            self.metrics.ttft.observe(now - t.start)
-        else:
-            self.metrics.tbt.observe(now - t.last)
-        t.last = now
-        self.metrics.generation_tokens.inc(len(out.new_token_ids))
-        if out.finished:
-            self.metrics.e2e.observe(now - t.start)
-            self.metrics.requests.labels(finish_reason=out.finish_reason or "").inc()
+    def _shapes(
+        self,
+        body: oai.ChatCompletionRequest | oai.CompletionRequest,
+        spec: tool_calls.ToolSpec | None = None,
+    ) -> responses.Shapes:
+        return responses.Shapes(body, self.app.state.model_name, self.tokenizer.id_to_token, spec)
 
     # --- endpoints ------------------------------------------------------------------------
 
@@ -274,54 +218,30 @@ class Serving:
         top = body.top_logprobs or 0
         params = self._params(body, len(prompt), top if body.logprobs else None)
         params = dataclasses.replace(params, constraint=plan.constraint)
-        params = self._search_params(params, search)
-        count = 1 if search.beam else max(search.n, search.best_of)
-        grammars = await self._grammars(params, count)
-        ids, queue = self._start(
-            prompt, params, search.n, search.best_of, search.beam, body.priority, grammars
-        )
-        items = self._items(ids, queue)
-        if body.stream:
-            return await self._stream(
-                items, self._chat_chunks(body, ids[0], prompt, items, plan.spec)
-            )
-        finals = self._choose(await self._collect(items, request), search)
-        choices = []
-        for i, (out, lps) in enumerate(finals):
-            message, reason = tool_calls.message(out.text, out.finish_reason, plan.spec)
-            choices.append(
-                oai.ChatChoice(
-                    index=i,
-                    message=message,
-                    finish_reason=reason,  # type: ignore[arg-type]
-                    logprobs=self._chat_logprobs(lps) if body.logprobs else None,
-                )
-            )
-        resp = oai.ChatCompletionResponse(
-            id=ids[0],
-            model=self.app.state.model_name,
-            choices=choices,
-            usage=self._usage(prompt, [f[0] for f in finals]),
-        )
-        return JSONResponse(resp.model_dump(exclude_none=True))
+        return await self._generate(body, request, prompt, params, search, plan.spec, "")
 
     async def completion(self, body: oai.CompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
         admission.refuse_unsupported(body, SUPPORTED_HERE)
         search = self._search(body)
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
-                raise self.error(oai.INVALID_PARAMETER, "prompt: one prompt per request", "prompt")
-            text: str | None = str(body.prompt[0])
-        else:
-            text = body.prompt if isinstance(body.prompt, str) else None
-        if text is not None:
-            prompt = self.tokenizer.encode(text)
-        else:
-            prompt = admission.prompt_token_ids(body.prompt, self.vocab_size)
+        text, prompt = requests.completion_prompt(body, self.tokenizer.encode, self.vocab_size)
         constraint = structured.from_request(body)
         params = self._params(body, len(prompt), body.logprobs)
         params = dataclasses.replace(params, constraint=constraint)
+        echo = (text or self.tokenizer.decode(prompt)) if body.echo else ""
+        return await self._generate(body, request, prompt, params, search, None, echo)
+
+    async def _generate(
+        self,
+        body: oai.ChatCompletionRequest | oai.CompletionRequest,
+        request: Request,
+        prompt: list[int],
+        params: SamplingParams,
+        search: _Search,
+        spec: tool_calls.ToolSpec | None,
+        echo: str,
+    ) -> Response:
+        """The engine requests of ``search``, streamed or answered whole."""
         params = self._search_params(params, search)
         count = 1 if search.beam else max(search.n, search.best_of)
         grammars = await self._grammars(params, count)
@@ -329,28 +249,27 @@ class Serving:
             prompt, params, search.n, search.best_of, search.beam, body.priority, grammars
         )
         items = self._items(ids, queue)
-        echo = (text or self.tokenizer.decode(prompt)) if body.echo else ""
+        shapes = self._shapes(body, spec)
         if body.stream:
-            return await self._stream(
-                items, self._completion_chunks(body, ids[0], prompt, items, echo)
+            finished: list[RequestOutput] = []
+
+            def record(tag: int, out: RequestOutput) -> None:
+                if out.finished:
+                    finished.append(out)
+
+            chunks = responses.stream_chunks(
+                shapes, ids[0], items, lambda: self._usage(prompt, finished), echo, record
+            )
+            return await responses.stream_response(
+                chunks, items, refused=(ValueError,), failed=(async_engine.RequestFailed,)
             )
         finals = self._choose(await self._collect(items, request), search)
-        choices = [
-            oai.CompletionChoice(
-                index=i,
-                text=echo + out.text,
-                finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                logprobs=self._completion_logprobs(lps) if body.logprobs is not None else None,
-            )
-            for i, (out, lps) in enumerate(finals)
-        ]
-        resp = oai.CompletionResponse(
-            id=ids[0],
-            model=self.app.state.model_name,
-            choices=choices,
-            usage=self._usage(prompt, [f[0] for f in finals]),
+        return shapes.response(
+            ids[0],
+            [responses.Final(out.text, out.finish_reason, lps) for out, lps in finals],
+            self._usage(prompt, [out for out, _ in finals]),
+            echo,
         )
-        return JSONResponse(resp.model_dump(exclude_none=True))
 
     # --- non-streaming --------------------------------------------------------------------
 
@@ -372,37 +291,8 @@ class Serving:
         async def close() -> None:
             await items.aclose()  # type: ignore[attr-defined]
 
-        await self.until_disconnected(gather(), request, close)
+        await requests.until_disconnected(gather(), request, close)
         return [(finals[i], logprobs.get(i, [])) for i in sorted(finals)]
-
-    async def until_disconnected(
-        self,
-        work: Coroutine[Any, Any, T],
-        request: Request,
-        on_cancel: Callable[[], Awaitable[None]] | None = None,
-    ) -> T:
-        """``work``'s result, unless the client goes away first: then ``work`` is cancelled
-        (which aborts its engine requests), ``on_cancel`` runs, and the answer is a 400."""
-        task = asyncio.ensure_future(work)
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                if on_cancel is not None:
-                    await on_cancel()
-        if task.cancelled():
-            raise self.error(oai.INVALID_REQUEST, "client disconnected")
-        return task.result()  # re-raises an engine error
 
     @staticmethod
     def _choose(
@@ -441,143 +331,4 @@ class Serving:
     def _usage(self, prompt: list[int], outs: list[RequestOutput]) -> oai.Usage:
         completion = sum(len(o.token_ids) for o in outs)
         cached = max((o.num_cached_tokens for o in outs), default=0)
-        return oai.Usage(
-            prompt_tokens=len(prompt),
-            completion_tokens=completion,
-            total_tokens=len(prompt) + completion,
-            prompt_tokens_details={"cached_tokens": cached},
-        )
-
-    def _chat_logprobs(self, lps: list[Any]) -> oai.ChoiceLogprobs:
-        tok = self.tokenizer
-        return oai.ChoiceLogprobs(
-            content=[
-                oai.TokenLogprob(
-                    token=tok.id_to_token(token_id),
-                    logprob=lp.logprob,
-                    top_logprobs=[
-                        oai.TopLogprob(token=tok.id_to_token(t), logprob=v)
-                        for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                    ],
-                )
-                for token_id, lp in lps
-            ]
-        )
-
-    def _completion_logprobs(self, lps: list[Any]) -> oai.CompletionLogprobs:
-        tok = self.tokenizer
-        out = oai.CompletionLogprobs()
-        offset = 0
-        for token_id, lp in lps:
-            text = tok.id_to_token(token_id)
-            out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(
-                {
-                    tok.id_to_token(t): v
-                    for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                }
-            )
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
-
-    # --- streaming ------------------------------------------------------------------------
-
-    async def _stream(self, items: AsyncIterator[Any], chunks: AsyncIterator[str]) -> Response:
-        try:
-            first = await anext(chunks)
-        except ValueError as exc:
-            await items.aclose()  # type: ignore[attr-defined]
-            raise self.error(oai.INVALID_PARAMETER, str(exc)) from exc
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                yield first
-                async for chunk in chunks:
-                    yield chunk
-            except async_engine.RequestFailed as exc:
-                # Headers are sent: the failure goes in-band, then the stream ends cleanly.
-                _, error = oai.make_error(oai.INTERNAL_ERROR, str(exc))
-                yield f"data: {json.dumps(error.model_dump())}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                # Cancelled (client gone) or done: close both generators so that the
-                # engine requests still open are aborted now, not at garbage collection.
-                with contextlib.suppress(RuntimeError):
-                    await chunks.aclose()  # type: ignore[attr-defined]
-                    await items.aclose()  # type: ignore[attr-defined]
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    @staticmethod
-    def _sse(obj: Any) -> str:
-        return f"data: {json.dumps(obj.model_dump(exclude_none=True))}\n\n"
-
-    async def _chat_chunks(
-        self,
-        body: oai.ChatCompletionRequest,
-        rid: str,
-        prompt: list[int],
-        items: AsyncIterator[tuple[int, RequestOutput]],
-        spec: tool_calls.ToolSpec | None,
-    ) -> AsyncIterator[str]:
-        model = self.app.state.model_name
-        finals: list[RequestOutput] = []
-        started: set[int] = set()
-        shapers: dict[int, tool_calls.DeltaShaper] = {}
-        async for tag, out in items:
-            shaper = shapers.setdefault(tag, tool_calls.DeltaShaper(spec))
-            delta, reason = shaper(out.new_text, out.finish_reason)
-            if tag not in started:
-                started.add(tag)
-                delta.role = "assistant"
-            lp = None
-            if body.logprobs:
-                lp = self._chat_logprobs(
-                    list(zip(out.new_token_ids, out.new_logprobs, strict=False))
-                )
-            choice = oai.ChatChunkChoice(index=tag, delta=delta, finish_reason=reason, logprobs=lp)  # type: ignore[arg-type]
-            yield self._sse(oai.ChatCompletionChunk(id=rid, model=model, choices=[choice]))
-            if out.finished:
-                finals.append(out)
-        if body.include_usage_in_stream():
-            chunk = oai.ChatCompletionChunk(
-                id=rid, model=model, choices=[], usage=self._usage(prompt, finals)
-            )
-            yield f"data: {json.dumps(chunk.model_dump(exclude_none=True) | {'choices': []})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def _completion_chunks(
-        self,
-        body: oai.CompletionRequest,
-        rid: str,
-        prompt: list[int],
-        items: AsyncIterator[tuple[int, RequestOutput]],
-        echo: str,
-    ) -> AsyncIterator[str]:
-        model = self.app.state.model_name
-        finals: list[RequestOutput] = []
-        started: set[int] = set()
-        async for tag, out in items:
-            text = out.new_text
-            if tag not in started:
-                started.add(tag)
-                text = echo + text
-            lp = None
-            if body.logprobs is not None:
-                lp = self._completion_logprobs(
-                    list(zip(out.new_token_ids, out.new_logprobs, strict=False))
-                )
-            choice = oai.CompletionChoice(
-                index=tag, text=text, finish_reason=out.finish_reason, logprobs=lp
-            )  # type: ignore[arg-type]
-            yield self._sse(oai.CompletionResponse(id=rid, model=model, choices=[choice]))
-            if out.finished:
-                finals.append(out)
-        if body.include_usage_in_stream():
-            chunk = oai.CompletionResponse(
-                id=rid, model=model, choices=[], usage=self._usage(prompt, finals)
-            )
-            yield self._sse(chunk)
-        yield "data: [DONE]\n\n"
+        return responses.usage(len(prompt), completion, cached)

@@ -5,6 +5,8 @@ indexed by the *target's* block tables: block ``b`` of a request holds the targe
 its tokens in the target cache and the draft's K/V of the same tokens in the draft cache.
 So the draft needs no allocator, preemption or prefix-cache logic of its own, and the
 engine sizes the KV budget by the sum of both per-block sizes (``kv_bytes_per_block``).
+Cache and input packing are the target's own (``model/kv_cache.py``), as is sampling
+(``sampler.py``).
 
 **What it computes, and when.** The draft runs inside the model runner's step, after the
 scheduler allocated the step's blocks (its proposals write K/V there) and before the
@@ -34,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from hybridllm_cloud.engine.outputs import ScheduledRequest
-from hybridllm_cloud.model import llama
+from hybridllm_cloud import sampler
+from hybridllm_cloud.model import kv_cache, llama
+from hybridllm_cloud.outputs import ScheduledRequest
 from hybridllm_cloud.spec_decode.config import SpeculativeConfig, check_draft
-from hybridllm_cloud.worker import sampler
 
 PLACEHOLDER = -1  # proposal slots the scheduler reserved for the draft to fill
 
@@ -95,11 +97,9 @@ def load_draft(
 
 class DraftRunner:
     def __init__(self, model: llama.LlamaModel, num_blocks: int, block_size: int) -> None:
-        from hybridllm_cloud.worker import model_runner
-
         self.model = model
         self.block_size = block_size
-        self.kv_caches = model_runner.allocate_kv_caches(model, num_blocks, block_size)
+        self.kv_caches = kv_cache.allocate_kv_caches(model, num_blocks, block_size)
 
     def propose(
         self, scheduled: list[ScheduledRequest], generators: list[torch.Generator | None]
@@ -107,14 +107,12 @@ class DraftRunner:
         """Fills each record's proposal slots (``spec_token_ids`` and the tail of
         ``token_ids``) with draft tokens; returns each request's ``q`` (``[k, vocab]``), or
         None where the proposals are argmax choices (one-hot ``q``)."""
-        from hybridllm_cloud.worker import model_runner
-
         drafts: list[list[int]] = [[] for _ in scheduled]
         probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
         seqs = [(s.draft_token_ids, s.draft_start, s.block_ids) for s in scheduled]
         active = list(range(len(scheduled)))
         while active:
-            ids, pos, meta, last_rows = model_runner.pack(
+            ids, pos, meta, last_rows = kv_cache.pack(
                 [seqs[i] for i in active], self.block_size, self.model.device
             )
             hidden = self.model.forward(ids, pos, self.kv_caches, meta)

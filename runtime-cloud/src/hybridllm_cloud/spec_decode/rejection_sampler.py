@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridllm_cloud.engine.outputs import TokenLogprobs
-from hybridllm_cloud.engine.request import SamplingParams
-from hybridllm_cloud.worker import sampler
+from hybridllm_cloud import sampler
+from hybridllm_cloud.outputs import TokenLogprobs
+from hybridllm_cloud.sampling_params import SamplingParams
 
 
 def rejection_sample(

@@ -6,7 +6,9 @@ requests only as ``ScheduledRequest`` records. Inputs are packed: all new tokens
 scheduled requests form one ``[num_tokens]`` batch; per sequence, ``query_start_loc``,
 ``context_lens`` and its block table give attention its view of the cache. When every
 sequence brings a single token (pure decode), the decode kernel runs instead of the
-varlen prefill one.
+varlen prefill one. The cache and the packing are ``model/kv_cache.py``'s (the draft
+model's runner uses them too); sampling is ``sampler.py``'s, verification of proposals
+``spec_decode/rejection_sampler.py``'s.
 
 For disaggregation the runner is also where KV blocks leave and enter the cache:
 ``kv_export_sink`` receives, after each layer of a step, copies of the blocks the
@@ -24,15 +26,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridllm_cloud.engine.outputs import (
+from hybridllm_cloud import sampler
+from hybridllm_cloud.model import kv_cache, llama
+from hybridllm_cloud.outputs import (
     KVExportSlice,
     ModelRunnerOutput,
     SchedulerOutput,
     TokenLogprobs,
 )
-from hybridllm_cloud.model import llama
 from hybridllm_cloud.spec_decode import rejection_sampler
-from hybridllm_cloud.worker import sampler
 
 if TYPE_CHECKING:
     from hybridllm_cloud.spec_decode.draft import DraftRunner
@@ -40,68 +42,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(model: llama.LlamaModel, block_size: int) -> int:
-    cfg = model.config
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-
-
-def allocate_kv_caches(
-    model: llama.LlamaModel, num_blocks: int, block_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed ``(k_cache, v_cache)`` pair per layer of ``model``."""
-    cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=model.dtype, device=model.device),
-            torch.zeros(shape, dtype=model.dtype, device=model.device),
-        )
-        for _ in range(cfg.num_hidden_layers)
-    ]
-
-
-def pack(
-    seqs: list[tuple[list[int], int, list[int]]], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, llama.AttentionMetadata, torch.Tensor]:
-    """Packs ``(token_ids, start_position, block_ids)`` sequences into one forward pass:
-    input ids, positions, attention metadata and the index of each sequence's last row."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    context_lens: list[int] = []
-    for token_ids, start, block_ids in seqs:
-        input_ids.extend(token_ids)
-        pos = range(start, start + len(token_ids))
-        positions.extend(pos)
-        slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in pos)
-        starts.append(starts[-1] + len(token_ids))
-        context_lens.append(start + len(token_ids))
-    max_blocks = max(len(b) for _, _, b in seqs)
-    tables = [b + [0] * (max_blocks - len(b)) for _, _, b in seqs]
-    meta = llama.AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        decode_only=len(input_ids) == len(seqs),
-    )
-    last_rows = torch.tensor([e - 1 for e in starts[1:]], dtype=torch.int64, device=device)
-    return (
-        torch.tensor(input_ids, dtype=torch.int64, device=device),
-        torch.tensor(positions, dtype=torch.int64, device=device),
-        meta,
-        last_rows,
-    )
-
-
 class ModelRunner:
     def __init__(self, model: llama.LlamaModel, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
+        self.kv_caches = kv_cache.allocate_kv_caches(model, num_blocks, block_size)
         self.req_to_generator: dict[str, torch.Generator] = {}
         # Speculative decoding with a draft model: proposes into its own cache (same blocks).
         self.drafter: DraftRunner | None = None
@@ -218,7 +164,7 @@ class ModelRunner:
                 spec, [self._generator(s.request_id, s.sampling_params.seed) for s in spec]
             )
         dev = self.model.device
-        input_ids, positions, meta, last_rows = pack(
+        input_ids, positions, meta, last_rows = kv_cache.pack(
             [(s.token_ids, s.start_position, s.block_ids) for s in sched.scheduled],
             self.block_size,
             dev,

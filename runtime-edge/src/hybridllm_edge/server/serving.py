@@ -10,67 +10,70 @@ Every answer carries its confidence, the mean log-probability of its tokens, in 
 ``x-hybridllm-mean-logprob`` header (non-streaming) and in ``usage.mean_logprob`` (both;
 streams send ``usage`` when ``stream_options.include_usage`` is set). ``x-hybridllm-cache``
 says ``hit``, ``miss`` (cacheable, computed and stored) or ``bypass`` (not cacheable).
+
+The checks, the outputs' queue and the answers' shapes are the cloud runtime's too
+(``hybridllm_common.serving.requests`` and ``.responses``); this module is what the edge
+adds: its engine's requests, the response cache, the confidence header.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from hybridllm_common import admission, structured, tool_calls
 from hybridllm_common import openai_protocol as oai
+from hybridllm_common.serving import requests, responses
 from hybridllm_edge import cache, engine, sampling
-from hybridllm_edge.server import responses
-from hybridllm_edge.server.responses import Body, ChoiceState
 
 CACHE_HEADER = "x-hybridllm-cache"
 CONFIDENCE_HEADER = "x-hybridllm-mean-logprob"
 
 
-class Serving(responses.ResponseShapes):
+@dataclass
+class ChoiceState:
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[tuple[int, sampling.Choice]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    logprob_sum: float = 0.0
+    cached_tokens: int = 0  # prompt tokens found in the slot's KV (the prompt cache)
+
+    def final(self) -> responses.Final:
+        return responses.Final("".join(self.pieces), self.finish_reason, self.logprobs)
+
+
+class Serving:
     def __init__(self, app: FastAPI, error: Callable[..., Exception]) -> None:
         self.app = app
         self.error = error
         self.engine: engine.Engine = getattr(app.state, "engine", None)  # type: ignore[assignment]
         self.metrics = app.state.metrics
         self.cache: cache.ResponseCache | None = app.state.cache
-        self.chat_kind = True
         self.tool_spec: tool_calls.ToolSpec | None = None  # the chat request's tools
-        self.shapers: dict[int, tool_calls.DeltaShaper] = {}  # per streamed choice
 
     # --- admission ------------------------------------------------------------------------
 
     def _check_ready(self, model: str) -> None:
-        if not self.app.state.ready:
-            raise self.error(oai.MODEL_NOT_READY, self.app.state.not_ready_reason)
-        if model and model != self.app.state.model_name:
-            raise self.error(oai.MODEL_NOT_FOUND, f"model {model!r} is not served here", "model")
+        requests.check_ready(self.app)
+        requests.check_model(self.app, model)
 
-    def _params(self, body: Body, prompt_len: int, logprobs: int | None) -> sampling.SamplingParams:
-        max_tokens = admission.max_new_tokens(body, prompt_len, self.engine.info.max_model_len)
+    def _params(
+        self, body: responses.Body, prompt_len: int, logprobs: int | None
+    ) -> sampling.SamplingParams:
+        max_len = self.engine.info.max_model_len
         return sampling.SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            seed=body.seed,
-            stop=tuple(body.stop_list()),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            logprobs=logprobs,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
+            **requests.sampling_fields(body, prompt_len, max_len, logprobs)
         )
 
     def _cache_key(
-        self, body: Body, request: Request, prompt: Any, wants_logprobs: bool
+        self, body: responses.Body, request: Request, prompt: Any, wants_logprobs: bool
     ) -> str | None:
         """The cache key when this request may be answered from / stored in the cache."""
         if self.cache is None or body.n != 1 or wants_logprobs:
@@ -83,17 +86,6 @@ class Serving(responses.ResponseShapes):
         revision = self.engine.info.revision
         return cache.make_key(revision, endpoint, prompt, body.model_dump(exclude_unset=False))
 
-    async def _grammars(
-        self, constraint: structured.Constraint | None, n: int
-    ) -> list[structured.Matcher | None]:
-        """One matcher per choice (``structured.matchers``: checked and built off the event
-        loop and the engine's step loop)."""
-        if constraint is None:
-            return [None] * n
-        built = await structured.matchers(lambda: self.engine.vocabulary, constraint, n)
-        self.metrics.structured.labels(kind=constraint.kind).inc()
-        return list(built)
-
     def _start(
         self,
         prompt: list[int],
@@ -102,21 +94,12 @@ class Serving(responses.ResponseShapes):
         salt: str = "",
         grammars: list[structured.Matcher | None] | None = None,
     ) -> tuple[list[str], asyncio.Queue[tuple[int, Any]]]:
-        if self.engine.num_waiting >= self.app.state.settings.max_waiting_requests:
-            raise self.error(
-                oai.SERVER_OVERLOADED,
-                "too many queued requests, retry later",
-                None,
-                {"Retry-After": str(self.app.state.settings.retry_after_seconds)},
-            )
+        requests.check_capacity(self.app, self.engine.num_waiting)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        base = oai.new_id("req")
-        ids = [f"{base}-{i}" for i in range(n)]
+        ids = requests.request_ids(n)
         for i, rid in enumerate(ids):
-            p = params
-            if params.seed is not None and i:
-                p = sampling.SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            p = requests.choice_params(params, i)
 
             def emit(item: Any, tag: int = i) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
@@ -127,34 +110,6 @@ class Serving(responses.ResponseShapes):
             )
         self.metrics.prompt_tokens.inc(len(prompt) * n)
         return ids, queue
-
-    async def _items(
-        self, ids: list[str], queue: asyncio.Queue[tuple[int, Any]]
-    ) -> AsyncIterator[tuple[int, engine.Output]]:
-        """Outputs of all choices until each finished; aborts the rest if left early."""
-        open_tags = set(range(len(ids)))
-        start = time.monotonic()
-        last: float | None = None
-        try:
-            while open_tags:
-                tag, item = await queue.get()
-                if isinstance(item, BaseException):
-                    open_tags.discard(tag)
-                    raise item
-                now = time.monotonic()
-                (self.metrics.ttft if last is None else self.metrics.tbt).observe(
-                    now - (start if last is None else last)
-                )
-                last = now
-                self.metrics.generation_tokens.inc(len(item.new_token_ids))
-                if item.finished:
-                    open_tags.discard(tag)
-                    self.metrics.e2e.observe(now - start)
-                    self.metrics.requests.labels(finish_reason=item.finish_reason or "").inc()
-                yield tag, item
-        finally:
-            for tag in open_tags:
-                self.engine.abort(ids[tag])
 
     # --- endpoints ------------------------------------------------------------------------
 
@@ -170,10 +125,7 @@ class Serving(responses.ResponseShapes):
         key = self._cache_key(body, request, normalized, body.logprobs)
         if key is not None and (hit := self._lookup(key)) is not None:
             return self._from_cache(body, hit)
-        try:
-            text = template.render(plan.messages, plan.tools)
-        except Exception as exc:
-            raise self.error(oai.INVALID_REQUEST, f"chat template: {exc}", "messages") from exc
+        text = requests.render_chat(lambda: template.render(plan.messages, plan.tools))
         prompt = self.engine.backend.encode(text, add_special=False)
         top = body.top_logprobs or 0
         params = self._params(body, len(prompt), top if body.logprobs else None)
@@ -183,16 +135,11 @@ class Serving(responses.ResponseShapes):
     async def completion(self, body: oai.CompletionRequest, request: Request) -> Response:
         self._check_ready(body.model)
         admission.refuse_unsupported(body)
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
-                raise self.error(oai.INVALID_PARAMETER, "prompt: one prompt per request", "prompt")
-            text: str | None = str(body.prompt[0])
-        else:
-            text = body.prompt if isinstance(body.prompt, str) else None
-        if text is not None:
-            prompt = self.engine.backend.encode(text, add_special=True)
-        else:
-            prompt = admission.prompt_token_ids(body.prompt, self.engine.info.vocab_size)
+        text, prompt = requests.completion_prompt(
+            body,
+            lambda t: self.engine.backend.encode(t, add_special=True),
+            self.engine.info.vocab_size,
+        )
         cache_prompt = cache.normalize(text) if text is not None else prompt
         key = self._cache_key(body, request, cache_prompt, body.logprobs is not None)
         if key is not None and (hit := self._lookup(key)) is not None:
@@ -208,16 +155,21 @@ class Serving(responses.ResponseShapes):
 
     async def _generate(
         self,
-        body: Body,
+        body: responses.Body,
         request: Request,
         prompt: list[int],
         params: sampling.SamplingParams,
         key: str | None,
         echo: str,
     ) -> Response:
-        grammars = await self._grammars(params.constraint, body.n)
+        grammars = await requests.grammars(
+            lambda: self.engine.vocabulary, params.constraint, body.n, self.metrics
+        )
         ids, queue = self._start(prompt, params, body.n, body.cache_salt or "", grammars)
-        items = self._items(ids, queue)
+        # one clock for the request's choices (the cloud runtime keeps one per choice)
+        items: AsyncIterator[tuple[int, engine.Output]] = requests.outputs(
+            ids, queue, self.engine.abort, self.metrics, clock_per_choice=False
+        )
         choices = [ChoiceState() for _ in ids]
         status = "miss" if key is not None else "bypass"
         headers = {CACHE_HEADER: status}
@@ -241,58 +193,53 @@ class Serving(responses.ResponseShapes):
                 ):
                     self.cache.put(key, self._answer(prompt, c))
 
+        shapes = self._shapes(body)
         if body.stream:
-            chunks = self._stream_chunks(body, ids[0], prompt, items, record, choices, echo)
-            try:
-                first = await anext(chunks)
-            except StopAsyncIteration:
-                first = "data: [DONE]\n\n"
-
-            async def stream() -> AsyncIterator[str]:
-                try:
-                    yield first
-                    async for chunk in chunks:
-                        yield chunk
-                finally:
-                    with contextlib.suppress(RuntimeError):
-                        await chunks.aclose()
-                        await items.aclose()  # type: ignore[attr-defined]
-
-            return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
-        await self._collect(items, request, record)
-        usage = self._usage(prompt, choices)
-        headers[CONFIDENCE_HEADER] = f"{usage.mean_logprob:.6f}"
-        resp = self._full_response(body, ids[0], choices, usage, echo)
-        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
-
-    async def _collect(
-        self,
-        items: AsyncIterator[tuple[int, engine.Output]],
-        request: Request,
-        record: Callable[[int, engine.Output], None],
-    ) -> None:
-        """Runs every choice to its end, racing the client's disconnect."""
+            chunks = responses.stream_chunks(
+                shapes,
+                ids[0],
+                items,
+                lambda: self._usage(prompt, choices),
+                echo,
+                record,
+                skip_partial=True,
+            )
+            return await responses.stream_response(chunks, items, headers)
 
         async def gather() -> None:
             async for tag, out in items:
                 record(tag, out)
 
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+        async def close() -> None:
+            await items.aclose()  # type: ignore[attr-defined]
 
-        work = asyncio.ensure_future(gather())
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                await items.aclose()  # type: ignore[attr-defined]
-        if work.cancelled():
-            raise self.error(oai.INVALID_REQUEST, "client disconnected")
-        work.result()  # re-raises an engine error
+        await requests.until_disconnected(gather(), request, close)
+        usage = self._usage(prompt, choices)
+        headers[CONFIDENCE_HEADER] = f"{usage.mean_logprob:.6f}"
+        return shapes.response(ids[0], [c.final() for c in choices], usage, echo, headers)
+
+    def _shapes(self, body: responses.Body) -> responses.Shapes:
+        return responses.Shapes(body, self.app.state.model_name, self._token_str, self.tool_spec)
+
+    def _token_str(self, token_id: int) -> str:
+        return self.engine.backend.token_bytes(token_id).decode("utf-8", "replace")
+
+    def _detok(self, ids: list[int]) -> str:
+        raw = b"".join(self.engine.backend.token_bytes(t) for t in ids)
+        return raw.decode("utf-8", "replace")
+
+    @staticmethod
+    def _usage(prompt: list[int], choices: list[ChoiceState]) -> oai.Usage:
+        completion = sum(c.num_tokens for c in choices)
+        total_lp = sum(c.logprob_sum for c in choices)
+        return responses.usage(
+            len(prompt),
+            completion,
+            # of the prompt, the tokens served from the prompt cache (every choice's, when
+            # n > 1 ran each in a slot of its own)
+            min(c.cached_tokens for c in choices),
+            total_lp / completion if completion else None,
+        )
 
     # --- cache ----------------------------------------------------------------------------
 
@@ -313,7 +260,7 @@ class Serving(responses.ResponseShapes):
             mean_logprob=c.logprob_sum / c.num_tokens if c.num_tokens else None,
         )
 
-    def _from_cache(self, body: Body, hit: cache.CachedAnswer) -> Response:
+    def _from_cache(self, body: responses.Body, hit: cache.CachedAnswer) -> Response:
         headers = {CACHE_HEADER: "hit"}
         usage = oai.Usage(
             prompt_tokens=hit.prompt_tokens,
@@ -321,58 +268,28 @@ class Serving(responses.ResponseShapes):
             total_tokens=hit.prompt_tokens + hit.completion_tokens,
             mean_logprob=hit.mean_logprob,
         )
-        c = ChoiceState(pieces=list(hit.pieces), finish_reason=hit.finish_reason)
         kind = "chatcmpl" if isinstance(body, oai.ChatCompletionRequest) else "cmpl"
         rid = oai.new_id(kind)
+        shapes = self._shapes(body)
         if body.stream:
             return StreamingResponse(
-                self._replay(body, rid, hit, usage), media_type="text/event-stream", headers=headers
+                self._replay(shapes, rid, hit, usage),
+                media_type="text/event-stream",
+                headers=headers,
             )
         if hit.mean_logprob is not None:
             headers[CONFIDENCE_HEADER] = f"{hit.mean_logprob:.6f}"
-        resp = self._full_response(body, rid, [c], usage, "")
-        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+        final = responses.Final("".join(hit.pieces), hit.finish_reason)
+        return shapes.response(rid, [final], usage, "", headers)
 
+    @staticmethod
     async def _replay(
-        self, body: Body, rid: str, hit: cache.CachedAnswer, usage: oai.Usage
+        shapes: responses.Shapes, rid: str, hit: cache.CachedAnswer, usage: oai.Usage
     ) -> AsyncIterator[str]:
         pieces = list(hit.pieces) or [""]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            yield self._chunk(
-                body, rid, 0, piece, hit.finish_reason if last else None, i == 0, None
-            )
-        if body.include_usage_in_stream():
-            yield self._usage_chunk(body, rid, usage)
-        yield "data: [DONE]\n\n"
-
-    async def _stream_chunks(
-        self,
-        body: Body,
-        rid: str,
-        prompt: list[int],
-        items: AsyncIterator[tuple[int, engine.Output]],
-        record: Callable[[int, engine.Output], None],
-        choices: list[ChoiceState],
-        echo: str,
-    ) -> AsyncIterator[str]:
-        started: set[int] = set()
-        async for tag, out in items:
-            record(tag, out)
-            wants_logprobs = (
-                body.logprobs is True
-                if isinstance(body, oai.ChatCompletionRequest)
-                else body.logprobs is not None
-            )
-            if not out.new_text and not out.finished and tag in started and not wants_logprobs:
-                continue  # a token that completes no character yet (part of a UTF-8 sequence)
-            text = out.new_text
-            first = tag not in started
-            if first:
-                started.add(tag)
-                text = echo + text
-            lps = list(zip(out.new_token_ids, out.new_logprobs, strict=True))
-            yield self._chunk(body, rid, tag, text, out.finish_reason, first, lps)
-        if body.include_usage_in_stream():
-            yield self._usage_chunk(body, rid, self._usage(prompt, choices))
-        yield "data: [DONE]\n\n"
+            yield shapes.chunk(rid, 0, piece, hit.finish_reason if last else None, i == 0, None)
+        if shapes.body.include_usage_in_stream():
+            yield shapes.usage_chunk(rid, usage)
+        yield responses.DONE

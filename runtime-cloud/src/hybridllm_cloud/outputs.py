@@ -1,20 +1,19 @@
 """What crosses the scheduler / model-runner seam: plain dataclasses only.
 
 These records are the boundary at which prefill and decode will run in separate
-processes, so they hold ids, token ids and numbers, never engine objects or tensors.
+processes, so they hold ids, token ids and numbers, never engine objects or tensors. The
+engine (``engine/``) writes and reads them, and so do the model runner (``worker/``) and
+the speculative decoding pieces (``spec_decode/``): they sit below all three (as vLLM's
+``vllm/v1/outputs.py``), next to ``sampling_params.py``, and import nothing of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hybridllm_cloud.engine.request import SamplingParams
-
-if TYPE_CHECKING:
-    from hybridllm_cloud.engine.beam_search import BeamKVStats, BeamSequence
+from hybridllm_cloud.sampling_params import SamplingParams
 
 
 @dataclass
@@ -106,6 +105,25 @@ class ModelRunnerOutput:
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Prompt logprobs computed this step, per request: those of its prompt_targets.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class BeamSequence:
+    """A beam search's returned sequence: its tokens (with the EOS that ended it, if any)."""
+
+    token_ids: list[int]
+    score: float  # sum of log-probabilities / generated length ** length_penalty
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | None = None
+
+
+@dataclass
+class BeamKVStats:
+    """Blocks a beam group held at its peak, against what one table per beam would hold."""
+
+    peak_blocks: int = 0  # distinct blocks (shared ones counted once)
+    peak_blocks_copy_per_beam: int = 0  # sum of the beams' table lengths
+    num_block_copies: int = 0  # copy-on-write block copies issued
 
 
 @dataclass

@@ -8,6 +8,11 @@ tokens generated so far) lower a row's logits before the choice. Logprobs are of
 model's raw distribution (before penalties, temperature and truncation), like OpenAI and
 vLLM. A structured output's grammar removes the tokens it does not allow before anything
 else (the mask comes from the scheduler, one row per constrained request).
+
+The model runner samples with ``sample``; the speculative decoding pieces (the draft
+proposer, the rejection sampler) use the same steps one at a time (``processed_logits``,
+``processed_probs``, ``draw``), so this module sits below ``worker/`` and
+``spec_decode/`` alike.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridllm_cloud.engine.outputs import TokenLogprobs
-from hybridllm_cloud.engine.request import SamplingParams
+from hybridllm_cloud.outputs import TokenLogprobs
+from hybridllm_cloud.sampling_params import SamplingParams
 
 
 @dataclass
