@@ -23,7 +23,8 @@ Here: the key and identity on disk, enrollment, the config long-poll and the che
 config document, applying a config (``Agent.apply``: which runtime serves), supervising
 the runtime, the heartbeat's sending, and the CLI. Starting, checking and stopping a
 runtime, and its command line, are ``agent_runtime.py``'s; the heartbeat's body and the
-KPIs read from the runtime's /metrics, ``agent_kpis.py``'s.
+KPIs read from the runtime's /metrics, ``agent_kpis.py``'s; the TLS certificate the
+runtime serves with, ``agent_tls.py``'s.
 
 No torch: it imports the model store and httpx, nothing of the runtime but its command.
 """
@@ -47,11 +48,12 @@ from typing import Any
 
 import httpx
 
-from hybridllm_common import device_tls, signing
+from hybridllm_common import signing
 from hybridllm_edge import agent_kpis, agent_runtime
 from hybridllm_edge.agent_kpis import Kpis
-from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, Tls, serving_part
+from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, serving_part
 from hybridllm_edge.agent_runtime import runtime_command as runtime_command  # named here too
+from hybridllm_edge.agent_tls import Certificate, write_file
 
 log = logging.getLogger("hybridllm_edge.agent")
 
@@ -60,8 +62,6 @@ KEY = "device.key"
 CURRENT = "config.json"  # the last config accepted (running, or failed: see failed.json)
 LAST_GOOD = "last-good.json"  # the last config that passed its health check and served
 FAILED = "failed.json"
-TLS_CERT, TLS_KEY, TLS_CA = "tls.crt", "tls.key", "tls-ca.crt"  # the runtime's HTTPS
-CERT_RETRY_S = 30.0
 CLOCK_SKEW_S = 300.0
 
 
@@ -101,12 +101,23 @@ def check_document(
     return payload
 
 
+def device_key(path: Path) -> Any:
+    """The device's Ed25519 key, made on first start (the private key never leaves it)."""
+    if path.exists():
+        return signing.private_key_from_text(path.read_text())
+    key = signing.generate_key()
+    path.touch(mode=0o600)
+    path.write_text(signing.private_key_text(key))
+    log.info("made the device key %s", signing.key_id(key))
+    return key
+
+
 class Agent:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.state = Path(args.state_dir)
         self.state.mkdir(parents=True, exist_ok=True)
-        self.key = self._key()
+        self.key = device_key(self.state / KEY)
         self.identity: dict[str, Any] = self._read(IDENTITY) or {}
         self.running: Runtime | None = None
         self.version = 0
@@ -124,25 +135,11 @@ class Agent:
         self._stopping = asyncio.Event()
         self._draining: set[asyncio.Task[None]] = set()
         self._client: httpx.AsyncClient | None = None
-        self.tls = Tls(self.state / TLS_CERT, self.state / TLS_KEY, self.state / TLS_CA)
-        self._cert_retry_at = 0.0
-        if not args.plain_http:
-            if not self.tls.key.exists():  # the device key, in the form a TLS server loads
-                self._write_text(TLS_KEY, device_tls.private_key_pem(self.key), private=True)
-            if self.tls.cert.exists() and self.tls.ca.exists():
-                self.runtimes.tls = self.tls  # had before: the last good config serves HTTPS
+        self.certificate = None if args.plain_http else Certificate(self.state, self.key)
+        if self.certificate is not None and self.certificate.held:
+            self.runtimes.tls = self.certificate.files  # the last good config serves HTTPS
 
     # ------------------------------------------------------------------ disk
-
-    def _key(self) -> Any:
-        path = self.state / KEY
-        if path.exists():
-            return signing.private_key_from_text(path.read_text())
-        key = signing.generate_key()
-        path.touch(mode=0o600)
-        path.write_text(signing.private_key_text(key))
-        log.info("made the device key %s", signing.key_id(key))
-        return key
 
     def _read(self, name: str) -> dict[str, Any] | None:
         path = self.state / name
@@ -155,18 +152,7 @@ class Agent:
             return None
 
     def _write(self, name: str, data: dict[str, Any]) -> None:
-        path = self.state / name
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)  # a crash leaves the old file or the new one, never half
-
-    def _write_text(self, name: str, text: str, private: bool = False) -> None:
-        path = self.state / name
-        tmp = path.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
-        tmp.touch(mode=0o600 if private else 0o644)
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_file(self.state / name, json.dumps(data, indent=1))  # old or new, never half
 
     # ------------------------------------------------------------------ server calls
 
@@ -229,40 +215,13 @@ class Agent:
         return token
 
     async def certify(self, switch: bool = True) -> None:
-        """Get or renew the runtime's TLS certificate (``device_tls``: for this device's
-        key, naming the device; the gateways verify it). With ``switch``, a runtime serving
-        plain HTTP for want of one is replaced by one serving HTTPS."""
-        if self.args.plain_http or time.monotonic() < self._cert_retry_at:
+        """Get or renew the runtime's TLS certificate (``agent_tls``). With ``switch``, a
+        runtime serving plain HTTP for want of one is replaced by one serving HTTPS."""
+        if self.certificate is None:
             return
-        try:
-            have = self.tls.cert.read_text()
-        except OSError:
-            have = None
-        if not device_tls.needs_renewal(have, time.time()):
+        if not await self.certificate.renew(lambda m, p: self._call(m, p), self.identity):
             return
-        self._cert_retry_at = time.monotonic() + CERT_RETRY_S
-        try:
-            r = await self._call("POST", f"/v1/devices/{self.identity['device']}/certificate")
-        except httpx.HTTPError as exc:
-            log.info("no certificate yet: fleet server unreachable (%s)", type(exc).__name__)
-            return
-        if r.status_code != 200:
-            log.log(logging.INFO if r.status_code == 403 else logging.WARNING,
-                    "no certificate yet (%s): %s", r.status_code, _reason(r))  # fmt: skip
-            return
-        try:
-            body = r.json()
-            cert, ca = str(body["certificate"]), str(body["ca"])
-            fleet_key = signing.public_key_from_text(self.identity["fleetPublicKey"])
-            device_tls.check_issued(cert, ca, self.key.public_key(), fleet_key, time.time())
-        except (ValueError, KeyError, TypeError) as exc:  # SignatureError is a ValueError
-            log.error("the fleet server's certificate is refused: %s", exc)
-            return
-        self._write_text(TLS_CA, ca)
-        self._write_text(TLS_CERT, cert)  # last: a runtime reloads it (with the CA beside it)
-        log.info("got a certificate for %s, valid %.0f days", body.get("serverName"),
-                 (device_tls.validity(cert)[1] - time.time()) / 86400)  # fmt: skip
-        self.runtimes.tls = self.tls
+        self.runtimes.tls = self.certificate.files
         running = self.running
         if switch and running is not None and running.tls is None:
             log.info("serving plain HTTP on port %d; starting HTTPS beside it", running.port)
