@@ -16,8 +16,8 @@ the same thing. Three kinds of rule live here:
 Field names are camelCase on the wire (``minReplicas``) and snake_case in Python.
 
 The models live by kind, one module each: ``service`` (LLMService; its parts in ``tiers``
-and ``policies``), ``fleet`` (EdgeFleet, EdgeDevice) and ``checks`` (the rules no schema
-can express), on ``base``. This package re-exports them: code names ``crd.LLMServiceSpec``.
+and ``policies``), ``edgefleet``, ``edgedevice`` and ``checks`` (the rules no schema can
+express), on ``base``. This package re-exports them: code names ``crd.LLMServiceSpec``.
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ from hybridllm_common.crd.checks import (
     scaled_pools,
     semantic_errors,
 )
-from hybridllm_common.crd.fleet import (
+from hybridllm_common.crd.edgedevice import (
     DeviceFacts,
     DeviceInvite,
     DevicePhase,
     EdgeDeviceSpec,
     EdgeDeviceStatus,
+)
+from hybridllm_common.crd.edgefleet import (
     EdgeFleetSpec,
     EdgeFleetStatus,
     FleetConfig,
