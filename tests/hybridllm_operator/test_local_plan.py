@@ -110,7 +110,13 @@ def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path)
     assert table["tiers"] == {
         "edge": {
             "backends": [
-                {"url": edge.replica.url, "revision": "v1", "weight": 100, "device": False}
+                {
+                    "url": edge.replica.url,
+                    "revision": "v1",
+                    "weight": 100,
+                    "device": False,
+                    "serverName": "",
+                }
             ],
             "scaleFromZero": False,
             "remote": False,
@@ -136,8 +142,20 @@ def test_routing_table_is_the_operators_with_ready_replicas_only(tmp_path: Path)
     assert table["generation"] == 4
     assert table["revision"] == "v1"
     assert table["tiers"]["edge"]["backends"] == [
-        {"url": edge.replica.url, "revision": "v1", "weight": 75, "device": False},
-        {"url": canary.replica.url, "revision": "v2", "weight": 25, "device": False},
+        {
+            "url": edge.replica.url,
+            "revision": "v1",
+            "weight": 75,
+            "device": False,
+            "serverName": "",
+        },
+        {
+            "url": canary.replica.url,
+            "revision": "v2",
+            "weight": 25,
+            "device": False,
+            "serverName": "",
+        },
     ]
 
 

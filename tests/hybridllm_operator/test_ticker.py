@@ -19,7 +19,8 @@ class Probe(jobs.Job):
     what = "probe"
 
     def __init__(self, name: str, wait: float = 3600.0) -> None:
-        super().__init__(("ns", name), {}, {}, logging.getLogger("test"))  # type: ignore[arg-type]
+        state = jobs.ServiceState(("ns", name), None, None, list)  # type: ignore[arg-type]
+        super().__init__(state, {}, {}, logging.getLogger("test"))  # type: ignore[arg-type]
         self.wait = wait
         self.passes = 0
         self.active = 0

@@ -225,17 +225,14 @@ def _rollout(g: _Families, service: list[str], state: crd.RolloutStatus) -> None
 
 
 def operator_views(memo: Any) -> Iterator[ServiceView]:
-    """The services the operator's daemons hold (kopf's memo; empty before it starts and
-    on a standby)."""
-    scalers = dict(getattr(memo, "scalers", None) or {})
-    rollouts = dict(getattr(memo, "rollouts", None) or {})
-    for key in sorted(set(scalers) | set(rollouts)):
-        scaling, controller = scalers.get(key), rollouts.get(key)
+    """The services the operator's daemons hold (kopf's memo: each running LLMService's
+    ``jobs.ServiceState``; empty before it starts and on a standby)."""
+    services = dict(getattr(memo, "services", None) or {})
+    for key in sorted(services):
+        state = services[key]
         yield ServiceView(
-            key[0], key[1],
-            spec=scaling.spec if scaling is not None else None,
-            scaling=scaling,
-            rollout=controller.state if controller is not None else None,
+            key[0], key[1], spec=state.scaling.spec, scaling=state.scaling,
+            rollout=state.rollouts.state,
         )  # fmt: skip
 
 
