@@ -32,11 +32,11 @@ from pydantic import BaseModel, ValidationError
 
 from hybridllm_common import backend_auth, speed
 from hybridllm_common import openai_protocol as oai
+from hybridllm_gateway import attempt, golden, openapi, probe, proxy, relay, router, safety
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import cascade as cascade_mod
 from hybridllm_gateway import classifier as classifier_mod
 from hybridllm_gateway import config as config_mod
-from hybridllm_gateway import golden, openapi, probe, proxy, relay, router, safety
 from hybridllm_gateway import metrics as metrics_mod
 from hybridllm_gateway.errors import APIError, error_response
 
@@ -246,7 +246,7 @@ async def _handle(
     m = state.metrics
     stream = parsed.stream
 
-    def account(outcome: proxy.Outcome, tokens: int) -> None:
+    def account(outcome: attempt.Outcome, tokens: int) -> None:
         """The answer's metrics (synchronous: it runs in a cancelled handler too)."""
         m.requests.labels(tier=outcome.tier, code=str(outcome.status)).inc()
         if 200 <= outcome.status < 300:
@@ -277,7 +277,7 @@ async def _handle(
                 ))  # fmt: skip
         reservation.settle(tokens)
 
-    outcome = proxy.Outcome()
+    outcome = attempt.Outcome()
     try:
         if len(raw) > FILTER_INLINE_BYTES:  # linear, but a large body's scan is not the loop's
             found = await asyncio.get_running_loop().run_in_executor(None, state.filter.apply, body)

@@ -6,7 +6,8 @@ hold for a tier at zero); it is made of the two paths an attempt takes, mixed in
 replicas the raw path does not serve) and ``rawpath.RawPath`` (streams from plain-http
 replicas over ``relay.py``'s connections). Both build on ``Attempts`` here: the
 Forwarder's settings they read, and how a failed or refused attempt is charged to its
-replica (the balancer's ejection, the metrics). Also here: the helpers of both paths (the
+replica (the balancer's ejection, the metrics), and ``Outcome``, what the forwarding did
+(for the metrics, the token bucket and the cascade). Also here: the helpers of both paths (the
 stream's token events, its client-side response and its end, the error event of a stream
 that breaks, what a client may read of a failed attempt).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -25,9 +26,6 @@ from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import metrics as metrics_mod
 from hybridllm_gateway import relay, router
-
-if TYPE_CHECKING:
-    from hybridllm_gateway.proxy import Outcome
 
 log = logging.getLogger("hybridllm_gateway.proxy")  # the forwarding's log, as before the split
 
@@ -51,6 +49,31 @@ def token_events(data: bytes) -> int:
     event, so this is the answer's completion tokens, as their usage counts them."""
     n = data.count(b"data: ")
     return n - sum(data.count(p) for p in _NO_TOKEN) if n else 0
+
+
+@dataclass
+class Outcome:
+    """What the forwarding did, for metrics, the token bucket and the cascade."""
+
+    tier: str = ""
+    status: int = 0
+    num_chunks: int = 0  # a streamed answer's token events (see attempt.token_events)
+    body: bytes | None = None  # non-streaming answers only
+    headers: dict[str, str] = field(default_factory=dict)
+    added_s: float = 0.0
+    ttft_s: float = 0.0
+    attempts: list[str] = field(default_factory=list)
+    unsent: bool = False  # the last attempt could not connect: the request never left
+    revision: str = ""  # model revision of the replica that answered (the last attempt)
+    broken: bool = False  # the answer started and then broke (counted as a failed attempt)
+    # the upstream's whole stream reached the client's socket: a client that closes its
+    # connection at once (cancelling the handler) has had its answer
+    delivered: bool = False
+    busy: int = 0  # attempts a replica refused as full (503 with Retry-After)
+    retry_after: str = ""  # the last such refusal's Retry-After
+    replica: str = ""  # URL of the replica of the last attempt
+    load: int = 0  # its outstanding requests when the last attempt was sent (itself included)
+    sent_s: float = 0.0  # when the last attempt was sent, from the request's arrival
 
 
 class Attempts:

@@ -23,8 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
+from hybridllm_gateway import attempt, proxy, router
 from hybridllm_gateway import metrics as metrics_mod
-from hybridllm_gateway import proxy, router
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ async def run(
     t_start: float,
     threshold: float,
     prompt_tokens: int,
-) -> proxy.Outcome:
+) -> attempt.Outcome:
     chat = path.endswith("chat/completions")
     asked = body.get("logprobs")
     edge_body = dict(body)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -23,15 +22,13 @@ from hybridllm_gateway.attempt import (
     ERROR_DETAIL_BYTES,
     RETRYABLE_STATUS,
     Attempts,
+    Outcome,
     finish_stream,
     report_fault,
     sse_response,
     stream_error_event,
     token_events,
 )
-
-if TYPE_CHECKING:
-    from hybridllm_gateway.proxy import Outcome
 
 log = logging.getLogger("hybridllm_gateway.proxy")  # the forwarding's log, as before the split
 

@@ -13,11 +13,11 @@ wrote it. A client that goes away cancels the handler (aiohttp ``handler_cancell
 or is seen closed at the next write; either way the upstream connection is closed, not
 drained, so the runtime sees the disconnect and stops generating.
 
-Here: ``Outcome``, and the ``Forwarder``'s attempt loop across replicas and tiers
-(``forward``), the choice of path for one attempt (``_try``) and the hold for a tier at
-zero (``_hold``). The two paths are mixed into the Forwarder; what they share (charging a
-failed attempt to its replica, a stream's token events, the error event of a stream that
-breaks) is in ``attempt.py``.
+Here: the ``Forwarder``'s attempt loop across replicas and tiers (``forward``), the
+choice of path for one attempt (``_try``) and the hold for a tier at zero (``_hold``). The
+two paths are mixed into the Forwarder; what they share (``Outcome``, what the forwarding
+did; charging a failed attempt to its replica, a stream's token events, the error event of
+a stream that breaks) is in ``attempt.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hybridllm_common import openai_protocol as oai
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import metrics as metrics_mod
 from hybridllm_gateway import relay
-from hybridllm_gateway.attempt import RETRYABLE_STATUS
+from hybridllm_gateway.attempt import RETRYABLE_STATUS, Outcome
 from hybridllm_gateway.clientpath import ClientPath
 from hybridllm_gateway.errors import APIError
 from hybridllm_gateway.rawpath import RawPath
@@ -45,31 +45,6 @@ log = logging.getLogger(__name__)
 HOLD_POLL_S = 0.5  # how often a tier at zero is asked whether a replica is up
 SERVICE_RETRY_S = 0.25  # the pause before trying a Service address again, times attempts
 RETRY_UNREACHABLE_S = 5  # Retry-After of a request refused because its tier is unreachable
-
-
-@dataclass
-class Outcome:
-    """What the forwarding did, for metrics, the token bucket and the cascade."""
-
-    tier: str = ""
-    status: int = 0
-    num_chunks: int = 0  # a streamed answer's token events (see attempt.token_events)
-    body: bytes | None = None  # non-streaming answers only
-    headers: dict[str, str] = field(default_factory=dict)
-    added_s: float = 0.0
-    ttft_s: float = 0.0
-    attempts: list[str] = field(default_factory=list)
-    unsent: bool = False  # the last attempt could not connect: the request never left
-    revision: str = ""  # model revision of the replica that answered (the last attempt)
-    broken: bool = False  # the answer started and then broke (counted as a failed attempt)
-    # the upstream's whole stream reached the client's socket: a client that closes its
-    # connection at once (cancelling the handler) has had its answer
-    delivered: bool = False
-    busy: int = 0  # attempts a replica refused as full (503 with Retry-After)
-    retry_after: str = ""  # the last such refusal's Retry-After
-    replica: str = ""  # URL of the replica of the last attempt
-    load: int = 0  # its outstanding requests when the last attempt was sent (itself included)
-    sent_s: float = 0.0  # when the last attempt was sent, from the request's arrival
 
 
 @dataclass

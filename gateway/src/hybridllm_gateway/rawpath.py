@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -25,6 +24,7 @@ from hybridllm_gateway.attempt import (
     ERROR_DETAIL_BYTES,
     RETRYABLE_STATUS,
     Attempts,
+    Outcome,
     finish_stream,
     lost_reason,
     report_fault,
@@ -32,9 +32,6 @@ from hybridllm_gateway.attempt import (
     stream_error_event,
     token_events,
 )
-
-if TYPE_CHECKING:
-    from hybridllm_gateway.proxy import Outcome
 
 log = logging.getLogger("hybridllm_gateway.proxy")  # the forwarding's log, as before the split
 
