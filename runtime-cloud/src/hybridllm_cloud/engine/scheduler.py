@@ -93,6 +93,7 @@ class Scheduler(RequestQueues):
            its longest cached prefix, and a prompt longer than the budget is chunked.
         """
         budget = self.config.max_num_batched_tokens
+        self._constrained = []  # this step's only, even after a step that raised
         out = SchedulerOutput(finished_req_ids=self._finished_since_step)
         self._finished_since_step = []
 
