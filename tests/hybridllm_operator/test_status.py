@@ -180,3 +180,10 @@ def test_slow_pods_and_unschedulable_ones() -> None:
         conds["Degraded"].message
         == "edge: Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
     )
+    # the same pod while the pod it replaces still drains on the full node: it waits for that
+    # pod's room, which is no failure (the Ready message still says why the pool is short)
+    leaving = pod("edge", "a-old")
+    leaving["metadata"]["deletionTimestamp"] = "2026-11-28T18:56:20Z"
+    conds = conditions(status.build_status(service(), 1, deps, None, [leaving, *pending]))
+    assert conds["Degraded"].status == "False"
+    assert "edge 0/1 (Unschedulable: 0/1 nodes" in conds["Ready"].message

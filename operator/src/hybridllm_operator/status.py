@@ -210,7 +210,11 @@ def build_status(
     (read only while some pool is not ready) name what keeps a pool from running;
     ``scaling`` adds the autoscaler's decisions and the MetricsAvailable condition."""
     old = _old_conditions(previous)
+    pods = list(pods)
     problems = pod_problems(pods)
+    # A pod the scheduler cannot place while another pod is still leaving (draining, on a
+    # full node) waits for the room that pod holds: the normal course of a replacement.
+    leaving = any((p.get("metadata") or {}).get("deletionTimestamp") for p in pods)
     deployments = list(deployments)
     pools = pool_statuses(deployments)
     if scaling is not None:
@@ -235,7 +239,11 @@ def build_status(
         for c in serving
         if c in pools and (pools[c].ready_replicas < pools[c].desired_replicas or c in pending)
     ]
-    failing = [f"{c}: {problems[c]}" for c in wanted if c in problems]
+    failing = [
+        f"{c}: {problems[c]}"
+        for c in wanted
+        if c in problems and not (leaving and problems[c].startswith(UNSCHEDULABLE))
+    ]
     stable_revision = service.stable.model.revision
     stale = [
         c
