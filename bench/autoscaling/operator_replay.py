@@ -176,7 +176,7 @@ def start_gateways(
     """One real gateway process per service, with the routing table the operator renders
     for its manifest (its edge tier: the token server)."""
     from hybridllm_common import crd
-    from hybridllm_operator import builders
+    from hybridllm_operator.llmservice import builders
 
     procs, urls = [], {}
     for label in labels:

@@ -55,7 +55,7 @@ from cluster_tools import proc_cpu_s, proc_mem_mb, testenv  # noqa: E402
 from portable import portable  # noqa: E402
 
 from hybridllm_common import signing  # noqa: E402
-from hybridllm_operator.fleet import cli as fleet_cli  # noqa: E402
+from hybridllm_operator.edgefleet import cli as fleet_cli  # noqa: E402
 
 NAMESPACE = "bench"
 CLI = (sys.executable, "-m", "hybridllm_common.cli")

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from cluster_tools import proc_cpu_s, proc_mem_mb, testenv  # noqa: E402
 from portable import portable  # noqa: E402
 
-from hybridllm_operator import builders, reconcile  # noqa: E402
+from hybridllm_operator.llmservice import builders, reconcile  # noqa: E402
 
 NAMESPACE = "scale"
 PODS_PER_NODE = 500

@@ -7,7 +7,7 @@ significance; the 100% step has only the absolute bounds and is left out). At ea
 both revisions' windows hold every request since the step began, drawn from the same
 latency and error distributions (A/A) or with the canary made slower or more error-prone
 (A/B), put into the gateway's own histogram buckets, and judged by
-``hybridllm_operator.analysis.judge`` with the spec's defaults: the very code the
+``hybridllm_operator.llmservice.analysis.judge`` with the spec's defaults: the very code the
 operator runs. A rollout is a false abort if any look of any step fails.
 
 The latency distributions are heavy-tailed on purpose: a lognormal body (TTFT median
@@ -30,7 +30,7 @@ import numpy as np
 
 from hybridllm_common import crd
 from hybridllm_common.metrics import LATENCY_BUCKETS, TPOT_BUCKETS
-from hybridllm_operator import analysis
+from hybridllm_operator.llmservice import analysis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from procs import machine
@@ -168,7 +168,7 @@ def main() -> int:
         f"Each row is {args.rollouts} simulated rollouts through the default steps (10% and 50%, "
         f"{args.pause:.0f} s each, a look every {args.interval:.0f} s: early looks at significance/10, "
         "the last at the significance; a step still inconclusive then holds and is looked at on, "
-        f"here for up to {HOLD_FACTOR} pauses more), judged by `hybridllm_operator.analysis.judge` with the "
+        f"here for up to {HOLD_FACTOR} pauses more), judged by `hybridllm_operator.llmservice.analysis.judge` with the "
         "default `spec.rollout.analysis` (significance 0.01, maxLatencyIncrease 0.2, minRequests 50, "
         "maxErrorRate 0.02). Latencies are heavy-tailed (lognormal TTFT median 250 ms sigma 0.6, time "
         "per token median 30 ms sigma 0.3, 3% of requests 4x slower); the stable revision fails "

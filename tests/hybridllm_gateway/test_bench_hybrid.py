@@ -281,7 +281,7 @@ def test_manifests_are_valid_services_on_two_cores(
 ) -> None:
     import yaml
 
-    from hybridllm_operator import builders
+    from hybridllm_operator.llmservice import builders
     from hybridllm_operator.local import plan as plan_mod
 
     args = argparse.Namespace(context_length=2048, edge_quantization="q4_k_m",

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm_common import metrics as names
-from hybridllm_operator import demand
+from hybridllm_operator.llmservice import demand
 
 
 def _tokens(gw_url: str) -> demand._Sample:

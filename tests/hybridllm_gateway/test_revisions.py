@@ -131,7 +131,7 @@ def test_weight_zero_drains_a_revision_on_reload(procs, table, tmp_path) -> None
 def test_the_operator_reads_a_window_per_revision_from_the_gateway(procs, table) -> None:
     """The rollout analysis's direct read (no Prometheus): the routing the gateway serves,
     then what each revision answered since the window began."""
-    from hybridllm_operator import analysis
+    from hybridllm_operator.llmservice import analysis
 
     a, b = procs.tokenservers(["a", "b"], "--rate", "1000")
     gw = procs.gateway(_table(table, [a.url], [b.url], weight=50, generation=3))

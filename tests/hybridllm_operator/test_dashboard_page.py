@@ -16,7 +16,7 @@ import yaml
 from prometheus_client import start_http_server
 
 from hybridllm_common import crd
-from hybridllm_operator.fleet import metrics as fleet_metrics
+from hybridllm_operator.edgefleet import metrics as fleet_metrics
 from hybridllm_operator.local.plan import free_ports
 from hybridllm_operator.observability import metrics as control_metrics
 from hybridllm_operator.observability import page, panels

@@ -11,8 +11,8 @@ from typing import Any
 from prometheus_client import start_http_server
 
 from hybridllm_common import crd
-from hybridllm_operator import analysis, rollout
-from hybridllm_operator.fleet import metrics as fleet_metrics
+from hybridllm_operator.edgefleet import metrics as fleet_metrics
+from hybridllm_operator.llmservice import analysis, rollout
 from hybridllm_operator.local.plan import free_ports
 
 ANALYSIS = crd.RolloutAnalysis()  # maxErrorRate 2%, maxTtftP95Seconds 2 s, +20% latency

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from hybridllm_common import signing
-from hybridllm_operator.fleet import api as api_mod
-from hybridllm_operator.fleet import digest, endpoints
-from hybridllm_operator.fleet import kube as kube_mod
-from hybridllm_operator.fleet import server as server_mod
+from hybridllm_operator.edgefleet import api as api_mod
+from hybridllm_operator.edgefleet import digest, endpoints
+from hybridllm_operator.edgefleet import kube as kube_mod
+from hybridllm_operator.edgefleet import server as server_mod
 
 
 def _report(i: int, revision: str = "v1") -> dict[str, Any]:

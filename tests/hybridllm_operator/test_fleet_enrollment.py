@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hybridllm_common import crd
-from hybridllm_operator.fleet import enrollment
+from hybridllm_operator.edgefleet import enrollment
 
 
 def test_a_bootstrap_secret_is_read_strictly_and_written_back_the_same() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from hybridllm_common import crd
-from hybridllm_operator.fleet import waves
+from hybridllm_operator.edgefleet import waves
 
 Phase = crd.FleetRolloutPhase
 
@@ -176,7 +176,7 @@ def test_the_devices_take_the_canary_from_the_step_that_moves_them() -> None:
     """What the fleet server hands out follows the LLMService's rollout: the canary's
     revision once the rollout is at the step with `devices: true` (from its start when no
     step sets it), the stable one before that and once a rollout aborted."""
-    from hybridllm_operator import builders, rollout
+    from hybridllm_operator.llmservice import builders, rollout
 
     def spec(revision: str, devices_step: bool) -> crd.LLMServiceSpec:
         steps: list[dict[str, Any]] = [{"weight": 20}, {"weight": 100}]

@@ -28,7 +28,7 @@ import pytest
 
 from hybridllm_common import crd
 from hybridllm_common import metrics as names
-from hybridllm_operator import autoscaling, builders
+from hybridllm_operator.llmservice import autoscaling, builders
 from hybridllm_operator.observability import panels
 
 from . import promql

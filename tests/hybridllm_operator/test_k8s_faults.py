@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hybridllm_operator import builders, reconcile
+from hybridllm_operator.llmservice import builders, reconcile
 
 from .conftest import chart_operator_env, own_control_plane
 

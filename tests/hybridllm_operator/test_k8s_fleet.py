@@ -36,8 +36,8 @@ import pytest
 from hybridllm_common import device_tls
 from hybridllm_common import metrics as names
 from hybridllm_models import sources, store, uri
-from hybridllm_operator import builders
-from hybridllm_operator.fleet import cli as fleet_cli
+from hybridllm_operator.edgefleet import cli as fleet_cli
+from hybridllm_operator.llmservice import builders
 from hybridllm_operator.observability import panels
 
 from . import promql

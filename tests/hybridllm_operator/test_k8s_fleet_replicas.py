@@ -30,8 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm_common import device_tls, signing
 from hybridllm_common import metrics as names
-from hybridllm_operator.fleet import cli as fleet_cli
-from hybridllm_operator.fleet import digest
+from hybridllm_operator.edgefleet import cli as fleet_cli
+from hybridllm_operator.edgefleet import digest
 
 from .conftest import Kube, chart_fleet_env
 from .test_k8s_autoscaling import _free_port

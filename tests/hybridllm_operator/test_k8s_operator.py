@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 
 pytestmark = pytest.mark.k8s
 
@@ -290,7 +290,7 @@ class _Tracked:
 
 @pytest.fixture
 def tracked(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from hybridllm_operator import reconcile
+    from hybridllm_operator.llmservice import reconcile
 
     def make(name: str) -> _Tracked:
         wrapper = _Tracked(name, reconcile.reconcile)
@@ -357,10 +357,10 @@ def test_a_conflict_during_a_child_triggered_reconcile_is_retried(
     """The reconciles a child's deletion asks for fail ten times in a row (409), more than
     the events that deletion brings: they are retried with back-off until one succeeds,
     with no further event to prompt them. (The back-off is shortened for the test.)"""
-    from hybridllm_operator import handlers
+    from hybridllm_operator.llmservice import handlers
 
-    monkeypatch.setattr(handlers, "RETRY_FIRST_S", 0.2, raising=False)
-    monkeypatch.setattr(handlers, "RETRY_MAX_S", 0.5, raising=False)
+    monkeypatch.setattr(handlers, "RETRY_FIRST_S", 0.2)
+    monkeypatch.setattr(handlers, "RETRY_MAX_S", 0.5)
     kube.apply(example("retry"), namespace)
     kube.eventually(lambda: ready(kube, "retry", namespace), 90, "retry Ready")
     kube.eventually(lambda: _settled(kube, "retry", namespace), 60, "rollouts complete")

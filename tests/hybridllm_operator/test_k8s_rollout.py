@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from hybridllm_common import metrics as names
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 from hybridllm_operator.observability import panels
 
 from . import promql

@@ -14,7 +14,8 @@ import kopf
 import kubernetes
 import pytest
 
-from hybridllm_operator import reconcile, watchdog
+from hybridllm_operator import watchdog
+from hybridllm_operator.llmservice import reconcile
 
 pytestmark = pytest.mark.k8s
 

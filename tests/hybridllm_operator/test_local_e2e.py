@@ -716,7 +716,7 @@ def _look_at_the_page(url: str, namespace: str, name: str) -> None:
 
 def _revision_answers(local: Local) -> dict[str, float]:
     """Requests each revision answered, from the gateway's per-revision counters."""
-    from hybridllm_operator import analysis
+    from hybridllm_operator.llmservice import analysis
 
     text = httpx.get(f"http://127.0.0.1:{local.port}/metrics", timeout=10).text
     out: dict[str, float] = {}

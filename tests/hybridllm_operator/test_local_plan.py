@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from hybridllm_common import crd
-from hybridllm_operator import builders, rollout
+from hybridllm_operator.llmservice import builders, rollout
 from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local import supervisor as sup
 

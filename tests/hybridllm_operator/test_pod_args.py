@@ -19,7 +19,7 @@ from hybridllm_cloud import cli as cloud_cli
 from hybridllm_common import crd
 from hybridllm_edge import cli as edge_cli
 from hybridllm_gateway import cli as gateway_cli
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

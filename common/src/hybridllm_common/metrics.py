@@ -151,7 +151,7 @@ ROLLOUT_CANARY_WEIGHT = "hybridllm_rollout_canary_weight_percent"  # label: tier
 ROLLOUT_ANALYSIS_VALUE = "hybridllm_rollout_analysis_value"  # labels: metric, tier, role
 ROLLOUT_ANALYSIS_RESULT = "hybridllm_rollout_analysis_result"  # labels: metric, tier, result
 
-# The edge fleet server (hybridllm_operator.fleet.server; labels: fleet, revision, phase).
+# The edge fleet server (hybridllm_operator.edgefleet.server; labels: fleet, revision, phase).
 FLEET_REQUESTS_TOTAL = "hybridllm_fleet_requests_total"
 FLEET_REQUEST_SECONDS = "hybridllm_fleet_request_seconds"
 FLEET_DEVICES = "hybridllm_fleet_devices"

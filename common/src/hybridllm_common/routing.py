@@ -1,7 +1,7 @@
 """The routing table: one model for what the operator (and local mode) writes and what the
 gateways read.
 
-The operator renders it from an ``LLMService`` (``hybridllm_operator.builders.routing``)
+The operator renders it from an ``LLMService`` (``hybridllm_operator.llmservice.builders.routing``)
 into the ConfigMap key ``routing.json``; a gateway parses it with :func:`parse`. The
 policy parts are the ``LLMService``'s own models (``spec.routing.*``), taken over as they
 are declared there, read leniently on the wire: a field a newer operator adds is ignored

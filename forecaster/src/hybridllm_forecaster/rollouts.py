@@ -1,7 +1,7 @@
 """What a canary rollout does to a pool's capacity: the canary's size (the operator's
 rule), and a model of one rollout for the fluid simulator.
 
-The operator sizes a canary pool with `canary_size` (`hybridllm_operator.rollout`
+The operator sizes a canary pool with `canary_size` (`hybridllm_operator.llmservice.rollout`
 imports it from here), and the simulator's `CanaryRollout` replays the same rollout on a
 trace: the canary's replicas start, cold, beside the stable pool; a step's traffic moves
 once they all run; the step's pause passes; after the last step (100%) the stable pool
@@ -16,7 +16,7 @@ Two sets of rules, side by side in ``bench/rollout/schedule.py``:
 - **forecast-blind** (what Argo Rollouts or KServe do without knowing demand): the
   canary is the step's share of the stable pool's replicas now; traffic moves when it
   runs;
-- **capacity-safe** (ours, `hybridllm_operator.rollout`): the canary is the step's share
+- **capacity-safe** (ours, `hybridllm_operator.llmservice.rollout`): the canary is the step's share
   of the forecast P90 over the step (`canary_size`: the surge, up before traffic moves),
   and no move of traffic happens while the pool is forecast past its maximum over its
   lead time and the step (`forecast_hold`).

@@ -1,7 +1,7 @@
 """The routing table the operator renders, the gateway's own settings, and hot reload.
 
 The routing table is the ConfigMap key ``routing.json`` written by
-``hybridllm_operator.builders.build_routing_config``; its model (:class:`RoutingConfig`,
+``hybridllm_operator.llmservice.builders.build_routing_config``; its model (:class:`RoutingConfig`,
 re-exported here) is ``hybridllm_common.routing``, the one the operator writes with. Unknown
 keys are ignored with a warning so that a newer operator does not stop an older gateway
 from reloading.

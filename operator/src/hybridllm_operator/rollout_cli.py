@@ -50,7 +50,7 @@ def _get(api: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def format_status(obj: dict[str, Any]) -> str:
     """``status.rollout`` as a person reads it."""
-    from hybridllm_operator import analysis
+    from hybridllm_operator.llmservice import analysis
 
     status = obj.get("status") or {}
     raw = status.get("rollout")
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             print(format_status(obj))
         return 0
-    from hybridllm_operator import rollout
+    from hybridllm_operator.llmservice import rollout
 
     value = f"{verb}@{time.time():.3f}"
     api.patch_namespaced_custom_object(

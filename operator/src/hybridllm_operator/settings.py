@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 
 
 class OperatorSettings(BaseSettings):

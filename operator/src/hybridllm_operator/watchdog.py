@@ -19,7 +19,7 @@ import urllib3
 from kubernetes.client import exceptions as k8s_errors
 
 from hybridllm_common import crd
-from hybridllm_operator import reconcile
+from hybridllm_operator.llmservice import reconcile
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 

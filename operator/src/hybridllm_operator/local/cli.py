@@ -205,7 +205,7 @@ def _apply(args: argparse.Namespace) -> int:
     operator's rollout, run by the supervisor), changed runtime settings restart the
     replicas one at a time, a changed routing reloads the gateway; what shapes the
     processes themselves needs a new `up`."""
-    from hybridllm_operator import reconcile
+    from hybridllm_operator.llmservice import reconcile
     from hybridllm_operator.local import plan as plan_mod
     from hybridllm_operator.local import supervisor as sup
 
@@ -320,7 +320,7 @@ def _status(args: argparse.Namespace) -> int:
     )
     if state.get("rollout"):
         from hybridllm_common import crd
-        from hybridllm_operator import rollout
+        from hybridllm_operator.llmservice import rollout
 
         ro = crd.RolloutStatus.model_validate(state["rollout"])
         serving = f"revision {ro.stable_revision}"

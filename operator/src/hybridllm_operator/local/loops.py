@@ -2,11 +2,11 @@
 
 - **autoscaling** (:class:`AutoscalingLoop`; edge and monolithic pools, when
   ``spec.autoscaling.mode`` scales): the operator's autoscaler
-  (`hybridllm_operator.autoscaling`) reads the gateway's ``/metrics`` every interval and
+  (`hybridllm_operator.llmservice.autoscaling`) reads the gateway's ``/metrics`` every interval and
   the loop starts standby slots or retires replicas: a retired replica leaves the routing
   table first, then gets SIGTERM and finishes what it is answering;
 - **rollouts** (:class:`RolloutLoop`): the operator's rollout controller
-  (`hybridllm_operator.rollout`). ``hybridllm apply`` writes a new spec (``spec.json``,
+  (`hybridllm_operator.llmservice.rollout`). ``hybridllm apply`` writes a new spec (``spec.json``,
   :func:`write_spec`) and wakes the supervisor (SIGUSR1); a new ``spec.model.revision``
   starts the canary's replicas (``edge-canary-0``) beside the stable ones, the routing
   table weights the two revisions as the operator's does, each step is analysed from the
@@ -31,7 +31,14 @@ from typing import Any
 
 from hybridllm_common import crd
 from hybridllm_forecaster.autoscaler import DECIDING, Decision
-from hybridllm_operator import analysis, autoscaling, builders, demand, reconcile, rollout
+from hybridllm_operator.llmservice import (
+    analysis,
+    autoscaling,
+    builders,
+    demand,
+    reconcile,
+    rollout,
+)
 from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local.files import ACTION_FILE, SPEC_FILE, atomic_write
 from hybridllm_operator.local.plan import Plan, local_scaled_pools

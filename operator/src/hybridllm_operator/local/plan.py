@@ -1,6 +1,6 @@
 """From a manifest to the processes local mode runs: the operator's renderer, placed on loopback.
 
-The pools, their programs and every flag come from :func:`hybridllm_operator.builders.pools`,
+The pools, their programs and every flag come from :func:`hybridllm_operator.llmservice.builders.pools`,
 the function the operator renders Deployments from. Local mode changes only the flags in
 :data:`builders.ADDRESS_FLAGS` (where a process listens and finds its peers) and runs
 each replica of a pool as its own process on its own loopback port, where the cluster
@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from hybridllm_common import crd
-from hybridllm_operator import builders, reconcile
+from hybridllm_operator.llmservice import builders, reconcile
 from hybridllm_operator.local.files import DEFAULT_GATEWAY_PORT, LOOPBACK
 
 NAMESPACE = "local"  # what the routing table and metrics call the namespace locally

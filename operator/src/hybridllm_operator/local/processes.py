@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from hybridllm_common import backend_auth
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 from hybridllm_operator.local.files import LOG_DIR, proc_start_time
 from hybridllm_operator.local.plan import Plan, Replica
 

@@ -2,7 +2,7 @@
 
 The gateway reads its routing table from a file (``Plan.routing_path``) and reloads it
 when it changes. :class:`Routing` writes the operator's own table
-(:func:`hybridllm_operator.builders.routing_config`) with one backend per ready replica
+(:func:`hybridllm_operator.llmservice.builders.routing_config`) with one backend per ready replica
 (the readiness probes of :mod:`.processes` decide which), the canary's at the rollout's
 weight, and rewrites it at each change: a replica that is not ready, or that is being
 retired or restarted on a new spec, is out of it, and the gateway's own retries and
@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from hybridllm_common import metrics as names
-from hybridllm_operator import builders
+from hybridllm_operator.llmservice import builders
 from hybridllm_operator.local.files import atomic_write
 from hybridllm_operator.local.plan import Plan
 from hybridllm_operator.local.processes import Processes

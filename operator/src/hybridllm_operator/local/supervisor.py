@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hybridllm_common import crd
-from hybridllm_operator import autoscaling, builders, rollout
+from hybridllm_operator.llmservice import autoscaling, builders, rollout
 from hybridllm_operator.local import plan as plan_mod
 from hybridllm_operator.local.files import (
     DEFAULT_GRACE_S,

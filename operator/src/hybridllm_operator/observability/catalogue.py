@@ -78,7 +78,7 @@ def _component_registries() -> list[tuple[str, Callable[[], CollectorRegistry]]]
         ("cloud runtime", attr("hybridllm_cloud.server.metrics", "ServerMetrics")),
         ("edge runtime", attr("hybridllm_edge.server.metrics", "ServerMetrics")),
         ("operator", attr("hybridllm_operator.observability.metrics", "OperatorMetrics")),
-        ("fleet server", attr("hybridllm_operator.fleet.server", "Metrics")),
+        ("fleet server", attr("hybridllm_operator.edgefleet.server", "Metrics")),
     ]
 
 

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from hybridllm_common import crd
 from hybridllm_common import metrics as names
-from hybridllm_operator import autoscaling
+from hybridllm_operator.llmservice import autoscaling
 
 SERVICE_LABELS = ["namespace", "llmservice"]
 POOL_LABELS = [*SERVICE_LABELS, "pool"]
