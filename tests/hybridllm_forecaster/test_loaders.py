@@ -196,15 +196,17 @@ def test_a_trace_split_by_time_into_files_is_joined_not_overlaid(tmp_path, trace
     a, _ = loaders.load_demand(whole, bin_s=60.0)
     b, _ = loaders.load_demand(folder, bin_s=60.0)
     np.testing.assert_allclose(a.req_per_s, b.req_per_s)
-    # two servers over the same hours: merged, twice the rate over the same length
+    # two servers over the same hours whose clocks both start at zero cannot be told from
+    # parts that restart: auto joins them (and says how to merge), --files merge merges
     servers = tmp_path / "servers"
     servers.mkdir()
     traces.mooncake(servers / "a.jsonl", small_stream)
     traces.mooncake(servers / "b.jsonl", small_stream)
-    both = loaders.load_requests(servers)
+    assert "clocks restart at zero" in loaders.load_requests(servers).notes[0]
+    both = loaders.load_requests(servers, files="merge")
     assert both.num_requests == 2 * one.num_requests
     assert both.duration_s == pytest.approx(one.duration_s)
-    assert "all start at the same time: merged as simultaneous" in both.notes[0]
+    assert "merged by arrival time on their own clocks (--files merge)" in both.notes[0]
 
 
 def test_recording_gaps_in_a_rate_trace_are_bridged_and_reported(tmp_path, traces):

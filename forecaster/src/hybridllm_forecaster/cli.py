@@ -84,6 +84,11 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
                    help="rate-only traces (ServeGen): mean prompt length to assume")  # fmt: skip
     p.add_argument("--mean-output-tokens", type=float, default=None,
                    help="rate-only traces (ServeGen): mean output length to assume")  # fmt: skip
+    p.add_argument("--files", choices=["auto", "join", "merge"], default="auto",
+                   help="a folder of several files of one trace: 'join' them in name order, "
+                        "each after the one before (parts of a trace split by time); "
+                        "'merge' them on their own clocks (one per server); 'auto' (default) "
+                        "decides from the timestamps and says which it did")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -116,12 +121,47 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.mean_output_tokens:
         kwargs["mean_output_tokens"] = args.mean_output_tokens
     demand, stream = loaders.load_demand(
-        args.trace, fmt, bin_s=args.bin_s, seed=args.seed, **kwargs
+        args.trace, fmt, bin_s=args.bin_s, seed=args.seed, files=args.files, **kwargs
     )
     return fmt, (demand, stream)
 
 
+CAPACITY_SOURCE = (
+    "capacity model: parametric defaults of capacity.py (an 8B model on one H100: not "
+    "calibrated on this trace's engine)"
+)
+
+
+def capacity_line(pool: PoolConfig, scale: float = 1.0) -> str:
+    """The replica the comparison assumes, in words (the report's header and `inspect`)."""
+    cap = pool.capacity
+    return (
+        f"{CAPACITY_SOURCE}, x{scale:.3g}: prefill {cap.prefill_tok_s:,.0f} tok/s in "
+        f"{cap.prefill_chunk_tokens}-token chunks, decode step {1000 * cap.tbt_base_s:g} ms + "
+        f"{1000 * cap.tbt_per_seq_s:g} ms per sequence, max batch {pool.max_batch} at the "
+        f"SLO, decode {pool.decode_tok_s:,.0f} tok/s; pool {pool.name}"
+    )
+
+
+def simulator_line(choice: str, stream: Any, des_max_requests: int) -> str:
+    """Which simulator `eval` uses and why (the header and `inspect`)."""
+    if choice != "auto":
+        return f"simulator: {choice} (--simulator {choice})"
+    if stream is not None and stream.num_requests <= des_max_requests:
+        return (
+            f"simulator: des, per request ({stream.num_requests:,} requests, at most "
+            f"{des_max_requests:,} for it)"
+        )
+    why = "a rate-only trace" if stream is None else f"{stream.num_requests:,} requests"
+    return (
+        f"simulator: fluid, 15 s steps with a calibrated queueing approximation ({why}; the "
+        f"per-request simulator takes at most {des_max_requests:,})"
+    )
+
+
 def run_inspect(args: argparse.Namespace) -> int:
+    from hybridllm_forecaster.evaluate import EvalConfig
+
     try:
         fmt, (demand, stream) = _load(args)
     except (TraceFormatError, FileNotFoundError, ValueError) as exc:
@@ -135,10 +175,21 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"{stream.num_requests} requests; input tokens mean "
               f"{stream.input_tokens.mean():.0f}, "
               f"output mean {stream.output_tokens.mean():.0f}")  # fmt: skip
-        for note in stream.notes:
-            print(note)
-    for note in demand.notes:
+    notes = [*(stream.notes if stream is not None else []), *demand.notes]
+    gaps = [n for n in notes if "recording gap" in n]
+    if not gaps:
+        print("recording gaps: none found")
+    for note in dict.fromkeys(notes):
         print(note)
+    print("assumptions (what `forecast eval` would use with its defaults):")
+    for line in (
+        *demand.assumptions,
+        capacity_line(DEFAULT_POOLS["monolithic"]),
+        simulator_line(
+            "auto", stream, EvalConfig(pool=DEFAULT_POOLS["monolithic"]).des_max_requests
+        ),
+    ):
+        print(f"  {line}")
     return 0
 
 
@@ -202,6 +253,7 @@ def run_eval(args: argparse.Namespace) -> int:
     try:
         fmt, (demand, stream) = _load(args)
         loaded_notes = list(demand.notes)  # what loading repaired (recording gaps)
+        assumptions = list(demand.assumptions)  # where request lengths came from
         demand, stream, demand_scale = _scale_demand(args, demand, stream)
         pool, scale = _pool(args, demand)
     except (TraceFormatError, FileNotFoundError, ValueError) as exc:
@@ -235,8 +287,11 @@ def run_eval(args: argparse.Namespace) -> int:
         f"ran {time.monotonic() - started:.0f} s"
     )
     notes = [*(stream.notes if stream is not None else []), *loaded_notes]
-    if notes:
-        header += "; " + "; ".join(notes)
+    if not any("recording gap" in n for n in notes):
+        notes.append("recording gaps: none found")
+    header += "; " + "; ".join(dict.fromkeys(notes))
+    sim = simulator_line(args.simulator, stream, cfg.des_max_requests)
+    header += "\n\nAssumptions: " + "; ".join([*assumptions, capacity_line(pool, scale), sim])
     paths = plots.write_all(res, out, name)
     report.print_tables(res, header)
     md = report.write(res, out, header, paths)

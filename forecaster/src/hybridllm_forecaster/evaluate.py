@@ -41,6 +41,11 @@ from hybridllm_forecaster.stream import DemandSeries, RequestStream
 log = logging.getLogger(__name__)
 
 HPA_REFERENCE_TARGET = 0.7
+# The SLO counts as out of reach when no setting of any policy, and no fixed pool, meets
+# it for this share of the test period's requests (`reach_runs` settles it).
+UNREACHABLE_ATTAINMENT = 0.9
+REACH_UTILISATIONS = (0.9, 0.7, 0.5, 0.3, 0.15)  # fixed pools sized to the test's peak
+REACH_HPA_TARGETS = (0.3, 0.4)  # HPA targets below its sweep's, for the same check
 SWEEPS: dict[str, tuple[float, ...]] = {
     # target utilisations; the SLO holds up to about 0.75-0.8 with the default replica
     # model, so the grid is finest there (the HPA at 0.7 is the reference)
@@ -100,9 +105,28 @@ class EvalResult:
     # an idle replica it would still miss it); None: a rate-only trace has no requests
     test_requests: int | None = None
     unattainable: int | None = None
+    lead_time_s: float = 0.0  # cold start + control interval of the pool
+    # the settings that could contradict "the SLO is out of reach" (fixed pools of several
+    # sizes, the HPA at low targets), run on the test part only when every policy's sweep
+    # misses `UNREACHABLE_ATTAINMENT`: (label, result)
+    reach_runs: list[tuple[str, SimResult]] = field(default_factory=list)
 
     def test_result(self, family: str) -> SimResult:
         return dict(self.test_runs[family])[self.chosen[family]]
+
+    @property
+    def test_duration_s(self) -> float:
+        return (self.demand.num_bins - self.split) * self.demand.bin_s
+
+    def best_test_attainment(self) -> tuple[float, str]:
+        """The highest SLO attainment any setting reached on the test part, and which."""
+        found = [
+            (r.slo_attainment, f"{family} at {setting:g}")
+            for family, runs in self.test_runs.items()
+            for setting, r in runs
+        ]
+        found += [(r.slo_attainment, label) for label, r in self.reach_runs]
+        return max(found, default=(math.nan, "none"))
 
 
 Progress = Callable[[str], None]
@@ -153,6 +177,7 @@ def evaluate(
     result = EvalResult(
         demand, work, split, horizon, scale_up_h, fcs, scores, chosen_model, simulator,
         policy_h=policy_h, max_replicas=pool.max_replicas, min_replicas=pool.min_replicas,
+        lead_time_s=pool.lead_time_s,
     )  # fmt: skip
     if stream is not None:
         in_test = stream.arrival_s >= split * demand.bin_s
@@ -184,14 +209,14 @@ def evaluate(
     ref = dict(result.train_runs["hpa"])[HPA_REFERENCE_TARGET]
     for family in TUNED_FAMILIES:
         qs = cfg.upper_qs if family in QUANTILE_FAMILIES else (cfg.upper_q,)
-        scores: dict[tuple[float, float], float] = {}
+        knobs: dict[tuple[float, float], float] = {}
         reaches: dict[tuple[float, float], bool] = {}
         for q in qs:
             for window in DOWN_WINDOWS:
                 coarse = [(s, run("train", family, s, window, q)) for s in COARSE_TARGETS]
-                scores[(q, window)] = attainment_at(coarse, ref.replica_hours)
+                knobs[(q, window)] = attainment_at(coarse, ref.replica_hours)
                 reaches[(q, window)] = reaches_attainment(coarse, ref.slo_attainment)
-        q, window = choose_knob(scores, reaches)
+        q, window = choose_knob(knobs, reaches)
         log.info("%s: knobs chosen on the training part: P%g, window %g s", family, 100 * q, window)
         result.down_windows[family] = window
         if family in QUANTILE_FAMILIES:
@@ -199,7 +224,7 @@ def evaluate(
         result.knob_scores[family] = {
             (f"P{round(100 * k[0])} " if family in QUANTILE_FAMILIES else "")
             + f"window {k[1]:g} s": v
-            for k, v in scores.items()
+            for k, v in knobs.items()
         }
         result.train_runs[family] = [
             (s, run("train", family, s, window, q)) for s in SWEEPS[family]
@@ -211,7 +236,60 @@ def evaluate(
         )
         q = result.quantiles.get(family, cfg.upper_q)
         result.test_runs[family] = [(s, run("test", family, s, window, q)) for s in settings]
+    best, _ = result.best_test_attainment()
+    if best < UNREACHABLE_ATTAINMENT and result.test_duration_s >= pool.lead_time_s:
+        result.reach_runs = _reach_sweep(
+            demand, stream, work, uppers[cfg.upper_q], pool, split, simulator, tick
+        )
     return result
+
+
+def _reach_sweep(
+    demand: DemandSeries,
+    stream: RequestStream | None,
+    work: np.ndarray,
+    upper: np.ndarray,
+    pool: PoolConfig,
+    split: int,
+    simulator: str,
+    tick: Progress,
+) -> list[tuple[str, SimResult]]:
+    """Settings that could contradict "the SLO is out of reach whatever the policy", run
+    on the test part: fixed pools sized to the test period's peak work (finest known: per
+    control step of a request trace) at several utilisations, up to the pool's maximum,
+    and the HPA at targets below its sweep's."""
+    test = demand.slice(split, demand.num_bins)
+    peak = float(np.max(work[split:])) if demand.num_bins > split else 0.0
+    if stream is not None:
+        t0 = split * demand.bin_s
+        mask = stream.arrival_s >= t0
+        part = RequestStream(
+            stream.arrival_s[mask] - t0, stream.input_tokens[mask], stream.output_tokens[mask]
+        )
+        if part.num_requests:
+            step = pool.control_interval_s
+            fine = _fine_work(part, pool, step, test.duration_s)
+            # a 1-minute mean: a pool sized to one control step's burst is not the point
+            k = max(1, round(60.0 / step))
+            kernel = np.ones(k) / k
+            peak = max(peak, float(np.max(np.convolve(fine, kernel, mode="same"))))
+    sizes = sorted({pool.replicas_for(peak, u) for u in REACH_UTILISATIONS})
+    out: list[tuple[str, SimResult]] = []
+    for n in sizes:
+        tick(f"simulate test fixed {n}")
+        out.append((
+            f"a fixed pool of {n}",
+            _simulate_part(demand, stream, work, upper, pool, "fixed", n, split, "test",
+                           simulator),
+        ))  # fmt: skip
+    for target in REACH_HPA_TARGETS:
+        tick(f"simulate test hpa {target:g}")
+        out.append((
+            f"hpa at {target:g}",
+            _simulate_part(demand, stream, work, upper, pool, "hpa", target, split, "test",
+                           simulator, policies.HPA_DOWN_WINDOW_S),
+        ))  # fmt: skip
+    return out
 
 
 def num_progress_steps(cfg: EvalConfig) -> int:
@@ -342,10 +420,11 @@ def _simulate_part(
         family, setting, pool, upper, demand.bin_s, offset_s, truth, step, observed_after,
         down_window_s,
     )  # fmt: skip
-    initial = pool.replicas_for(float(work[lo]), 0.7)
+    initial = int(setting) if family == "fixed" else pool.replicas_for(float(work[lo]), 0.7)
     if part_stream is not None:
         return des.simulate_des(part_stream, pool, policy, initial_replicas=initial)
-    sigma = 1.0  # rate-only traces: the ServeGen sampler's spread of prompt lengths
+    # rate-only traces: the *-dataset.json spread when given, else the ServeGen sampler's
+    sigma = demand.prompt_log_sigma if demand.prompt_log_sigma is not None else 1.0
     if stream is not None and stream.num_requests > 1:
         sigma = float(np.std(np.log(np.maximum(stream.input_tokens, 1))))
     return fluid.simulate_fluid(
@@ -373,6 +452,8 @@ def make_policy(
     observed_after_s: float | None = None,
     down_window_s: float = 0.0,
 ) -> policies.Policy:
+    if family == "fixed":
+        return policies.Fixed(int(setting))
     if family == "hpa":
         return policies.Hpa(pool, setting)
     if family == "hpa-tuned":

@@ -252,35 +252,37 @@ def _gbm(y: np.ndarray, spec: ForecastSpec) -> Forecast:
     points = refit_points(n, spec)
     rng = np.random.default_rng(0)
     first = 12  # origins before this have too few lags
-    for a, b in zip(points, [*points[1:], n], strict=True):
-        rows_x, rows_y = [], []
-        for h in range(1, horizon + 1):
-            last_origin = a - h  # target y[origin + h] must be < a
-            if last_origin <= first:
-                continue
-            rows_x.append(feats[h - 1][first:last_origin])
-            rows_y.append(targets[h - 1][first:last_origin])
-        if not rows_x:
-            continue
-        x_train, y_train = np.concatenate(rows_x), np.concatenate(rows_y)
-        if len(x_train) > 60_000:
-            keep = rng.choice(len(x_train), 60_000, replace=False)
-            x_train, y_train = x_train[keep], y_train[keep]
-        if len(x_train) < spec.min_train:
-            continue
-        use = ~np.all(np.isnan(x_train), axis=0)  # e.g. yesterday's lag before a day is known
-        x_train = x_train[:, use]
-        for q, dest in ((0.5, p50), (spec.upper_q, upper)):
-            model = HistGradientBoostingRegressor(
-                loss="quantile", quantile=q, max_iter=100, learning_rate=0.05,
-                max_leaf_nodes=7, min_samples_leaf=GBM_MIN_LEAF, random_state=0,
-            )  # fmt: skip
-            with threadpool_limits(1):  # small data: threads cost more than they give
-                model.fit(x_train, y_train)
+    # Small data: threads cost more than they give. One limit around every fit and
+    # predict (each `threadpool_limits` scans the process's libraries: 3 ms a call, which
+    # was 40% of an evaluation's time when taken per call).
+    with threadpool_limits(1):
+        for a, b in zip(points, [*points[1:], n], strict=True):
+            rows_x, rows_y = [], []
             for h in range(1, horizon + 1):
-                with threadpool_limits(1):
+                last_origin = a - h  # target y[origin + h] must be < a
+                if last_origin <= first:
+                    continue
+                rows_x.append(feats[h - 1][first:last_origin])
+                rows_y.append(targets[h - 1][first:last_origin])
+            if not rows_x:
+                continue
+            x_train, y_train = np.concatenate(rows_x), np.concatenate(rows_y)
+            if len(x_train) > 60_000:
+                keep = rng.choice(len(x_train), 60_000, replace=False)
+                x_train, y_train = x_train[keep], y_train[keep]
+            if len(x_train) < spec.min_train:
+                continue
+            use = ~np.all(np.isnan(x_train), axis=0)  # e.g. yesterday's lag not yet known
+            x_train = x_train[:, use]
+            for q, dest in ((0.5, p50), (spec.upper_q, upper)):
+                model = HistGradientBoostingRegressor(
+                    loss="quantile", quantile=q, max_iter=100, learning_rate=0.05,
+                    max_leaf_nodes=7, min_samples_leaf=GBM_MIN_LEAF, random_state=0,
+                )  # fmt: skip
+                model.fit(x_train, y_train)
+                for h in range(1, horizon + 1):
                     pred = model.predict(feats[h - 1][a:b][:, use])
-                dest[a:b, h - 1] = np.maximum(np.exp(levels[h - 1][a:b] + pred) - eps, 0.0)
+                    dest[a:b, h - 1] = np.maximum(np.exp(levels[h - 1][a:b] + pred) - eps, 0.0)
     if points:
         p50 = _shrink_to_last(y, p50, points)
     upper = np.maximum(upper, p50)

@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -98,18 +99,30 @@ def detect_format(path: Path) -> str:
 
 
 def load_requests(
-    path: Path | str, fmt: str | None = None, *, max_requests: int = 2_000_000, seed: int = 0
+    path: Path | str,
+    fmt: str | None = None,
+    *,
+    max_requests: int = 2_000_000,
+    seed: int = 0,
+    files: str = "auto",
 ) -> RequestStream:
-    """One request stream from any supported trace (rate traces are sampled, scaled down)."""
+    """One request stream from any supported trace (rate traces are sampled, scaled down).
+
+    Several files of a folder are put on one clock by `place_files` (``files``: "auto",
+    "join" or "merge"); recording gaps of request traces are closed
+    (`close_recording_gaps`), those of rate traces bridged (`servegen.load_windows`).
+    """
     path = Path(path)
     fmt = normalise_format(fmt) or detect_format(path)
     if fmt == "requests-csv":
-        return _concat([_load_requests_csv(p) for p in _files_of(path)], str(path))
+        stream = _concat([_load_requests_csv(p) for p in _files_of(path)], str(path), files)
+        return close_recording_gaps(stream)
     if fmt == "mooncake":
-        return _concat([_load_mooncake(p) for p in _files_of(path)], str(path))
+        stream = _concat([_load_mooncake(p) for p in _files_of(path)], str(path), files)
+        return close_recording_gaps(stream)
     if fmt == "servegen":
         return servegen.sample_requests(
-            servegen.load_windows(path), max_requests=max_requests, seed=seed
+            servegen.load_windows(path, files=files), max_requests=max_requests, seed=seed
         )
     return sessions.replay(sessions.load_sessions(path), seed=seed)
 
@@ -120,24 +133,35 @@ def load_demand(
     *,
     bin_s: float | None = None,
     seed: int = 0,
-    mean_input_tokens: float = servegen.DEFAULT_INPUT_TOKENS,
-    mean_output_tokens: float = servegen.DEFAULT_OUTPUT_TOKENS,
+    mean_input_tokens: float | None = None,
+    mean_output_tokens: float | None = None,
+    files: str = "auto",
 ) -> tuple[DemandSeries, RequestStream | None]:
     """The demand series of a trace, and its request stream when it has one.
 
     ServeGen rate windows give their series exactly (no sampling); every other format is
     loaded as requests and binned (`choose_bin_s` picks the bin when `bin_s` is None).
+    The series' ``assumptions`` say where request lengths came from: the requests
+    themselves, a ServeGen ``*-dataset.json`` beside the rate files, the given means, or
+    (a rate trace with none of these) `servegen.DEFAULT_INPUT_TOKENS` and
+    `servegen.DEFAULT_OUTPUT_TOKENS`.
     """
     path = Path(path)
     fmt = normalise_format(fmt) or detect_format(path)
     if fmt == "servegen":
-        windows = servegen.load_windows(path)
+        windows = servegen.load_windows(path, files=files)
         demand = servegen.to_demand(windows, mean_input_tokens, mean_output_tokens)
         if bin_s is not None and bin_s > demand.bin_s:
             demand = demand.rebin(round(bin_s / demand.bin_s))
         return demand, None
-    stream = load_requests(path, fmt, seed=seed)
-    return stream.to_demand(bin_s or choose_bin_s(stream.duration_s)), stream
+    stream = load_requests(path, fmt, seed=seed, files=files)
+    demand = stream.to_demand(bin_s or choose_bin_s(stream.duration_s))
+    how = "replayed from trajectory shapes" if fmt == "swe-agent" else "the trace's own"
+    lengths = (
+        f"request lengths: {how}, per request (mean input "
+        f"{stream.input_tokens.mean():,.0f}, output {stream.output_tokens.mean():,.0f} tokens)"
+    )
+    return replace(demand, assumptions=[lengths]), stream
 
 
 def choose_bin_s(duration_s: float, min_bins: int = 240) -> float:
@@ -312,52 +336,163 @@ def _load_mooncake(path: Path) -> RequestStream:
 
 
 JOIN_TOLERANCE_S = 1.0  # consecutive parts may share their boundary second
+RESTART_TOLERANCE_S = 60.0  # a file whose clock starts this close to zero "restarts" it
+FILE_MODES = ("auto", "join", "merge")  # `--files`: how several files of one trace combine
 
 
-def _concat(streams: list[RequestStream], source: str) -> RequestStream:
-    """Several files of one format on one clock: each file's timestamps as written (epochs
-    for date-time columns). Parts of a trace split by time follow one another and are
-    joined; files that overlap in time (one per server) are merged; either way the
-    report's header says which. Files that all start at the same time are merged as
-    simultaneous (parts whose clocks each restart at zero cannot be told from servers),
-    and the note says so."""
+def natural_key(name: str) -> list[int | str]:
+    """Sort key that puts ``part-2`` before ``part-10``."""
+    return [int(tok) if tok.isdigit() else tok.lower() for tok in re.split(r"(\d+)", name)]
+
+
+def place_files(
+    spans: list[tuple[str, float, float, float]], mode: str = "auto"
+) -> tuple[list[float], str]:
+    """Where the files of one trace go on one clock: an offset (seconds) to add to each
+    file's own timestamps, and how they were combined.
+
+    ``spans`` holds per file ``(name, start, end, step)`` on the file's own clock, where
+    ``step`` is the spacing to leave after it when the next file is placed behind it (a
+    mean inter-arrival time, or one rate window). With ``mode`` "auto" the timestamps
+    decide: files whose ranges follow one another are "consecutive" (kept as written);
+    files whose clocks restart (in name order, a file starts near zero before the one
+    before it ends, as public traces split by time ship them) are "restart" (each placed
+    after the one before, in name order); files that overlap otherwise are "overlap"
+    (merged as written: one per server or client). "join" forces the name-order chain,
+    "merge" forces merging as written.
+    """
+    if mode not in FILE_MODES:
+        raise ValueError(f"--files {mode!r}: expected one of {', '.join(FILE_MODES)}")
+    zero = [0.0] * len(spans)
+    if len(spans) < 2:
+        return zero, "single"
+    if mode == "merge":
+        return zero, "merge"
+    by_start = sorted(spans, key=lambda s: s[1])
+    consecutive = all(
+        nxt[1] >= cur[2] - JOIN_TOLERANCE_S for cur, nxt in itertools.pairwise(by_start)
+    )
+    if consecutive and mode == "auto":
+        return zero, "consecutive"
+    order = sorted(range(len(spans)), key=lambda k: natural_key(spans[k][0]))
+    offsets = list(zero)
+    offset, restarts = 0.0, 0
+    _, _, prev_end, prev_step = spans[order[0]]
+    for k in order[1:]:
+        _, start, end, step = spans[k]
+        if start + offset < prev_end - JOIN_TOLERANCE_S:
+            restarts_here = start <= max(RESTART_TOLERANCE_S, 0.01 * (end - start))
+            if mode == "auto" and not restarts_here:
+                return zero, "overlap"
+            offset = prev_end + prev_step - start
+            restarts += 1
+        offsets[k] = offset
+        prev_end, prev_step = end + offset, step
+    return offsets, ("restart" if restarts else "consecutive") if mode == "auto" else "join"
+
+
+def placement_note(how: str, names: list[str], source: str) -> str:
+    """What `place_files` did, in words (the report's header and `inspect` print it)."""
+    n = len(names)
+    shown = ", ".join(sorted(names, key=natural_key)[:4]) + (", ..." if n > 4 else "")
+    if how == "consecutive":
+        return f"{n} files of {source} joined by time (consecutive parts, one clock)"
+    if how == "restart":
+        return (
+            f"{n} files of {source} joined by time in name order ({shown}): their clocks "
+            "restart at zero, so each part is placed after the one before (if they are "
+            "simultaneous, one per server, give --files merge)"
+        )
+    if how == "join":
+        return f"{n} files of {source} joined by time in name order ({shown}) (--files join)"
+    if how == "merge":
+        return f"{n} files of {source} merged by arrival time on their own clocks (--files merge)"
+    return f"{n} files of {source} overlap in time: merged by arrival time"
+
+
+def _concat(streams: list[RequestStream], source: str, mode: str = "auto") -> RequestStream:
+    """Several files of one format on one clock (`place_files`): parts of a trace split
+    by time are joined, whether each part keeps the trace's clock or restarts at zero;
+    files that overlap in time (one per server) are merged; the note says which."""
     if len(streams) == 1:
         return streams[0]
     epochs = [s.start_epoch_s for s in streams]
     origins = [e if e is not None else s.origin_s for s, e in zip(streams, epochs, strict=True)]
     if any(e is not None for e in epochs) and not all(e is not None for e in epochs):
         origins = [s.origin_s for s in streams]  # mixed clocks: each file's own numbers
-    first = min(origins)
-    starts = [o - first for o in origins]
-    spans = sorted(
-        (start, start + s.duration_s, s.source) for start, s in zip(starts, streams, strict=True)
-    )
-    consecutive = all(nxt[0] >= cur[1] - JOIN_TOLERANCE_S for cur, nxt in itertools.pairwise(spans))
-    if consecutive:
-        note = f"{len(streams)} files of {source} joined by time (consecutive parts, one clock)"
-    elif max(origins) - first <= JOIN_TOLERANCE_S:
-        note = (
-            f"{len(streams)} files of {source} all start at the same time: merged as "
-            "simultaneous (if they are consecutive parts of one trace whose clocks each "
-            "restart at zero, give them one clock)"
-        )
-    else:
-        note = f"{len(streams)} files of {source} overlap in time: merged by arrival time"
+    spans = [
+        (Path(s.source).name, o, o + s.duration_s, s.duration_s / max(s.num_requests - 1, 1))
+        for s, o in zip(streams, origins, strict=True)
+    ]
+    offsets, how = place_files(spans, mode)
+    note = placement_note(how, [s[0] for s in spans], source)
     log.info(note)
-    t = np.concatenate([s.arrival_s + start for s, start in zip(streams, starts, strict=True)])
+    t = np.concatenate([
+        s.arrival_s + o + off for s, o, off in zip(streams, origins, offsets, strict=True)
+    ])  # fmt: skip
     order = np.argsort(t, kind="stable")
     prefix: list[list[int]] | None = None
     if all(s.prefix_ids is not None for s in streams):
         flat = [p for s in streams for p in (s.prefix_ids or [])]
         prefix = [flat[k] for k in order]
     known = [e for e in epochs if e is not None]
+    first = float(t[order[0]])
     return RequestStream(
-        arrival_s=t[order] - t[order[0]],
+        arrival_s=t[order] - first,
         input_tokens=np.concatenate([s.input_tokens for s in streams])[order],
         output_tokens=np.concatenate([s.output_tokens for s in streams])[order],
         prefix_ids=prefix,
         source=source,
-        start_epoch_s=min(known) if len(known) == len(streams) else None,
+        start_epoch_s=min(known) if len(known) == len(streams) and how != "restart" else None,
         notes=[note],
         origin_s=first,
     )
+
+
+MAX_GAP_S = servegen.MAX_GAP_WINDOWS * 600.0  # a longer silence in a request trace is real
+GAP_OUTLIER = 10.0  # a hole is this many times longer than the trace's 99.9th-percentile gap
+MIN_GAP_NEIGHBOUR_REQUESTS = 20  # requests on each side of a hole, within its length
+MAX_GAP_SHARE = 0.05  # silences covering more of the trace are its own pattern (bursts)
+
+
+def close_recording_gaps(stream: RequestStream) -> RequestStream:
+    """A request trace with its recording gaps closed.
+
+    A hole is a silence between two requests (at most ``MAX_GAP_S``) that the trace's
+    own arrivals do not explain: ``GAP_OUTLIER`` times longer than its 99.9th-percentile
+    inter-arrival time (a bursty trace's real silences set that percentile high, so they
+    stay), with ``MIN_GAP_NEIGHBOUR_REQUESTS`` requests or more on each side within the
+    hole's length (a silence that starts a quiet night stays). Replayed, it would read as
+    demand falling to nothing and coming back. Every later arrival moves earlier by the
+    hole's length less one mean inter-arrival time of its neighbours, so the trace reads
+    as if the hole had not been there; the note counts the holes and the time removed.
+    Silences that cover more than ``MAX_GAP_SHARE`` of the trace together are its own
+    pattern (bursts with quiet between them), not holes: none is closed then.
+    """
+    n = stream.num_requests
+    if n < 1000:  # too few gaps for a 99.9th percentile
+        return stream
+    t = stream.arrival_s
+    gaps = np.diff(t)
+    limit = GAP_OUTLIER * float(np.quantile(gaps, 0.999))
+    shifts = np.zeros(n)
+    holes, removed = 0, 0.0
+    for i in np.flatnonzero((gaps > limit) & (gaps <= MAX_GAP_S)):
+        g = float(gaps[i])
+        before = i + 1 - int(np.searchsorted(t, t[i] - g))
+        after = int(np.searchsorted(t, t[i + 1] + g, side="right")) - (i + 1)
+        if min(before, after) < MIN_GAP_NEIGHBOUR_REQUESTS:
+            continue
+        shift = g - 2 * g / (before + after)  # keep one mean inter-arrival time
+        shifts[i + 1 :] += shift
+        holes, removed = holes + 1, removed + shift
+    if not holes or removed > MAX_GAP_SHARE * stream.duration_s:
+        return stream
+    note = (
+        f"{holes} recording gap(s) closed ({removed:,.0f} s in all without a single request, "
+        f"each over {GAP_OUTLIER:g}x the trace's 99.9th-percentile inter-arrival time "
+        f"({limit:.3g} s) and at most {MAX_GAP_S:g} s, between periods of normal demand): "
+        "later arrivals moved earlier by each gap's length"
+    )
+    log.warning("%s: %s", stream.source, note)
+    return replace(stream, arrival_s=t - shifts, notes=[*stream.notes, note])

@@ -282,6 +282,19 @@ class PredictiveWithFloor(Policy):
             policy.restore({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
 
 
+class Fixed(Policy):
+    """A pool of a fixed size: what `evaluate` checks reachability of the SLO with."""
+
+    name = "fixed"
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+
+    def decide(self, obs: Observation) -> int:
+        del obs
+        return self.replicas
+
+
 class Oracle(Policy):
     name = "oracle"
 

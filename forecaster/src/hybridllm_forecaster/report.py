@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from hybridllm_forecaster import policies
-from hybridllm_forecaster.evaluate import COARSE_TARGETS, EvalResult
+from hybridllm_forecaster.evaluate import COARSE_TARGETS, UNREACHABLE_ATTAINMENT, EvalResult
 
 FAMILIES = ("hpa", "hpa-tuned", "keda-queue", "predictive", "predictive+floor", "oracle")
 
@@ -87,7 +87,7 @@ def cost_at_attainment(res: EvalResult, family: str, attainment: float) -> float
 # the SLO is within reach: past these, the report says the comparison is void.
 SATURATED_SHARE = 0.05  # a policy at the pool's maximum for more of the test period
 FLOOR_SHARE = 0.8  # every policy, the oracle too, at the pool's minimum for more of it
-UNREACHABLE_ATTAINMENT = 0.9  # the oracle (perfect foresight) below this SLO attainment
+# UNREACHABLE_ATTAINMENT (evaluate): no policy setting and no fixed pool reaches this
 UNATTAINABLE_SHARE = 0.5  # requests no replica serves in time, alone (excluded) beyond this
 MIN_TEST_REQUESTS = 100  # a request trace's test period with fewer says nothing
 # Differences a verdict does not call a difference: what the training-half choice of knobs
@@ -119,11 +119,17 @@ def share_at_min(res: EvalResult, family: str) -> float:
 def validity(res: EvalResult) -> dict[str, Any]:
     """What decides whether the comparison can mean anything, printed before any verdict."""
     ref, oracle = res.test_result("hpa"), res.test_result("oracle")
+    best = res.best_test_attainment()
     out: dict[str, Any] = {
         "time_at_max": {f: share_at_max(res, f) for f in FAMILIES},
         "time_at_min": {f: share_at_min(res, f) for f in FAMILIES},
         "reference_attainment": ref.slo_attainment,
         "oracle_attainment": oracle.slo_attainment,
+        "best_attainment": best[0],
+        "best_attainment_by": best[1],
+        "reach_checks": {label: r.slo_attainment for label, r in res.reach_runs},
+        "test_duration_s": res.test_duration_s,
+        "lead_time_s": res.lead_time_s,
         "test_requests": res.test_requests,
         "unattainable_requests": res.unattainable,
         "unattainable_share": (
@@ -141,6 +147,14 @@ def validity(res: EvalResult) -> dict[str, Any]:
 def comparison_problems(res: EvalResult) -> list[str]:
     """Why the policies cannot be told apart on this trace and pool; empty when they can."""
     problems = []
+    if res.lead_time_s > 0 and res.test_duration_s < res.lead_time_s:
+        return [
+            f"the test period ({res.test_duration_s:g} s) is shorter than the lead time "
+            f"({res.lead_time_s:g} s: cold start + control interval): test period shorter "
+            "than the lead time, so no replica a policy asks for during it is ready before "
+            "it ends and no policy can differ from another. Give a longer trace, or train "
+            "on less of it (--train-frac)"
+        ]
     if not np.any(res.work[res.split :] > 0):
         return ["the test period has no requests: there is nothing to compare"]
     if res.test_requests is not None and res.test_requests < MIN_TEST_REQUESTS:
@@ -170,14 +184,21 @@ def comparison_problems(res: EvalResult) -> list[str]:
             "--max-replicas, or size the trace to the pool (--demand-scale auto)"
         )
     oracle = res.test_result("oracle")
-    if oracle.slo_attainment < UNREACHABLE_ATTAINMENT:
+    best, best_by = res.best_test_attainment()
+    if best < UNREACHABLE_ATTAINMENT:
         parts = f"TTFT {oracle.ttft_attainment:.1%}, TBT {oracle.tbt_attainment:.1%}"
+        largest = max(
+            (int(label.rsplit(" ", 1)[1]) for label, _ in res.reach_runs if "fixed" in label),
+            default=0,
+        )
+        swept = f", nor a fixed pool of up to {largest} replicas" if largest else ""
         problems.append(
-            f"even the oracle (perfect foresight) meets the SLO for only "
-            f"{oracle.slo_attainment:.1%} of requests ({parts}): the SLO is out of reach "
-            "for this replica capacity whatever the policy, so attainment and cost ratios "
-            "compare noise. Check the SLO and the per-replica capacity against the trace's "
-            "request sizes"
+            f"no setting of any policy{swept} meets the SLO for {UNREACHABLE_ATTAINMENT:.0%} "
+            f"of requests (the best: {best:.1%}, {best_by}; the oracle "
+            f"{oracle.slo_attainment:.1%}: {parts}): the SLO is out of reach for this "
+            "replica capacity whatever the policy, so attainment and cost ratios compare "
+            "noise. Check the SLO and the per-replica capacity against the trace's request "
+            "sizes"
         )
     floor = {f: share_at_min(res, f) for f in FAMILIES}
     if min(floor.values()) > FLOOR_SHARE:
@@ -293,8 +314,13 @@ def validity_lines(res: EvalResult) -> list[str]:
         f"time at the pool's maximum ({res.max_replicas}): {at_max}",
         f"time at the pool's minimum ({max(res.min_replicas, 1)}): {at_min}",
         f"SLO attainment of the reference (hpa): {v['reference_attainment']:.1%}; of the "
-        f"oracle: {v['oracle_attainment']:.1%}",
+        f"oracle: {v['oracle_attainment']:.1%}; the best of any setting: "
+        f"{v['best_attainment']:.1%} ({v['best_attainment_by']})",
+        f"test period {v['test_duration_s']:g} s; lead time {v['lead_time_s']:g} s",
     ]
+    if v["reach_checks"]:
+        shown = ", ".join(f"{k} {x:.1%}" for k, x in v["reach_checks"].items())
+        lines.append(f"SLO reach checked on the test period (every policy missed it): {shown}")
     if v["unattainable_requests"] is None:
         lines.append("requests the SLO cannot fit: unknown (a rate-only trace)")
     else:

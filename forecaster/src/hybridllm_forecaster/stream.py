@@ -127,7 +127,10 @@ class DemandSeries:
     arrival_cv: np.ndarray | None = None  # [num_bins]
     source: str = ""
     start_epoch_s: float | None = None
-    notes: list[str] = field(default_factory=list)  # what loading assumed or repaired
+    notes: list[str] = field(default_factory=list)  # what loading repaired or how it joined
+    # what loading assumed (where request lengths come from), printed by every report
+    assumptions: list[str] = field(default_factory=list)
+    prompt_log_sigma: float | None = None  # spread of log prompt lengths, when known
 
     def __post_init__(self) -> None:
         n = len(self.req_per_s)
@@ -175,6 +178,8 @@ class DemandSeries:
             source=self.source,
             start_epoch_s=epoch,
             notes=list(self.notes),
+            assumptions=list(self.assumptions),
+            prompt_log_sigma=self.prompt_log_sigma,
         )
 
     def rebin(self, factor: int) -> DemandSeries:
@@ -197,4 +202,6 @@ class DemandSeries:
             source=self.source,
             start_epoch_s=self.start_epoch_s,
             notes=list(self.notes),
+            assumptions=list(self.assumptions),
+            prompt_log_sigma=self.prompt_log_sigma,
         )
