@@ -37,6 +37,16 @@ def test_the_gateway_tells_a_slow_replica_from_a_fast_one(procs, table) -> None:
                 assert r.status_code == 200
                 r.read()
     figures = _figures(gw.url)
+    # what the operator's autoscaler reads of these to learn the tier's capacity (left out
+    # of the spec): the replicas' mean figures and the answers behind them
+    from hybridllm_operator.llmservice.demand import gateway as scrape
+
+    seen = scrape.tier_speeds(
+        [scrape.parse_gateway_metrics(httpx.get(gw.url + "/metrics").text, 0.0)]
+    )
+    assert seen["cloud"].answers == 48
+    assert 0.004 <= (seen["cloud"].tpot_1_s or 0.0) <= 0.03, seen  # between the two replicas'
+    assert seen["cloud"].step_s() is not None, seen
 
     def figure(name: str, replica: str, **labels: str) -> float | None:
         key = (name, tuple(sorted({"tier": "cloud", "replica": replica, **labels}.items())))

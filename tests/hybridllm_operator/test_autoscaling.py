@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from hybridllm_common import crd
 from hybridllm_operator.llmservice import autoscaling, demand
 from hybridllm_operator.llmservice.demand import Snapshot, TierDemand
@@ -420,3 +422,85 @@ def test_local_mode_starts_no_replica_the_machine_has_no_cores_for():
     assert (cloud.desired, cloud.capacity_bound) == (2, True)
     assert "capacity-bound while saturated (cloud p95" in cloud.reason
     assert why in cloud.reason
+
+
+def _speed_text(tier: str, prefill: float, tpot_1: float, tpot_8: float, answers: int) -> str:
+    """Two replicas of a tier as the gateway exports what it learned of them."""
+    out = ""
+    for replica, scale in (("http://a:8000", 0.9), ("http://b:8000", 1.1)):  # mean 1.0
+        labels = f'tier="{tier}",replica="{replica}"'
+        out += (
+            f"hybridllm_gateway_replica_prefill_tokens_per_second{{{labels}}} {prefill * scale}\n"
+            f'hybridllm_gateway_replica_output_token_seconds{{{labels},load="1"}} {tpot_1 * scale}\n'
+            f'hybridllm_gateway_replica_output_token_seconds{{{labels},load="8"}} {tpot_8 * scale}\n'
+            f"hybridllm_gateway_replica_answers_total{{{labels}}} {answers / 2}\n"
+        )
+    return out
+
+
+def test_capacity_left_out_is_learned_from_what_the_gateways_measured():
+    """The edge pool has no capacity in the spec: it is sized with the defaults until its
+    tier has 64 measured answers, then with the replicas' measured speed, read from the
+    gateway's /metrics as the autoscaler reads it. The cloud pool's hand-set capacity wins;
+    the status says the measurement disagrees with it."""
+    raw = spec("reactive").model_dump(by_alias=True, exclude_none=True)
+    del raw["edge"]["pool"]["capacity"]
+    service = crd.LLMServiceSpec.model_validate(raw)
+    scaler = autoscaling.ServiceAutoscaler()
+    scaler.configure(service)
+    answers = {"n": 40}
+
+    def text() -> str:
+        return (
+            'hybridllm_gateway_offered_prompt_tokens_total{tier="edge"} 0\n'
+            'hybridllm_gateway_offered_completion_tokens_total{tier="edge"} 0\n'
+            'hybridllm_gateway_offered_prompt_tokens_total{tier="cloud"} 0\n'
+            'hybridllm_gateway_offered_completion_tokens_total{tier="cloud"} 0\n'
+            # edge: 500 prompt tokens/s; 20 ms a token alone, 34 ms at 8 (2 ms a sequence)
+            + _speed_text("edge", 500.0, 0.020, 0.034, answers["n"])
+            # cloud: twice the spec's 1,000 prompt tokens/s
+            + _speed_text("cloud", 2000.0, 0.010, 0.010, 200)
+        )
+
+    source = demand.GatewayScrape(lambda: ["gw"], fetch=lambda url: text())
+    source.read(0.0)  # a rate needs two samples
+    scaler.step(15.0, source.read(15.0), OBSERVED)
+    assert scaler.capacity["edge"].startswith("defaults until 64 answers are measured (40 so far)")
+    answers["n"] = 100
+    scaler.step(30.0, source.read(30.0), OBSERVED)
+    # 4 slots (edge.parallel), a step of 18 ms + 2 ms a sequence: 4 / 0.026 = 154 tokens/s
+    assert scaler.capacity["edge"] == (
+        "learned from 100 answers: prefill 500 tokens/s, decode 154 tokens/s at batch 4"
+    )
+    assert scaler.scalers["edge"].pool.capacity.prefill_tok_s == 500.0
+    # the work of 1,000 prompt and 154 output tokens/s is three replicas' worth (five at
+    # the target 0.7) by the learned figures, and not one by the defaults
+    assert float(scaler.scalers["edge"].pool.work_per_s(1000.0, 4 / 0.026)) == pytest.approx(3.0)
+    cloud = scaler.capacity["monolithic"]
+    assert cloud.startswith("spec: prefill 1,000 tokens/s"), cloud
+    assert "measured prefill 2,000 tokens/s" in cloud
+    assert "differs by more than 30%" in cloud
+    assert scaler.scalers["monolithic"].pool.capacity.prefill_tok_s == 1000.0
+    # the status carries it, per pool
+    deployments = [
+        {"metadata": {"name": f"s-{c}", "labels": {"app.kubernetes.io/component": c,
+                      "hybridllm.io/revision": "v1"}},
+         "spec": {"replicas": 2}, "status": {"readyReplicas": 2}}
+        for c in ("edge", "monolithic", "gateway")
+    ]  # fmt: skip
+    from hybridllm_operator.llmservice import builders, status
+
+    svc = builders.Service(name="s", namespace="ns", uid="u", spec=service)
+    pools = status.build_status(svc, 1, deployments, None, (), scaler).pools
+    assert pools["edge"].capacity == scaler.capacity["edge"]
+    # a disaggregated pool cannot be learned from the answers: said, with what to do
+    split = {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}
+    scaler.configure(spec("reactive", mode="disaggregated", prefill=split, decode=split))
+    scaler.step(
+        45.0,
+        source.read(45.0),
+        {c: autoscaling.Observed(1, 1) for c in ("edge", "prefill", "decode")},
+    )
+    assert scaler.capacity["decode"].startswith("defaults: "), scaler.capacity
+    assert "set spec.cloud.decode.capacity" in scaler.capacity["decode"]
+    assert scaler.capacity["edge"].startswith("spec: ")  # this spec sets the edge's again

@@ -1,7 +1,8 @@
 """Every LLMService's demand from shared queries: three gateways' metrics (the gateway's own
 registry, served over HTTP) scraped by a real Prometheus with the labels the chart gives
 them, read by the operator's `PrometheusDemand` with one `PrometheusBatch` and without:
-the same demand and history for each service, from five queries for all of them."""
+the same demand, learned speed and history for each service, from seven queries for all
+of them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import start_http_server
 
+from hybridllm_common import speed
 from hybridllm_gateway.metrics import GatewayMetrics
 from hybridllm_operator.llmservice import demand
 from hybridllm_operator.local.plan import free_ports
@@ -37,6 +39,11 @@ def prometheus(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             metrics.held.labels(tier).set(0)
             metrics.cold.labels(tier).inc(0)
             metrics.ttft.labels(tier).observe(0.1 * (i + 1))
+        for k in range(16):  # the edge replica's answers: 1,000 prompt tokens/s, a decode
+            load = 1 + 7 * (k % 2)  # step of 10 ms + 2 ms per other answer in flight
+            metrics.speeds.answered("edge", "http://edge-0:8000", speed.Answer(
+                load, 100 * (k + 1), 0.02 + 0.1 * (k + 1), 11, 10 * (0.010 + 0.002 * (load - 1)),
+            ))  # fmt: skip
         port = free_ports(1)[0]
         server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
         servers.append((server, metrics))
@@ -86,12 +93,18 @@ def test_each_service_reads_from_the_batch_what_it_reads_alone(prometheus: str) 
         assert batched == alone
         assert batched.tiers["edge"].in_flight == SERVICES.index((namespace, name)) + 1
         assert batched.tiers["cloud"].completion_tok_s > 0
+        # the replicas' learned speed, for a pool whose capacity is left out
+        learned = batched.tiers["edge"].speed
+        assert learned is not None
+        assert learned.answers == 16
+        assert learned.step_s() == pytest.approx((0.008, 0.002), rel=0.02)
+        assert batched.tiers["cloud"].speed is None  # no cloud answers measured
         rates.append(batched.tiers["edge"].prompt_tok_s)
     # each service its own rate (service i answers i + 1 times the first's), not another's
     assert 0 < rates[0] < rates[1] < rates[2]
-    # six instant queries (prompt, completion, in flight, waiting, TTFT, 503s) answered all
-    # three services
-    assert batch.queries == 6
+    # seven instant queries (prompt, completion, in flight, waiting, TTFT, 503s, the
+    # replicas' speed) answered all three services
+    assert batch.queries == 7
 
 
 def test_the_newest_bin_from_the_batch_extends_the_history_as_a_whole_query_would(
@@ -112,12 +125,12 @@ def test_the_newest_bin_from_the_batch_extends_the_history_as_a_whole_query_woul
         assert extended == whole.read(end + BIN_S).bins
         assert extended["edge"][-1][0] > 0  # the new bin holds this service's tokens
         assert reader._bins_until == end + BIN_S
-    # one new bin for all three: two queries (prompt, completion), beside the six instant
+    # one new bin for all three: two queries (prompt, completion), beside the seven instant
     # ones when the new time is past the last one's evaluation quantum
     quantum = math.floor((end + BIN_S) / demand.EVAL_QUANTUM_S) != math.floor(
         end / demand.EVAL_QUANTUM_S
     )
-    assert batch.queries - before == 2 + 6 * quantum
+    assert batch.queries - before == 2 + 7 * quantum
 
 
 def test_a_prometheus_that_is_down_is_asked_once_for_every_service() -> None:

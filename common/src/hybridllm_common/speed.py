@@ -184,3 +184,48 @@ class SpeedTable:
         for key in gone:
             del self.replicas[key]
         return gone
+
+
+REFERENCE_LOAD = 8  # the busy batch at which the gateway also exports the time per token
+
+
+@dataclass(frozen=True)
+class TierSpeed:
+    """A tier's speed as the gateways export it, over its replicas: what the autoscaler
+    reads to learn a pool's capacity (``capacity: auto``). Each figure is the mean of the
+    replicas' fitted values (None: no replica has one yet); ``answers`` counts the answers
+    they were fitted from, summed."""
+
+    prefill_tok_s: float | None
+    tpot_1_s: float | None  # seconds per output token with one answer in flight
+    tpot_ref_s: float | None  # ... with REFERENCE_LOAD answers in flight
+    answers: float
+    reference_load: int = REFERENCE_LOAD
+
+    def step_s(self) -> tuple[float, float] | None:
+        """The decode step as ``base + per_seq x batch`` seconds (the capacity model's
+        form), from the two exported points of ``tpot = decode + slowdown x (load - 1)``;
+        None while a figure is missing or not physical."""
+        if self.tpot_1_s is None or self.tpot_ref_s is None or self.tpot_1_s <= 0:
+            return None
+        per_seq = max(0.0, (self.tpot_ref_s - self.tpot_1_s) / (self.reference_load - 1))
+        base = self.tpot_1_s - per_seq
+        if not (math.isfinite(base) and math.isfinite(per_seq)) or base <= 0:
+            return None
+        return base, per_seq
+
+
+def mean_speed(rows: list[tuple[float | None, float | None, float | None, float]]) -> TierSpeed:
+    """One tier's `TierSpeed` from its replicas' rows (prefill tokens/s, time per token
+    at load 1 and at REFERENCE_LOAD, answers)."""
+
+    def mean(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+        return sum(known) / len(known) if known else None
+
+    return TierSpeed(
+        prefill_tok_s=mean([r[0] for r in rows]),
+        tpot_1_s=mean([r[1] for r in rows]),
+        tpot_ref_s=mean([r[2] for r in rows]),
+        answers=sum(r[3] for r in rows if math.isfinite(r[3]) and r[3] > 0),
+    )

@@ -78,6 +78,15 @@ class CapacityModel:
         return cls(prefill_tok_s, max_batch / decode_tok_s, 0.0, max_batch)
 
     @classmethod
+    def from_speed(
+        cls, prefill_tok_s: float, step_base_s: float, step_per_seq_s: float, max_batch: int
+    ) -> CapacityModel:
+        """A replica as the gateway measured it (``hybridllm_common.speed``): its prefill
+        rate and its decode step ``base + per_seq x batch``; ``max_batch`` the runtime's
+        slots (``maxNumSeqs``, the edge's ``parallel``)."""
+        return cls(prefill_tok_s, step_base_s, step_per_seq_s, max(1, max_batch))
+
+    @classmethod
     def from_benchmark(
         cls, prefill_tok_s: float, step_s_at: dict[int, float], kv_max_batch: int
     ) -> CapacityModel:

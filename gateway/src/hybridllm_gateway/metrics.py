@@ -183,7 +183,7 @@ class GatewayMetrics:
             self.cold.labels(tier=tier)
 
 
-SPEED_REFERENCE_LOAD = 8  # the batch the "busy" output time per token is given at
+SPEED_REFERENCE_LOAD = speed.REFERENCE_LOAD  # the busy batch the time per token is given at
 
 
 class ReplicaSpeeds:

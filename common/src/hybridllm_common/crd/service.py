@@ -154,6 +154,13 @@ class PoolStatus(_Model):
         description="spec.autoscaling.gpuBudget cut this pool's scale-up: it runs fewer "
         "replicas than its policy wants.",
     )
+    capacity: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="What one replica sustains as the autoscaler sizes the pool, and where "
+        "that comes from: the spec, learned from the gateways' measurements (capacity left "
+        "out), or the defaults until enough answers are measured.",
+    )
     scaling_reason: str | None = Field(
         default=None, max_length=1024, description="Why the autoscaler decided what it did."
     )

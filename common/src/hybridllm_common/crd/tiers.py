@@ -107,10 +107,12 @@ class ReplicaCapacity(_Model):
     """What one replica of a pool sustains while meeting the SLO, in tokens per second.
 
     The autoscaler divides a pool's demand (the gateway's token rates for its tier) by
-    these to get the replicas it needs. Measure them with the pool's own benchmark
-    (``bench/``) on the hardware it runs on; left out, the autoscaler assumes the
-    defaults of ``hybridllm forecast``'s pools (an 8B model on one H100 for cloud
-    pools, a small quantized model on a CPU node for the edge).
+    these to get the replicas it needs. Left out, the autoscaler learns them (edge and
+    monolithic pools) from what the gateways measure of each replica's answers, once a
+    tier has 64 answers, and until then assumes the defaults of ``hybridllm forecast``'s
+    pools (an 8B model on one H100 for cloud pools, a small quantized model on a CPU node
+    for the edge); the pool's ``status.pools.*.capacity`` says which. Set, these win, and
+    the status says when the measured figures differ by more than 30%.
     """
 
     prefill_tokens_per_second: float = Field(
@@ -160,7 +162,8 @@ class PoolSpec(_Model):
     )
     capacity: ReplicaCapacity | None = Field(
         default=None,
-        description="Tokens per second one replica sustains, for the autoscaler.",
+        description="Tokens per second one replica sustains, for the autoscaler; left "
+        "out, learned from the gateways' measurements (status.pools.*.capacity says which).",
     )
     resources: Resources = _sub(Resources, "Compute per replica.")
     node_selector: dict[str, str] | None = Field(

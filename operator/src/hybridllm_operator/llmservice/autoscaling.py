@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm_common import crd
+from hybridllm_common.speed import TierSpeed
 from hybridllm_forecaster import autoscaler, windows
 from hybridllm_forecaster.capacity import DEFAULT_POOLS, CapacityModel, PoolConfig, Slo
-from hybridllm_operator.llmservice.demand import Snapshot
+from hybridllm_operator.llmservice.demand import Snapshot, TierDemand
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,35 @@ def pool_config(component: str, pool: crd.PoolSpec, spec: crd.LLMServiceSpec) ->
     )
 
 
+LEARN_MIN_ANSWERS = 64  # answers a tier's speed is fitted from before it replaces the defaults
+DISAGREE = 0.3  # a hand-set capacity this far from the measured one is said in the status
+LEARNABLE = ("monolithic", "edge")  # a disaggregated pool's share of an answer is not seen
+
+
+def slots(component: str, spec: crd.LLMServiceSpec) -> int:
+    """Requests one replica of the pool decodes together (its batch at most)."""
+    if component == "edge" and spec.edge is not None:
+        return spec.edge.parallel
+    return spec.cloud.max_num_seqs if spec.cloud is not None else 1
+
+
+def learned_capacity(speed: TierSpeed | None, max_batch: int) -> CapacityModel | None:
+    """A replica's capacity from its tier's learned speed, once fitted from enough answers."""
+    if speed is None or speed.answers < LEARN_MIN_ANSWERS or not speed.prefill_tok_s:
+        return None
+    step = speed.step_s()
+    if step is None:
+        return None
+    return CapacityModel.from_speed(speed.prefill_tok_s, *step, max_batch)
+
+
+def describe(config: PoolConfig) -> str:
+    return (
+        f"prefill {config.capacity.prefill_tok_s:,.0f} tokens/s, decode "
+        f"{config.decode_tok_s:,.0f} tokens/s at batch {config.max_batch}"
+    )
+
+
 @dataclass(frozen=True)
 class Observed:
     """One pool as the last reconcile saw it."""
@@ -110,6 +140,10 @@ class ServiceAutoscaler:
     last_step_s: float | None = None
     spec: crd.LLMServiceSpec | None = None  # the last configured
     starting: dict[str, int] = field(default_factory=dict)  # each pool's spec replicas
+    configs: dict[str, PoolConfig] = field(default_factory=dict)  # each pool's, from the spec
+    # Each pool's capacity and where it comes from (the spec, learned, the defaults), for
+    # the status; set by `step`.
+    capacity: dict[str, str] = field(default_factory=dict)
     _saved: dict[str, Any] = field(default_factory=dict)  # restored state not yet used
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -129,7 +163,7 @@ class ServiceAutoscaler:
         self.starting = starts
         if (
             mode == self.mode
-            and all(c in self.scalers and self.scalers[c].pool == cfg for c, cfg in wanted.items())
+            and all(c in self.scalers and self.configs.get(c) == cfg for c, cfg in wanted.items())
             and len(wanted) == len(self.scalers)
         ):
             if moved:
@@ -139,7 +173,7 @@ class ServiceAutoscaler:
         desired: dict[str, int] = {}
         for component, config in wanted.items():
             old = self.scalers.get(component)
-            if old is not None and old.pool == config and old.mode == mode:
+            if old is not None and self.configs.get(component) == config and old.mode == mode:
                 scalers[component] = old
             else:
                 fc = autoscaler.OnlineForecast.for_pool(
@@ -155,6 +189,7 @@ class ServiceAutoscaler:
                 desired[component] = _within(config, self.desired[component])
         # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
         self.mode, self.scalers, self.desired = mode, scalers, desired
+        self.configs = wanted
         self.decisions = {c: d for c, d in self.decisions.items() if c in scalers}
         if moved:
             self._start_again(moved, wanted, scalers, dict(desired))
@@ -244,12 +279,14 @@ class ServiceAutoscaler:
         desired, decisions = dict(self.desired), dict(self.decisions)
         loads, events = dict(self.demand), dict(self.scale_events)
         seconds = dict(self.replica_seconds)
+        capacity = dict(self.capacity)
         for component, scaler in list(self.scalers.items()):
             seen = observed.get(component)
             if seen is None:  # the Deployment does not exist yet: nothing to size
                 continue
             tier = crd.pool_tier(component)
             demand = snapshot.tiers.get(tier)
+            capacity[component] = self._capacity(component, scaler, demand)
             work = None
             violation = None
             if demand is not None:
@@ -300,9 +337,55 @@ class ServiceAutoscaler:
         # Whole-attribute swaps: a reconcile in another thread reads one view or the other.
         self.problems, self.decisions, self.desired = dict(snapshot.problems), decisions, desired
         self.demand, self.scale_events, self.replica_seconds = loads, events, seconds
+        self.capacity = {c: v for c, v in capacity.items() if c in self.scalers}
         self.observed = dict(observed)  # local mode has no reconcile to record it
         self.last_step_s = now_s
         return changed
+
+    def _capacity(
+        self, component: str, scaler: autoscaler.PoolScaler, demand: TierDemand | None
+    ) -> str:
+        """Give the pool's scaler the capacity it sizes with: the spec's when set, else the
+        one learned from the gateways' measurements of its tier (``capacity: auto``) once
+        fitted from enough answers, else the defaults. What it is, in words."""
+        config = self.configs.get(component)
+        pool = crd.scaled_pools(self.spec).get(component) if self.spec is not None else None
+        if config is None or pool is None or self.spec is None:
+            return ""
+        speed = demand.speed if demand is not None else None
+        answers = f"{speed.answers:,.0f}" if speed is not None else "0"
+        learned = None
+        if component in LEARNABLE:
+            learned = learned_capacity(speed, slots(component, self.spec))
+        if pool.capacity is not None:
+            scaler.pool = config
+            said = f"spec: {describe(config)}"
+            if learned is not None:
+                seen = config.with_(capacity=learned)
+                ratios = (
+                    learned.prefill_tok_s / config.capacity.prefill_tok_s,
+                    seen.decode_tok_s / config.decode_tok_s,
+                )
+                if any(abs(r - 1.0) > DISAGREE for r in ratios):
+                    said += (
+                        f"; measured {describe(seen)} from {answers} answers "
+                        f"(differs by more than {DISAGREE:.0%}: re-measure, or leave "
+                        "capacity out to use the measured figures)"
+                    )  # fmt: skip
+            return said
+        if learned is not None:
+            scaler.pool = config.with_(capacity=learned)
+            return f"learned from {answers} answers: {describe(scaler.pool)}"
+        scaler.pool = config
+        if component not in LEARNABLE:
+            return (
+                f"defaults: {describe(config)} (a disaggregated pool's capacity is not "
+                f"learned: set spec.cloud.{component}.capacity, e.g. from hybridllm profile)"
+            )
+        return (
+            f"defaults until {LEARN_MIN_ANSWERS} answers are measured ({answers} so far): "
+            f"{describe(config)}"
+        )
 
     def _fit_budget(
         self,

@@ -221,7 +221,10 @@ def build_status(
         for component, decision in scaling.decisions.items():
             if component in pools:
                 pools[component] = pools[component].model_copy(
-                    update=autoscaling.pool_fields(decision)
+                    update={
+                        **autoscaling.pool_fields(decision),
+                        "capacity": scaling.capacity.get(component) or None,
+                    }
                 )
     pending = rollouts_pending(deployments)
     wanted = [

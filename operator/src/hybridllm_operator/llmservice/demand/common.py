@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hybridllm_common import metrics as names
+from hybridllm_common.speed import TierSpeed
 
 TIERS = ("edge", "cloud")
 TTFT_QUANTILE = 0.95
@@ -31,6 +32,8 @@ class TierDemand:
     waiting: float = 0.0
     # requests the gateways answered 503 for this tier in the window (it was overloaded)
     overloaded: float = 0.0
+    # the tier's replicas' speed as the gateways learned it (capacity: auto); None: none yet
+    speed: TierSpeed | None = None
 
 
 @dataclass(frozen=True)

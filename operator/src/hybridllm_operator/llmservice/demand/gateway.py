@@ -18,6 +18,7 @@ import urllib3
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm_common import metrics as names
+from hybridllm_common.speed import REFERENCE_LOAD, TierSpeed, mean_speed
 from hybridllm_operator.llmservice.demand.common import (
     HTTP_TIMEOUT_S,
     OFFERED_COMPLETION,
@@ -82,6 +83,8 @@ class _Sample:
     held: dict[str, float] = field(default_factory=dict)
     cold: dict[str, float] = field(default_factory=dict)
     overloaded: dict[str, float] = field(default_factory=dict)  # cumulative 503 answers
+    # tier -> replica -> [prefill tokens/s, s/token at load 1, at REFERENCE_LOAD, answers]
+    speeds: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
 
 
 def parse_gateway_metrics(text: str, t: float) -> _Sample:
@@ -105,7 +108,35 @@ def parse_gateway_metrics(text: str, t: float) -> _Sample:
                 sample.overloaded[tier] = sample.overloaded.get(tier, 0.0) + s.value
             elif s.name == names.TIME_TO_FIRST_TOKEN_SECONDS + "_bucket":
                 sample.ttft.setdefault(tier, {})[float(s.labels["le"])] = s.value
+            elif s.name in SPEED_COLUMNS or s.name == ANSWERS:
+                row = sample.speeds.setdefault(tier, {}).setdefault(
+                    str(s.labels.get("replica")), [None, None, None, 0.0]
+                )
+                load = s.labels.get("load")
+                if s.name == ANSWERS:
+                    row[3] = s.value
+                elif s.name != names.GATEWAY_REPLICA_OUTPUT_SECONDS:
+                    row[0] = s.value
+                elif load in ("1", str(REFERENCE_LOAD)):
+                    row[1 if load == "1" else 2] = s.value
     return sample
+
+
+SPEED_COLUMNS = (
+    names.GATEWAY_REPLICA_PREFILL_TOKENS_PER_SECOND,
+    names.GATEWAY_REPLICA_OUTPUT_SECONDS,
+)
+ANSWERS = names.GATEWAY_REPLICA_ANSWERS_TOTAL
+
+
+def tier_speeds(samples: Iterable[_Sample]) -> dict[str, TierSpeed]:
+    """Each tier's speed over every replica every gateway has learned."""
+    rows: dict[str, list[tuple[float | None, float | None, float | None, float]]] = {}
+    for sample in samples:
+        for tier, replicas in sample.speeds.items():
+            for p, t1, tref, answers in replicas.values():
+                rows.setdefault(tier, []).append((p, t1, tref, float(answers or 0.0)))
+    return {tier: mean_speed(r) for tier, r in rows.items()}
 
 
 def _increase(new: float, old: float | None) -> float:
@@ -182,6 +213,7 @@ class GatewayScrape(DemandSource):
                 new_replicas.append(url)
         self.last = {**{u: s for u, s in self.last.items() if u in urls}, **fresh}
         tiers: dict[str, TierDemand] = {}
+        speeds = tier_speeds(fresh.values())
         for tier in TIERS:
             if tier in problems:
                 continue
@@ -201,6 +233,7 @@ class GatewayScrape(DemandSource):
                     histogram_quantile(TTFT_QUANTILE, buckets[tier]),
                     waiting[tier],
                     overloaded[tier],
+                    speeds.get(tier),
                 )
         bins, start = self._aligned_bins(now_s)
         return Snapshot(tiers, bins, start, problems)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridllm_common import metrics as names
+from hybridllm_common.speed import REFERENCE_LOAD, TierSpeed
 from hybridllm_operator.llmservice.demand.common import (
     HTTP_TIMEOUT_S,
     OFFERED_COMPLETION,
@@ -170,11 +171,47 @@ class PrometheusDemand(DemandSource):
                 f"histogram_quantile({TTFT_QUANTILE}, sum by ({by}tier, le) "
                 f"(rate({names.TIME_TO_FIRST_TOKEN_SECONDS}_bucket{{{sel}}}[{w}])))"
             ),
+            # the replicas' learned speed (capacity: auto), four figures in one query, each
+            # tagged by a "figure" label
+            "speed": " or ".join(
+                f'label_replace({agg} by ({by}tier) ({metric}{{{sel}{extra}}}), "figure", '
+                f'"{figure}", "", "")'
+                for figure, agg, metric, extra in (
+                    ("prefill", "avg", names.GATEWAY_REPLICA_PREFILL_TOKENS_PER_SECOND, ""),
+                    ("tpot_1", "avg", names.GATEWAY_REPLICA_OUTPUT_SECONDS, ',load="1"'),
+                    (
+                        "tpot_ref",
+                        "avg",
+                        names.GATEWAY_REPLICA_OUTPUT_SECONDS,
+                        f',load="{REFERENCE_LOAD}"',
+                    ),
+                    ("answers", "sum", names.GATEWAY_REPLICA_ANSWERS_TOTAL, ""),
+                )
+            ),
         }
 
     def _by_tier(self, name: str, at: float) -> dict[str, float]:
         """One instant query's value per tier: from the batch's answer over every
         LLMService, or asked for this one alone."""
+        return {
+            str(r["metric"].get("tier", "")): float(r["value"][1]) for r in self._rows(name, at)
+        }
+
+    def _speeds(self, at: float) -> dict[str, TierSpeed]:
+        """Each tier's learned speed (the "speed" query's figures)."""
+        figures: dict[str, dict[str, float]] = {}
+        for r in self._rows("speed", at):
+            value = float(r["value"][1])
+            if math.isfinite(value):
+                tier = str(r["metric"].get("tier", ""))
+                figures.setdefault(tier, {})[str(r["metric"].get("figure"))] = value
+        return {
+            tier: TierSpeed(f.get("prefill"), f.get("tpot_1"), f.get("tpot_ref"),
+                            f.get("answers", 0.0))
+            for tier, f in figures.items()
+        }  # fmt: skip
+
+    def _rows(self, name: str, at: float) -> list[dict[str, Any]]:
         params = {"time": f"{at:.3f}"}
         rows: list[dict[str, Any]]
         if self.batch is not None:
@@ -185,7 +222,7 @@ class PrometheusDemand(DemandSource):
         else:
             query = self._exprs(self.selector, "")[name]
             rows = self._get("/api/v1/query", {**params, "query": query})
-        return {str(r["metric"].get("tier", "")): float(r["value"][1]) for r in rows}
+        return rows
 
     def read(self, now_s: float) -> Snapshot:
         w = f"{int(self.rate_window_s)}s"
@@ -198,6 +235,7 @@ class PrometheusDemand(DemandSource):
                 self._by_tier(name, at)
                 for name in ("prompt", "completion", "in_flight", "waiting", "ttft", "overloaded")
             )
+            speeds = self._speeds(at)
             bins, start = self._history(now_s)
         except PrometheusError as exc:
             return Snapshot({}, {}, 0.0, dict.fromkeys(TIERS, str(exc)))
@@ -223,6 +261,7 @@ class PrometheusDemand(DemandSource):
                     q if q is not None and math.isfinite(q) else None,
                     held if math.isfinite(held) else 0.0,
                     turned if math.isfinite(turned) else 0.0,
+                    speeds.get(tier),
                 )
         return Snapshot(tiers, bins, start, problems)
 
