@@ -11,6 +11,10 @@ every token when logprobs are asked for (the cascade's confidence signal), and
 S, a Retry-After header: a runtime whose queue is full); ``--echo`` answers
 with the prompt it received (to see what the gateway sent upstream).
 
+``--prefill-rate`` makes the first token wait for the prompt, and ``--slowdown-s`` makes
+each token wait longer for every other stream in flight (a batch's step): a replica of
+known speed, for `hybridllm profile`'s test.
+
 Two flags make it a replica with a capacity, for the autoscaling benchmark:
 ``--max-concurrency N`` answers at most N requests at once and queues the rest in arrival
 order (a runtime's batch slots: the wait shows in the time to first token, and ``/stats``
@@ -116,10 +120,11 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
     want_lp = bool(body.get("logprobs")) or body.get("logprobs") == 0
     rid = oai.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
-    interval = 1.0 / opts.rate
+    interval = 1.0 / opts.rate + opts.slowdown_s * stats["in_flight"]  # others in flight
     prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
+    ttft_s = opts.ttft_s + (prompt_tokens / opts.prefill_rate if opts.prefill_rate else 0.0)
     if not body.get("stream"):
-        await asyncio.sleep(opts.ttft_s + interval * (n - 1))
+        await asyncio.sleep(ttft_s + interval * (n - 1))
         text = opts.token * n
         if opts.echo:
             text = json.dumps(body.get("messages") or body.get("prompt"))
@@ -173,14 +178,20 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
         last = json.dumps(
             {**head, "choices": [{"index": 0, "text": opts.token, "finish_reason": "length"}]}
         )
-    tok_b, last_b = f"data: {tok}\n\n".encode(), f"data: {last}\n\ndata: [DONE]\n\n".encode()
+    usage = ""
+    if (body.get("stream_options") or {}).get("include_usage"):
+        counts = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                  "total_tokens": prompt_tokens + n}  # fmt: skip
+        usage = f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n"
+    tok_b = f"data: {tok}\n\n".encode()
+    last_b = f"data: {last}\n\n{usage}data: [DONE]\n\n".encode()
     resp = web.StreamResponse(
         headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
     )
     stats["in_flight"] += 1
     try:
         await resp.prepare(request)
-        await asyncio.sleep(opts.ttft_s)
+        await asyncio.sleep(ttft_s)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         for i in range(n if chat else n - 1):
@@ -248,6 +259,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--rate", type=float, default=100.0, help="tokens per second per stream")
     p.add_argument("--ttft-s", type=float, default=0.0)
+    p.add_argument(
+        "--prefill-rate", type=float, default=0.0,
+        help="prompt tokens per second added to the first token's time (0: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slowdown-s", type=float, default=0.0,
+        help="seconds each other stream in flight adds between tokens (a batch's step)",
+    )  # fmt: skip
     p.add_argument("--default-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--token", default=" tok")

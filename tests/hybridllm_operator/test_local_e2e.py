@@ -214,6 +214,16 @@ def test_up_serves_both_tiers_through_the_gateway(hybrid: Local) -> None:
         assert "answers its gateway only" in direct.json()["error"]["message"]
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+    # `hybridllm profile` measures the running edge replica directly (with the service's
+    # backend token) and gives its capacity block, in the units the autoscaler counts
+    got = json.loads(hybridllm(
+        "profile", hybrid.name, "--pool", "edge", "--state-root", str(hybrid.root),
+        "--requests", "3", "--max-tokens", "8", "--prompt-repeats", "4,64", "--json",
+    ).stdout)  # fmt: skip
+    assert got["url"] == hybrid.process("edge-0")["url"]
+    assert (got["levels"], got["answers"]) == ([1, 2, 4], 3 * 2 + 3 * 7)
+    assert got["prefillTokensPerSecond"] > 0, got
+    assert got["decodeTokensPerSecond"] > 0, got
 
 
 def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(hybrid: Local) -> None:

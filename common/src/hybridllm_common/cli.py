@@ -53,6 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "edge": ("servers", "edge runtime (llama.cpp / onnxruntime) and agent"),
     "model": ("tools", "model store: pull, convert, list, verify"),
     "forecast": ("tools", "demand forecasting and scaling simulation"),
+    "profile": ("tools", "measure what one replica of a pool sustains (its capacity block)"),
 }
 
 

@@ -209,8 +209,10 @@ class TierSpeed:
         if self.tpot_1_s is None or self.tpot_ref_s is None or self.tpot_1_s <= 0:
             return None
         per_seq = max(0.0, (self.tpot_ref_s - self.tpot_1_s) / (self.reference_load - 1))
-        base = self.tpot_1_s - per_seq
-        if not (math.isfinite(base) and math.isfinite(per_seq)) or base <= 0:
+        # A replica that gains nothing from batching (a CPU busy on every core: each
+        # sequence costs what one alone does) fits a base near zero, or below it by noise.
+        base = max(self.tpot_1_s - per_seq, 0.01 * self.tpot_1_s)
+        if not (math.isfinite(base) and math.isfinite(per_seq)):
             return None
         return base, per_seq
 

@@ -17,6 +17,7 @@ SCRAPE_FILE = "scrape-targets.json"  # Prometheus file_sd: what to scrape, label
 SPEC_FILE = "spec.json"  # the spec the service runs now; `hybridllm apply` replaces it
 ACTION_FILE = "rollout-action"  # a hand command for the rollout (`hybridllm rollout --local`)
 SUPERVISOR_LOG = "supervisor.log"
+TOKEN_FILE = "backend-token"  # the runtimes' backend token (mode 0600), for `hybridllm profile`
 LOG_DIR = "logs"
 
 LOOPBACK = "127.0.0.1"

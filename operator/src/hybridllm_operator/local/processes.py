@@ -35,7 +35,7 @@ import aiohttp
 
 from hybridllm_common import backend_auth
 from hybridllm_operator.llmservice import builders
-from hybridllm_operator.local.files import LOG_DIR, proc_start_time
+from hybridllm_operator.local.files import LOG_DIR, TOKEN_FILE, proc_start_time
 from hybridllm_operator.local.plan import Plan, Replica
 
 PROBE_STARTING_S = 0.5
@@ -163,8 +163,15 @@ class Processes:
             for r in plan.replicas
         ]
         self.tasks: list[asyncio.Task[None]] = []  # each `keep` and `drain`
-        # the gateway shows it to the runtimes, which answer nobody else (backend_auth)
+        # the gateway shows it to the runtimes, which answer nobody else (backend_auth); kept
+        # readable by this user alone, for the tools that measure a replica directly
+        # (`hybridllm profile`)
         self.backend_token = backend_auth.new_token()
+        token_file = state_dir / TOKEN_FILE
+        token_file.unlink(missing_ok=True)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.backend_token + "\n")
 
     # ----------------------------------------------------------------- which replicas
 

@@ -195,6 +195,7 @@ class Supervisor:
             state["autoscaling"] = {
                 "mode": self.scaling.mode,
                 "pools": {c: decision_state(d) for c, d in self.scaling.decisions.items()},
+                "capacity": dict(self.scaling.capacity),  # each pool's, and where it comes from
             }
         if self.rollouts.state is not None:
             state["revision"] = self.spec.model.revision
