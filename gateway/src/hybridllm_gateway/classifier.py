@@ -7,7 +7,7 @@ markers and of reasoning markers, and the share of the prompt in a system messag
 
 The model is scikit-learn's ``LogisticRegression`` on standardised features, trained by
 ``hybridllm-gateway train-classifier`` on the labelled set shipped in ``data/`` (built by
-:mod:`hybridllm_gateway.labelset`). It is saved as JSON (means, scales, coefficients,
+``hack/labelset.py``). It is saved as JSON (means, scales, coefficients,
 intercept, threshold), not as a pickle: loading it runs no code, and scoring is one dot
 product in pure Python (about a microsecond), so scikit-learn is not on the hot path.
 When no model file can be loaded the rules in :func:`rules` decide, and the reason

@@ -10,7 +10,8 @@ and ``max_tokens``; some cloud tasks are phrased without any marker words and so
 tasks mention code or ask "why", and 4% of labels are flipped, so that the set is not
 separable by the rules and the held-out accuracy means something.
 
-``python -m hybridllm_gateway.labelset OUT [--n N] [--seed S]`` rewrites the file.
+``python hack/labelset.py OUT [--n N] [--seed S]`` (from the repository root) rewrites the
+file. A tool of this repository, not part of the shipped gateway.
 """
 
 from __future__ import annotations
