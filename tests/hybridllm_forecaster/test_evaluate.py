@@ -88,12 +88,18 @@ def bursty() -> evaluate.EvalResult:
     return evaluate.evaluate(_bursty_demand(1), None, BURSTY_CFG)
 
 
+@pytest.fixture(scope="module")
+def bursty_scaled() -> evaluate.EvalResult:
+    """The same trace with its test half 1.6x (a scale knob on what is judged)."""
+    return evaluate.evaluate(_bursty_demand(1, test_scale=1.6), None, BURSTY_CFG)
+
+
 @pytest.mark.slow
-def test_knobs_and_targets_are_chosen_on_the_training_part_only(bursty):
+def test_knobs_and_targets_are_chosen_on_the_training_part_only(bursty, bursty_scaled):
     """Changing the test half changes no choice; every choice is one of the offered knobs."""
     cfg = BURSTY_CFG
     a = bursty
-    b = evaluate.evaluate(_bursty_demand(1, test_scale=1.6), None, cfg)
+    b = bursty_scaled
     assert a.chosen == b.chosen
     assert a.down_windows == b.down_windows
     assert a.quantiles == b.quantiles
@@ -137,3 +143,104 @@ def test_a_saturated_pool_voids_the_verdict_loudly(bursty):
     assert any(f"maximum of {ceiling} replicas" in p for p in verdict["problems"])
     assert all(verdict[f]["goal_met"] is None for f in ("predictive", "predictive+floor", "oracle"))
     assert report.share_at_max(capped, "oracle") > report.SATURATED_SHARE
+
+
+@pytest.mark.slow
+def test_the_noise_band_is_a_deterministic_block_bootstrap_and_bounds_the_findings(bursty):
+    """The band comes from the comparison itself: every test run summed per block adds up
+    to its totals, the same runs give the same band (seeded), another seed another one,
+    and a difference inside its band is "no difference" while one beyond it is not."""
+    from hybridllm_forecaster import noise, report
+
+    boot = bursty.bootstrap
+    assert boot is not None
+    for fam, runs in bursty.test_runs.items():
+        for (setting, r), (s2, b) in zip(runs, boot.runs[fam], strict=True):
+            assert setting == s2
+            assert np.sum(b.met) / np.sum(b.requests) == pytest.approx(r.slo_attainment)
+            assert np.sum(b.hours) == pytest.approx(r.replica_hours)
+    band = boot.band("predictive", "hpa", bursty.chosen["hpa"])
+    again = noise.Bootstrap(boot.block_s, boot.num_blocks, boot.runs).band(
+        "predictive", "hpa", bursty.chosen["hpa"]
+    )
+    other = noise.Bootstrap(boot.block_s, boot.num_blocks, boot.runs, seed=1).band(
+        "predictive", "hpa", bursty.chosen["hpa"]
+    )
+    assert (band.slo_points, band.cost_ratio) == (again.slo_points, again.cost_ratio)
+    assert (band.slo_points, band.cost_ratio) != (other.slo_points, other.cost_ratio)
+    assert 0 < band.slo_points < 100
+    assert 0 < band.cost_ratio < 1
+    # within the band: no difference, whatever the sign; beyond it: a finding
+    inside_p, inside_c = 0.9 * band.slo_points, 1 + 0.9 * band.cost_ratio
+    assert report.finding(inside_p, 1.0, band.slo_points, band.cost_ratio) == "no difference"
+    assert report.finding(-inside_p, inside_c, band.slo_points, band.cost_ratio) == (
+        "no difference"
+    )
+    assert report.finding(1.1 * band.slo_points, 1.0, band.slo_points, band.cost_ratio) == "better"
+    # the verdict states how the band was computed and uses it (never under the floors)
+    v = report.verdict(bursty)
+    assert {k: v["noise"][k] for k in ("blocks", "block_s", "resamples", "seed")} == {
+        "blocks": boot.num_blocks, "block_s": boot.block_s, "resamples": noise.RESAMPLES,
+        "seed": noise.SEED,
+    }  # fmt: skip
+    assert v == report.verdict(bursty)  # deterministic
+    for fam in ("hpa-tuned", "predictive", "predictive+floor", "oracle"):
+        rows = [v[fam]] + ([v[fam]["vs_hpa_tuned"]] if fam != "hpa-tuned" else [])
+        for row in rows:
+            assert row["noise_slo_points"] >= max(report.NOISE_POINTS, row["bootstrap_slo_points"])
+            assert row["noise_cost_ratio"] >= max(report.NOISE_COST, row["bootstrap_cost_ratio"])
+            p, c = row["slo_points_at_equal_cost"], row["cost_ratio_at_equal_slo"]
+            if not abs(p) > row["noise_slo_points"] and not abs(c - 1) > row["noise_cost_ratio"]:
+                assert row["finding"] == "no difference"
+    assert "noise band: paired block bootstrap" in report.verdict_lines(bursty, v)[0]
+
+
+@pytest.mark.slow
+def test_a_verdict_does_not_flip_when_only_the_scale_of_the_test_half_changes(
+    bursty, bursty_scaled
+):
+    """Scaling the test half 1.6x moves predictive+floor from -0.9 to -1.5 SLO points at
+    the HPA's cost, with bootstrap bands of 1.8 and 1.45 points: a band from the
+    bootstrap alone called it "no difference" at one scale and "worse" at the other. Every
+    finding, against the HPA and against the tuned HPA, is the same at both scales."""
+    from hybridllm_forecaster import report
+
+    va, vb = report.verdict(bursty), report.verdict(bursty_scaled)
+    for fam in ("hpa-tuned", "predictive", "predictive+floor", "oracle"):
+        assert va[fam]["finding"] == vb[fam]["finding"], fam
+        if fam != "hpa-tuned":
+            assert va[fam]["vs_hpa_tuned"]["finding"] == vb[fam]["vs_hpa_tuned"]["finding"], fam
+    pa = va["predictive+floor"]["slo_points_at_equal_cost"]
+    pb = vb["predictive+floor"]["slo_points_at_equal_cost"]
+    assert abs(pa - pb) > 0.3  # the scale did move the estimate
+    assert va["predictive+floor"]["finding"] == "no difference"
+
+
+def test_a_model_that_loses_to_the_last_value_on_validation_is_not_deployed():
+    """On a random walk a forecast that overshoots by 30% loses to the last value on the
+    validation split (the end of the training part) and is not deployed: the policies
+    get the last value and the choice says why. A forecast that beats it is deployed."""
+    from hybridllm_forecaster import forecast
+
+    rng = np.random.default_rng(0)
+    y = 100.0 * np.exp(np.cumsum(rng.normal(0, 0.1, 400)))
+    split, h = 200, 1
+    spec = forecast.ForecastSpec(bin_s=600.0, horizon=2, train_until=split, min_train=48)
+    last = forecast.run_model("last", y, spec)
+    bad = forecast.Forecast("gbm", last.p50 * 1.3, last.upper * 1.3, last.upper_q)
+    choice = evaluate.choose_model(y, {"last": last, "gbm": bad}, split, h)
+    assert choice.losses["gbm"] > choice.losses["last"]
+    assert choice.deployed == "last"
+    assert choice.baseline_deployed
+    assert choice.validation_bins == evaluate.validation_bins(split) == (134, 200)
+    assert "gbm did not beat the best baseline (last)" in choice.sentence()
+    # a model that knows the next bin beats the last value: deployed
+    truth = np.column_stack([np.append(y[1:], y[-1]), np.append(y[2:], [y[-1]] * 2)])
+    good = forecast.Forecast("gbm", truth, truth * 1.01, last.upper_q)
+    choice = evaluate.choose_model(y, {"last": last, "gbm": good}, split, h)
+    assert choice.deployed == "gbm"
+    assert not choice.baseline_deployed
+    # the test part plays no role: a model perfect only after the split is not deployed
+    late = forecast.Forecast("gbm", np.where(np.arange(400)[:, None] >= split, truth, bad.p50),
+                             bad.upper, last.upper_q)  # fmt: skip
+    assert evaluate.choose_model(y, {"last": last, "gbm": late}, split, h).deployed == "last"

@@ -5,8 +5,11 @@
 2. Every model forecasts every bin on rolling origins; scores are taken on the test
    part (bins from ``train_frac`` on) at horizons up to the scale-up horizon, the bin
    that holds ``now + lead time``.
-3. The model that drives the predictive policies is picked by its upper-quantile
-   pinball loss on the last third of the training part (``--model auto``).
+3. The model that drives the predictive policies is chosen on a validation split, the
+   last third of the training part (``--model auto``, `choose_model`): by the sum of its
+   P50 and upper-quantile pinball losses there, and a model (holt-winters, gbm) is
+   deployed only when it beats both baselines, the last value and the seasonal naive;
+   otherwise the policies use the better baseline and the report says so.
 4. Each policy family is run at several settings on the training part; the HPA at
    its usual 70% target (Kubernetes' default 300 s scale-down window) is the reference.
    The tuned families first choose their other knobs on the training part, each by its
@@ -22,6 +25,10 @@
 
 Requests are simulated one by one (`des.py`) when the trace has at most
 ``des_max_requests`` requests, otherwise as a fluid (`fluid.py`).
+
+5. Every test run is summed per block of the test period (`noise.py`), so that the
+   report can state how far a comparison would move on another stretch of the same
+   traffic (a paired block bootstrap) and call differences inside it "no difference".
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hybridllm_forecaster import des, fluid, forecast, metrics, policies
+from hybridllm_forecaster import des, fluid, forecast, metrics, noise, policies
 from hybridllm_forecaster.capacity import PoolConfig
 from hybridllm_forecaster.simresult import SimResult
 from hybridllm_forecaster.stream import DemandSeries, RequestStream
@@ -68,6 +75,49 @@ COARSE_TARGETS = (0.6, 0.7, 0.8, 0.9)  # the sweep that scores a knob at the ref
 FORECAST_FAMILIES = ("predictive", "predictive+floor", "oracle")
 TUNED_FAMILIES = (*FORECAST_FAMILIES, "hpa-tuned")
 QUANTILE_FAMILIES = ("predictive", "predictive+floor")
+BASELINES = ("last", "seasonal")  # a model that does not beat both is not deployed
+
+
+@dataclass
+class ModelChoice:
+    """Which forecast drives the predictive policies, and why (`choose_model`)."""
+
+    deployed: str
+    best: str  # the lowest validation loss of all (a model or a baseline)
+    best_baseline: str
+    losses: dict[str, float]  # validation loss per model: pinball P50 + upper quantile
+    validation_bins: tuple[int, int]  # target bins [lo, hi) of the validation split
+    horizon: int  # bins ahead the loss is taken at (the policy's horizon)
+    forced: bool = False  # --model named it: deployed whatever the validation says
+
+    @property
+    def baseline_deployed(self) -> bool:
+        return self.deployed in BASELINES
+
+    def sentence(self) -> str:
+        """The choice in words, for the report."""
+        lo, hi = self.validation_bins
+        shown = ", ".join(
+            f"{m} {v:.4f}" for m, v in sorted(self.losses.items(), key=lambda kv: kv[1])
+        )
+        where = (
+            f"validation split: target bins {lo}-{hi - 1} (the end of the training part), "
+            f"{self.horizon} bin(s) ahead; loss = pinball P50 + pinball upper quantile, "
+            f"a share of mean demand: {shown}"
+        )
+        if self.forced:
+            return f"forecast deployed: {self.deployed} (--model {self.deployed}); {where}"
+        if self.baseline_deployed:
+            models = [m for m in self.losses if m not in BASELINES]
+            lost = ", ".join(models) if models else "no model"
+            return (
+                f"forecast deployed: the baseline {self.deployed}, because {lost} did not beat "
+                f"the best baseline ({self.best_baseline}) on the validation split; {where}"
+            )
+        return (
+            f"forecast deployed: {self.deployed}, which beat the best baseline "
+            f"({self.best_baseline}) on the validation split; {where}"
+        )
 
 
 @dataclass
@@ -110,6 +160,9 @@ class EvalResult:
     # sizes, the HPA at low targets), run on the test part only when every policy's sweep
     # misses `UNREACHABLE_ATTAINMENT`: (label, result)
     reach_runs: list[tuple[str, SimResult]] = field(default_factory=list)
+    model_choice: ModelChoice | None = None
+    # the test runs summed per block, for the verdict's noise band (`noise.py`)
+    bootstrap: noise.Bootstrap | None = None
 
     def test_result(self, family: str) -> SimResult:
         return dict(self.test_runs[family])[self.chosen[family]]
@@ -173,11 +226,15 @@ def evaluate(
     policy_h = policy_horizon(pool.lead_time_s, demand.bin_s, observed_after)
     horizons = sorted({1, policy_h, scale_up_h, horizon})
     scores = [s for fc in fcs.values() for s in metrics.score(work, fc, split, horizons)]
-    chosen_model = cfg.model if cfg.model != "auto" else _pick_model(work, fcs, split, policy_h)
+    validation = _validation_forecasts(work, fcs, spec, split)
+    choice = choose_model(work, validation, split, policy_h)
+    if cfg.model != "auto":
+        choice = replace(choice, deployed=cfg.model, forced=True)
+    chosen_model = choice.deployed
     result = EvalResult(
         demand, work, split, horizon, scale_up_h, fcs, scores, chosen_model, simulator,
         policy_h=policy_h, max_replicas=pool.max_replicas, min_replicas=pool.min_replicas,
-        lead_time_s=pool.lead_time_s,
+        lead_time_s=pool.lead_time_s, model_choice=choice,
     )  # fmt: skip
     if stream is not None:
         in_test = stream.arrival_s >= split * demand.bin_s
@@ -236,6 +293,7 @@ def evaluate(
         )
         q = result.quantiles.get(family, cfg.upper_q)
         result.test_runs[family] = [(s, run("test", family, s, window, q)) for s in settings]
+    result.bootstrap = _bootstrap(result, demand, stream, pool, simulator)
     best, _ = result.best_test_attainment()
     if best < UNREACHABLE_ATTAINMENT and result.test_duration_s >= pool.lead_time_s:
         result.reach_runs = _reach_sweep(
@@ -339,19 +397,84 @@ def choose_knob(
     return max(scores, key=lambda k: (reaches[k], scores[k], -k[1], k[0]))
 
 
-def _pick_model(work: np.ndarray, fcs: dict[str, forecast.Forecast], split: int, h: int) -> str:
-    """Lowest upper-quantile pinball at horizon `h` on the last third of training."""
-    lo = split - max(8, split // 3)
-    best, best_loss = "last", math.inf
+def validation_bins(split: int) -> tuple[int, int]:
+    """Target bins of the validation split: the last third of the training part."""
+    return split - max(8, split // 3), split
+
+
+def _validation_forecasts(
+    work: np.ndarray, fcs: dict[str, forecast.Forecast], spec: forecast.ForecastSpec, split: int
+) -> dict[str, forecast.Forecast]:
+    """The forecasts to score on the validation split, none of which saw it: every model
+    forecasts from rolling origins (the gbm refits on past bins only), but Holt-Winters
+    tunes its smoothing constants on ``[0, train_until)``, so it is rerun with them tuned
+    before the validation split."""
+    lo, _ = validation_bins(split)
+    out = dict(fcs)
+    if "holt-winters" in out:
+        out["holt-winters"] = forecast.run_model(
+            "holt-winters", work, replace(spec, train_until=lo)
+        )
+    return out
+
+
+def choose_model(
+    work: np.ndarray, fcs: dict[str, forecast.Forecast], split: int, h: int
+) -> ModelChoice:
+    """The forecast the policies deploy: the lowest validation loss (pinball of the P50
+    plus pinball of the upper quantile, at horizon `h`, on the last third of the training
+    part), where a model other than a baseline counts only if it beats every baseline
+    there. When none does, the best baseline is deployed."""
+    lo, hi = validation_bins(split)
+    losses: dict[str, float] = {}
     for name, fc in fcs.items():
-        origins = np.arange(max(0, lo - h), split - h)
+        origins = np.arange(max(0, lo - h), hi - h)
         if len(origins) == 0:
             continue
-        loss = metrics.pinball(work[origins + h], fc.upper[origins, h - 1], fc.upper_q)
-        log.info("model %s: validation pinball(upper) %.4f at %d bins ahead", name, loss, h)
-        if loss < best_loss:
-            best, best_loss = name, loss
-    return best
+        actual = work[origins + h]
+        loss = metrics.pinball(actual, fc.p50[origins, h - 1], 0.5) + metrics.pinball(
+            actual, fc.upper[origins, h - 1], fc.upper_q
+        )
+        log.info("model %s: validation loss %.4f at %d bins ahead", name, loss, h)
+        if math.isfinite(loss):
+            losses[name] = loss
+    baselines = {m: v for m, v in losses.items() if m in BASELINES}
+    best_baseline = min(baselines, key=lambda m: baselines[m]) if baselines else "last"
+    bar = baselines.get(best_baseline, math.inf)
+    winners = {m: v for m, v in losses.items() if m not in BASELINES and v < bar}
+    deployed = min(winners, key=lambda m: winners[m]) if winners else best_baseline
+    best = min(losses, key=lambda m: losses[m]) if losses else deployed
+    return ModelChoice(deployed, best, best_baseline, losses, (lo, hi), h)
+
+
+def _bootstrap(
+    res: EvalResult,
+    demand: DemandSeries,
+    stream: RequestStream | None,
+    pool: PoolConfig,
+    simulator: str,
+) -> noise.Bootstrap:
+    """The test runs summed per block of the test period (`noise.Bootstrap`)."""
+    step = pool.control_interval_s
+    block_s, num_blocks = noise.block_layout(res.test_duration_s, step, pool.lead_time_s)
+    lo = res.split
+    if simulator == "des":
+        assert stream is not None
+        t0 = lo * demand.bin_s
+        mask = stream.arrival_s >= t0
+        counted = pool.attainable(stream.input_tokens[mask], stream.output_tokens[mask])
+        rel = stream.arrival_s[mask][counted] - t0
+        # the per-request simulator's interval k holds the arrivals in (k dt, (k + 1) dt]
+        idx = np.maximum(np.ceil(rel / step).astype(int) - 1, 0)
+        per_step = np.bincount(idx, minlength=1).astype(float)
+    else:
+        part = demand.slice(lo, demand.num_bins)
+        per_step = fluid.step_series(part, step)["req_per_s"] * step
+    runs = {
+        fam: [(s, noise.run_blocks(r, per_step, step, block_s, num_blocks)) for s, r in sweep]
+        for fam, sweep in res.test_runs.items()
+    }
+    return noise.Bootstrap(block_s, num_blocks, runs)
 
 
 def policy_horizon(lead_s: float, bin_s: float, observed_after_s: float) -> int:
