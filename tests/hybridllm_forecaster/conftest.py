@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hybridllm_forecaster import cli
 from hybridllm_forecaster.stream import RequestStream
+
+
+def run_cli(argv: list[str]) -> int:
+    """`hybridllm ARGV` of the forecaster's commands, in this process: the exit status."""
+    parser = argparse.ArgumentParser(prog="hybridllm")
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
 
 
 def ramp_stream(

@@ -1,18 +1,12 @@
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from hybridllm_forecaster import cli
 
-
-def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hybridllm")
-    cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return args.func(args)
+from .conftest import run_cli as run
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ lengths of a rate trace in ServeGen's ``*-dataset.json`` beside it."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -14,18 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridllm_forecaster import cli, loaders, report, servegen
+from hybridllm_forecaster import loaders, report, servegen
 from hybridllm_forecaster.stream import RequestStream
+
+from .conftest import run_cli as run
 
 TRACES = Path(os.environ["HYBRIDLLM_TRACES"])
 MOONCAKE = TRACES / "mooncake-2025" / "conversation_trace.jsonl"
-
-
-def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hybridllm")
-    cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
 
 
 def _mooncake_records() -> list[dict[str, object]]:

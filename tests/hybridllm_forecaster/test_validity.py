@@ -6,7 +6,6 @@ exercised on shapes the development traces do not have."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -16,18 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridllm_forecaster import cli, loaders, report
+from hybridllm_forecaster import loaders, report
 from hybridllm_forecaster.stream import RequestStream
+
+from .conftest import run_cli as run
 
 TRACES = Path(os.environ["HYBRIDLLM_TRACES"])
 CONV = TRACES / "azure-2023" / "AzureLLMInferenceTrace_conv.csv"
-
-
-def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hybridllm")
-    cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
 
 
 def test_a_finding_within_the_noise_is_no_difference() -> None:
