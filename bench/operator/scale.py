@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from cluster_tools import proc_cpu_s, proc_mem_mb, testenv  # noqa: E402
 from portable import portable  # noqa: E402
 
-from hybridllm_operator.llmservice import builders, reconcile  # noqa: E402
+from hybridllm_common import crd  # noqa: E402
+from hybridllm_operator.llmservice import builders  # noqa: E402
 
 NAMESPACE = "scale"
 PODS_PER_NODE = 500
@@ -233,7 +234,7 @@ def baseline_objects(n: int) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         doc = service_doc(f"s{i:05d}")
-        spec = reconcile.parse_spec(doc["metadata"]["name"], doc["spec"])
+        spec = crd.parse_spec(doc["metadata"]["name"], doc["spec"])
         service = builders.Service(doc["metadata"]["name"], NAMESPACE, "baseline", spec)
         for obj in builders.build_children(service):
             obj = copy.deepcopy(obj)

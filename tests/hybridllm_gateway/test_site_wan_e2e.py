@@ -57,9 +57,13 @@ def reachable(url: str) -> list[float]:
 def test_a_site_answers_from_its_edge_and_fails_fast_when_the_wan_is_cut(
     procs, table, tmp_path: Path
 ) -> None:
-    edge = procs.tokenserver("site-edge", "--rate", "500")
-    cloud = procs.tokenserver("cloud-a", "--rate", "500")
-    cloud_gw = procs.gateway(table(cloud=[cloud.url]), name="cloud-routing.json")
+    edge, cloud, far_edge = procs.tokenservers(
+        ["site-edge", "cloud-a", "far-edge"], "--rate", "500"
+    )
+    # the cloud gateway serves both tiers (its own edge is another site's, far away)
+    cloud_gw = procs.gateway(
+        table(edge=[far_edge.url], cloud=[cloud.url]), name="cloud-routing.json"
+    )
     with _wan_module().Wan(tmp_path / "toxiproxy.log") as wan:
         across = wan.link("cloud", cloud_gw.url.removeprefix("http://"))
         site_table = table(edge=[edge.url], cloud=[f"http://{across}"])
@@ -71,9 +75,9 @@ def test_a_site_answers_from_its_edge_and_fails_fast_when_the_wan_is_cut(
         long = {**short, "messages": [{"role": "user", "content": "word " * 2500}]}
         with httpx.Client(timeout=30) as http:
 
-            def ask(body: dict[str, Any]) -> tuple[httpx.Response, float]:
+            def ask(body: dict[str, Any], **headers: str) -> tuple[httpx.Response, float]:
                 start = time.perf_counter()
-                r = http.post(site.url + "/v1/chat/completions", json=body)
+                r = http.post(site.url + "/v1/chat/completions", json=body, headers=headers)
                 return r, time.perf_counter() - start
 
             before = _requests_of(cloud_gw.url, "cloud")
@@ -90,6 +94,13 @@ def test_a_site_answers_from_its_edge_and_fails_fast_when_the_wan_is_cut(
                 times.append(took)
             assert _requests_of(cloud_gw.url, "cloud") == before + 5
             assert sorted(times)[2] >= 0.05, times  # a round trip of ~60 ms at least
+            # what the site sends its cloud tier is answered by the cloud tier over there: a
+            # short prompt the cloud gateway's own router would give its edge (far away)
+            r, _ = ask(short, **{"x-hybridllm-tier": "cloud"})
+            assert r.status_code == 200, r.text
+            assert r.json()["system_fingerprint"] == "cloud-a"
+            assert _requests_of(cloud_gw.url, "cloud") == before + 6
+            assert ask(short)[0].json()["system_fingerprint"] == "site-edge"
 
             # ---- the WAN goes down: found by the probes, cloud-bound requests refused fast
             wan.api.cut("cloud")

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hybridllm_common import crd
 from hybridllm_operator.llmservice import builders, reconcile
 
 from .conftest import chart_operator_env, own_control_plane
@@ -147,7 +148,7 @@ def _converged(kube: Any, docs: dict[str, dict[str, Any]]) -> str | None:
         ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
         if not ready or ready[0]["status"] != "True":
             return f"{name}: not Ready"
-        spec = reconcile.parse_spec(name, doc["spec"])
+        spec = crd.parse_spec(name, doc["spec"])
         service = builders.Service(name, NAMESPACE, obj["metadata"]["uid"], spec)
         desired = {(o["kind"], o["metadata"]["name"]) for o in builders.build_children(service)}
         if owned[name] != desired:

@@ -75,6 +75,9 @@ class Replica:
     connect: dict[str, Any] = field(default_factory=dict)
     unreachable: bool = False  # a remote tier's backend its probes cannot reach (probe.py)
     unreachable_since: float = 0.0
+    # a backend of a remote tier: another gateway across a WAN (a site's cloud tier), told
+    # which tier to answer from so that it does not route the request again
+    remote: bool = False
     failed_probes: int = 0
 
     def healthy(self, now: float) -> bool:
@@ -239,6 +242,7 @@ class Balancer:
             for b in tier.backends:
                 r = self.by_url.get((name, b.url)) or Replica(url=b.url.rstrip("/"), tier=name)
                 r.revision, r.weight, r.device = b.revision, b.weight, b.device
+                r.remote = tier.remote
                 r.connect = tls_args(routing.device_ca, b.server_name)
                 self.by_url[(name, b.url)] = r
                 replicas.append(r)

@@ -39,6 +39,7 @@ from hybridllm_gateway.attempt import RETRYABLE_STATUS, Outcome
 from hybridllm_gateway.clientpath import ClientPath
 from hybridllm_gateway.errors import APIError
 from hybridllm_gateway.rawpath import RawPath
+from hybridllm_gateway.router import TIER_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,12 @@ class Forwarder(ClientPath, RawPath):
         self, replica: balancer_mod.Replica, headers: dict[str, str] | None = None
     ) -> dict[str, str]:
         """``headers`` and the backend token, for a replica in the cluster (a device is never
-        shown it: it would open every runtime of the service)."""
+        shown it: it would open every runtime of the service). A remote tier's backend is a
+        gateway across the WAN (a site's cloud tier): it is told the tier this gateway chose
+        (``x-hybridllm-tier``), or its own router could send the request back to an edge."""
         base = dict(headers or {})
+        if replica.remote:
+            base[TIER_HEADER] = replica.tier
         return base if replica.device else {**base, **self.backend_headers}
 
     async def forward(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import re
+from typing import Any
+
+from pydantic import ValidationError
 
 from hybridllm_common.crd.base import _Model
 from hybridllm_common.crd.policies import AutoscalingMode, RolloutStrategy, RolloutTier
@@ -16,6 +19,29 @@ from hybridllm_common.crd.tiers import (
     CloudTierSpec,
     PoolSpec,
 )
+
+
+class InvalidSpec(Exception):
+    """The spec can never be served; the message names the field."""
+
+
+def parse_spec(name: str, raw_spec: dict[str, Any]) -> LLMServiceSpec:
+    """Parse and check an LLMService's spec (the schema's types, then `semantic_errors`),
+    raising InvalidSpec with the field path, as the API server names fields, on any
+    problem. The operator, local mode and the fleet server all read a spec through it."""
+    try:
+        spec = LLMServiceSpec.model_validate(raw_spec)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            # as the API server names fields: spec.rollout.steps[0].weight
+            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+            problems.append(f"spec{path}: {error['msg']}")
+        raise InvalidSpec("; ".join(problems)) from exc
+    errors = semantic_errors(name, spec)
+    if errors:
+        raise InvalidSpec("; ".join(str(e) for e in errors))
+    return spec
 
 
 class FieldError(_Model):

@@ -25,7 +25,7 @@ from hybridllm_operator.edgefleet import api, endpoints, waves
 from hybridllm_operator.edgefleet import digest as digests
 from hybridllm_operator.edgefleet import kube as kube_mod
 from hybridllm_operator.edgefleet.records import Device, Fleet
-from hybridllm_operator.llmservice import builders, reconcile
+from hybridllm_operator.llmservice import builders
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +225,8 @@ class FleetState:
         if obj is None:
             return None, f"LLMService {fleet.spec.service} not found"
         try:
-            spec = reconcile.parse_spec(fleet.spec.service, dict(obj.get("spec") or {}))
-        except reconcile.InvalidSpec as exc:
+            spec = crd.parse_spec(fleet.spec.service, dict(obj.get("spec") or {}))
+        except crd.InvalidSpec as exc:
             return None, f"LLMService {fleet.spec.service} is invalid: {exc}"
         raw_rollout = (obj.get("status") or {}).get("rollout")
         state = crd.RolloutStatus.model_validate(raw_rollout) if raw_rollout else None

@@ -138,7 +138,7 @@ async def reconciler(
                     rollouts,
                     serving_devices(memo, key[0], snapshot.get("spec") or {}),
                 )
-            except reconcile.InvalidSpec as exc:
+            except crd.InvalidSpec as exc:
                 # Degraded, with the field named, is in the status; nothing to retry
                 # until the spec changes.
                 logger.warning("invalid spec: %s", exc)

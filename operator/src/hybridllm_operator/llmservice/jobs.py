@@ -67,10 +67,10 @@ class ServiceState:
         if self.parsed is not None and self.parsed[0] == generation and generation is not None:
             return self.parsed[1]
         try:
-            spec: crd.LLMServiceSpec | None = reconcile.parse_spec(
+            spec: crd.LLMServiceSpec | None = crd.parse_spec(
                 self.key[1], dict(body.get("spec") or {})
             )
-        except reconcile.InvalidSpec:
+        except crd.InvalidSpec:
             spec = None
         self.parsed = (generation, spec)
         return spec

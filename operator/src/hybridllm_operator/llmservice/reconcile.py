@@ -4,7 +4,7 @@ Each call reads the world and converges it, so it is safe to run any number of t
 and from any trigger (the LLMService changed, one of its children changed or vanished,
 the operator restarted):
 
-1. parse the spec; a spec that can never work raises :class:`InvalidSpec` after the
+1. parse the spec; a spec that can never work raises :class:`crd.InvalidSpec` after the
    status says why (``Degraded``, naming the field);
 2. server-side apply every desired child with ``force`` (the operator owns those
    fields: a hand edit is reverted, a deleted object comes back);
@@ -25,7 +25,6 @@ from typing import Any
 
 from kubernetes import client, dynamic
 from kubernetes.client import exceptions as k8s_errors
-from pydantic import ValidationError
 
 from hybridllm_common import crd
 from hybridllm_operator.llmservice import autoscaling, builders, rollout, status
@@ -42,10 +41,6 @@ CHILD_KINDS = (
     ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
-
-
-class InvalidSpec(Exception):
-    """The spec can never be served; the message names the field."""
 
 
 @dataclass
@@ -65,23 +60,6 @@ class Cluster:
 
     def llmservices(self) -> Any:
         return self.resource(crd.API_VERSION, "LLMService")
-
-
-def parse_spec(name: str, raw_spec: dict[str, Any]) -> crd.LLMServiceSpec:
-    """Parse and check a spec, raising InvalidSpec with the field path on any problem."""
-    try:
-        spec = crd.LLMServiceSpec.model_validate(raw_spec)
-    except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            # as the API server names fields: spec.rollout.steps[0].weight
-            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
-            problems.append(f"spec{path}: {error['msg']}")
-        raise InvalidSpec("; ".join(problems)) from exc
-    errors = crd.semantic_errors(name, spec)
-    if errors:
-        raise InvalidSpec("; ".join(str(e) for e in errors))
-    return spec
 
 
 def _instance_selector(name: str) -> str:
@@ -350,8 +328,8 @@ def reconcile(
     # Pools to null out in the merge patch: those either view still lists.
     known = {"pools": {**(seen.get("pools") or {}), **(previous.get("pools") or {})}}
     try:
-        spec = parse_spec(name, body.get("spec") or {})
-    except InvalidSpec as exc:
+        spec = crd.parse_spec(name, body.get("spec") or {})
+    except crd.InvalidSpec as exc:
         _write_status(
             cluster, namespace, name, status.invalid_status(generation, previous, str(exc)),
             known, applied,

@@ -205,7 +205,7 @@ def _apply(args: argparse.Namespace) -> int:
     operator's rollout, run by the supervisor), changed runtime settings restart the
     replicas one at a time, a changed routing reloads the gateway; what shapes the
     processes themselves needs a new `up`."""
-    from hybridllm_operator.llmservice import reconcile
+    from hybridllm_common import crd
     from hybridllm_operator.local import plan as plan_mod
     from hybridllm_operator.local import supervisor as sup
 
@@ -218,10 +218,10 @@ def _apply(args: argparse.Namespace) -> int:
     if running is None:
         return _error(f"{manifest.name} is not running; `hybridllm up -f {args.file}` starts it")
     try:
-        current = reconcile.parse_spec(
+        current = crd.parse_spec(
             manifest.name, json.loads((service_dir / files.SPEC_FILE).read_text())
         )
-    except (OSError, ValueError, reconcile.InvalidSpec) as exc:
+    except (OSError, ValueError, crd.InvalidSpec) as exc:
         return _error(f"{manifest.name}: the running spec cannot be read ({exc})")
     changes = plan_mod.spec_changes(current, manifest.spec)
     refused = plan_mod.refused_changes(changes)

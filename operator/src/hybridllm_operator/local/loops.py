@@ -36,7 +36,6 @@ from hybridllm_operator.llmservice import (
     autoscaling,
     builders,
     demand,
-    reconcile,
     rollout,
 )
 from hybridllm_operator.local import plan as plan_mod
@@ -208,10 +207,10 @@ class RolloutLoop:
             if stamp == self._spec_stamp:
                 return
             self._spec_stamp = stamp
-            spec = reconcile.parse_spec(self.plan.name, json.loads(path.read_text()))
+            spec = crd.parse_spec(self.plan.name, json.loads(path.read_text()))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, reconcile.InvalidSpec) as exc:
+        except (OSError, ValueError, crd.InvalidSpec) as exc:
             self.say(f"{SPEC_FILE}: not applied: {exc}")
             return
         changes = plan_mod.spec_changes(self.spec, spec)

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from hybridllm_common import crd
-from hybridllm_operator.llmservice import builders, reconcile
+from hybridllm_operator.llmservice import builders
 from hybridllm_operator.local.files import DEFAULT_GATEWAY_PORT, LOOPBACK
 
 NAMESPACE = "local"  # what the routing table and metrics call the namespace locally
@@ -82,8 +82,8 @@ def load_manifest(path: Path, name: str | None = None) -> Manifest:
     if not isinstance(raw_spec, dict):
         raise ManifestError(f'{path}: LLMService "{svc_name}" is invalid: spec: Required value')
     try:
-        spec = reconcile.parse_spec(svc_name, raw_spec)
-    except reconcile.InvalidSpec as exc:
+        spec = crd.parse_spec(svc_name, raw_spec)
+    except crd.InvalidSpec as exc:
         raise ManifestError(f'{path}: LLMService "{svc_name}" is invalid: {exc}') from exc
     return Manifest(path=path, name=svc_name, spec=spec)
 
