@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,13 @@ def _requests_of(url: str, tier: str) -> float:
     return total
 
 
+def outstanding(url: str, tier: str) -> float:
+    """The site gateway's requests in flight to a tier."""
+    prefix = names.GATEWAY_OUTSTANDING_REQUESTS + f'{{tier="{tier}"}} '
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return sum(float(line.removeprefix(prefix)) for line in lines if line.startswith(prefix))
+
+
 def reachable(url: str) -> list[float]:
     """The site gateway's hybridllm_gateway_tier_reachable{tier="cloud"} (empty: absent)."""
     prefix = names.GATEWAY_TIER_REACHABLE + '{tier="cloud"} '
@@ -57,8 +65,10 @@ def reachable(url: str) -> list[float]:
 def test_a_site_answers_from_its_edge_and_fails_fast_when_the_wan_is_cut(
     procs, table, tmp_path: Path
 ) -> None:
+    # a first token waits for the prompt at 20,000 tokens a second: a huge prompt is an
+    # answer still on its way when the WAN drops
     edge, cloud, far_edge = procs.tokenservers(
-        ["site-edge", "cloud-a", "far-edge"], "--rate", "500"
+        ["site-edge", "cloud-a", "far-edge"], "--rate", "500", "--prefill-rate", "20000"
     )
     # the cloud gateway serves both tiers (its own edge is another site's, far away)
     cloud_gw = procs.gateway(
@@ -102,8 +112,24 @@ def test_a_site_answers_from_its_edge_and_fails_fast_when_the_wan_is_cut(
             assert _requests_of(cloud_gw.url, "cloud") == before + 6
             assert ask(short)[0].json()["system_fingerprint"] == "site-edge"
 
-            # ---- the WAN goes down: found by the probes, cloud-bound requests refused fast
+            # ---- the WAN goes down with a request on its way (its first token due in ~6 s):
+            # found by the probes, that request and the cloud-bound ones after it are
+            # refused fast, not after the 60 s first-byte timeout
+            huge = {**short, "messages": [{"role": "user", "content": "word " * 100_000}]}
+            in_flight: list[tuple[httpx.Response, float]] = []
+            waiter = threading.Thread(target=lambda: in_flight.append(ask(huge)), daemon=True)
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while outstanding(site.url, "cloud") != 1:
+                assert time.monotonic() < deadline, "the huge request never left the site"
+                time.sleep(0.05)
+            cut_at = time.perf_counter()
             wan.api.cut("cloud")
+            waiter.join(timeout=30)
+            r, _ = in_flight[0]
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "tier_unreachable"
+            assert time.perf_counter() - cut_at < 4.0  # two failed probes 0.5 s apart, and a beat
             deadline = time.monotonic() + 15
             while reachable(site.url) != [0.0]:  # a request sent now would wait out its timeout
                 assert time.monotonic() < deadline, reachable(site.url)

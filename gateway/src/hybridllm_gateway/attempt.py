@@ -74,6 +74,7 @@ class Outcome:
     replica: str = ""  # URL of the replica of the last attempt
     load: int = 0  # its outstanding requests when the last attempt was sent (itself included)
     sent_s: float = 0.0  # when the last attempt was sent, from the request's arrival
+    started: bool = False  # the answer to the client has begun (its headers are going out)
 
 
 class Attempts:

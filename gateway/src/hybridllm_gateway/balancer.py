@@ -39,6 +39,7 @@ request in flight during a reload still decrements the right counter.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import functools
 import hashlib
@@ -78,6 +79,9 @@ class Replica:
     # a backend of a remote tier: another gateway across a WAN (a site's cloud tier), told
     # which tier to answer from so that it does not route the request again
     remote: bool = False
+    # set when its probes find it unreachable: the attempts waiting on it give up at once
+    # instead of waiting out their first-byte timeout (a new Event once it answers again)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
     failed_probes: int = 0
 
     def healthy(self, now: float) -> bool:

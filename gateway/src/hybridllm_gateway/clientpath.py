@@ -126,6 +126,7 @@ class ClientPath(Attempts):
         out = sse_response(request, replica)
         completed = False
         try:
+            outcome.started = True
             await out.prepare(request)
             await out.write(first)
             outcome.ttft_s = time.perf_counter() - t_start

@@ -66,10 +66,13 @@ class Prober:
         if ok:
             if replica.unreachable:
                 log.warning("%s (tier %s) answers its probes again", replica.url, replica.tier)
+            if replica.lost.is_set():
+                replica.lost = asyncio.Event()
             replica.failed_probes, replica.unreachable = 0, False
             return
         replica.failed_probes += 1
         if not replica.unreachable and replica.failed_probes >= self.settings.unreachable_after:
             replica.unreachable, replica.unreachable_since = True, time.monotonic()
+            replica.lost.set()
             log.warning("%s (tier %s) is unreachable: %d probes in a row failed", replica.url,
                         replica.tier, replica.failed_probes)  # fmt: skip

@@ -23,8 +23,10 @@ a stream that breaks) is in ``attempt.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,8 +148,12 @@ class Forwarder(ClientPath, RawPath):
                 held = True
                 tried.difference_update(r.url for r in pool.replicas)
                 limit = len(outcome.attempts) + self.max_attempts
-        if unreachable and not outcome.attempts:
-            pool = unreachable[0]
+        # a tier across a WAN that is down: not tried, or given up while the request waited
+        down = unreachable or [
+            p for t in tiers if (p := self.balancer.tiers.get(t)) is not None and p.unreachable()
+        ]
+        if down and not outcome.status and not outcome.busy:
+            pool = down[0]
             since = time.monotonic() - min(
                 r.unreachable_since for r in pool.replicas if r.unreachable
             )
@@ -202,15 +208,44 @@ class Forwarder(ClientPath, RawPath):
         )
         try:
             if raw:
-                return await self._attempt_raw(
+                attempt = self._attempt_raw(
                     request, replica, path, payload, headers, t_start, outcome
                 )
-            return await self._attempt(
-                request, replica, path, payload, headers, timeout, stream, t_start, outcome
-            )
+            else:
+                attempt = self._attempt(
+                    request, replica, path, payload, headers, timeout, stream, t_start, outcome
+                )
+            if replica.remote:
+                return await self._unless_lost(replica, attempt, outcome)
+            return await attempt
         finally:
             replica.num_outstanding -= 1
             gauge.dec()
+
+    async def _unless_lost(
+        self,
+        replica: balancer_mod.Replica,
+        attempt: Coroutine[Any, Any, tuple[web.StreamResponse | None, str]],
+        outcome: Outcome,
+    ) -> tuple[web.StreamResponse | None, str]:
+        """An attempt on a backend across a WAN, given up when the probes find that backend
+        unreachable before its answer has begun: a request in flight when the WAN drops
+        fails fast (tier_unreachable) instead of waiting out its first-byte timeout. An
+        answer already streaming to the client is left to finish or break by itself."""
+        task = asyncio.ensure_future(attempt)
+        lost = asyncio.ensure_future(replica.lost.wait())
+        try:
+            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done() or outcome.started:
+                return await task
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None, f"{replica.url}: its probes stopped answering while this request waited"
+        finally:
+            lost.cancel()
+            if not task.done():  # the handler itself was cancelled (the client left)
+                task.cancel()
 
     async def _hold(self, tier: str, pool: balancer_mod.TierPool) -> None:
         """Wait until a replica of a tier at zero answers its health check (the autoscaler

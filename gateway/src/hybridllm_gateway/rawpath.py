@@ -162,6 +162,7 @@ class RawPath(Attempts):
         framed = conn.scanner is not None  # upstream chunks pass through as framed
         gone = False
         try:
+            outcome.started = True
             await out.prepare(request)
             request.writer.send_headers()
             if down is None or down.is_closing():
