@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import platform
 import secrets
@@ -107,7 +108,7 @@ class Level:
     load: int
     answers: list[speed.Answer]
 
-    @property
+    @functools.cached_property
     def tpot_s(self) -> float:
         """The median time between tokens of its answers."""
         per = sorted(
@@ -222,7 +223,7 @@ def _spec_of(
         from hybridllm_operator.local import files
 
         try:
-            service_dir = local_cli._pick(args)
+            service_dir = local_cli.pick_service(args)
         except LookupError as exc:
             if args.url is None:
                 raise ProfileError(f"{exc} (or give --url)") from None

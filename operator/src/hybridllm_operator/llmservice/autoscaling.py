@@ -141,6 +141,8 @@ class ServiceAutoscaler:
     spec: crd.LLMServiceSpec | None = None  # the last configured
     starting: dict[str, int] = field(default_factory=dict)  # each pool's spec replicas
     configs: dict[str, PoolConfig] = field(default_factory=dict)  # each pool's, from the spec
+    pool_specs: dict[str, crd.PoolSpec] = field(default_factory=dict)  # the spec's pools
+    slots: dict[str, int] = field(default_factory=dict)  # each pool's requests decoded at once
     # Each pool's capacity and where it comes from (the spec, learned, the defaults), for
     # the status; set by `step`.
     capacity: dict[str, str] = field(default_factory=dict)
@@ -161,6 +163,9 @@ class ServiceAutoscaler:
         starts = {c: p.replicas for c, p in pools.items()}
         moved = {c: n for c, n in starts.items() if self.starting.get(c, n) != n}
         self.starting = starts
+        # what `_capacity` reads each step (a hand-set capacity, the slots), kept current
+        # even when the pools' policies stay as they are
+        self.pool_specs, self.slots = pools, {c: slots(c, spec) for c in pools}
         if (
             mode == self.mode
             and all(c in self.scalers and self.configs.get(c) == cfg for c, cfg in wanted.items())
@@ -348,15 +353,14 @@ class ServiceAutoscaler:
         """Give the pool's scaler the capacity it sizes with: the spec's when set, else the
         one learned from the gateways' measurements of its tier (``capacity: auto``) once
         fitted from enough answers, else the defaults. What it is, in words."""
-        config = self.configs.get(component)
-        pool = crd.scaled_pools(self.spec).get(component) if self.spec is not None else None
-        if config is None or pool is None or self.spec is None:
+        config, pool = self.configs.get(component), self.pool_specs.get(component)
+        if config is None or pool is None:
             return ""
         speed = demand.speed if demand is not None else None
         answers = f"{speed.answers:,.0f}" if speed is not None else "0"
         learned = None
         if component in LEARNABLE:
-            learned = learned_capacity(speed, slots(component, self.spec))
+            learned = learned_capacity(speed, self.slots[component])
         if pool.capacity is not None:
             scaler.pool = config
             said = f"spec: {describe(config)}"

@@ -58,7 +58,7 @@ def service_dir(args: argparse.Namespace) -> Path:
     return _root(args) / str(args.name)
 
 
-def _pick(args: argparse.Namespace) -> Path:
+def pick_service(args: argparse.Namespace) -> Path:
     """The service directory a command is about: NAME, or the only one with state."""
     root = _root(args)
     if args.name:
@@ -271,7 +271,7 @@ def _apply(args: argparse.Namespace) -> int:
 
 def _down(args: argparse.Namespace) -> int:
     try:
-        service_dir = _pick(args)
+        service_dir = pick_service(args)
     except LookupError as exc:
         return _error(str(exc))
     name = service_dir.name
@@ -304,7 +304,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     try:
-        service_dir = _pick(args)
+        service_dir = pick_service(args)
     except LookupError as exc:
         return _error(str(exc))
     state = _read_state(service_dir)
@@ -347,7 +347,7 @@ def _logs(args: argparse.Namespace) -> int:
     if args.name and args.process is None and not (_root(args) / args.name).exists():
         args.name, args.process = None, args.name  # `hybridllm logs gateway-0`
     try:
-        service_dir = _pick(args)
+        service_dir = pick_service(args)
     except LookupError as exc:
         return _error(str(exc))
     log_dir = service_dir / files.LOG_DIR
