@@ -402,10 +402,34 @@ def images(socket: Path) -> dict[str, str]:
 
 def import_image(socket: Path, built: Any) -> bool:
     """Stream a built image (hack/images/oci.py) into containerd, unless it already holds
-    that name at that digest; returns whether it imported."""
+    that name at that digest; returns whether it imported.
+
+    Re-importing a name at a new digest drops the old image's hold on its snapshots, and
+    containerd's collector may remove one of them while the unpacker, having just found it
+    present, builds the next layer on it ("parent snapshot ... does not exist"). Nothing is
+    lost but that step: the import is tried again (up to IMPORT_TRIES), and the next try
+    finds the snapshot gone and unpacks the layer itself."""
     if images(socket).get(built.image) == built.digest:
         return False
     started = time.monotonic()
+    for attempt in range(1, IMPORT_TRIES + 1):
+        err = _ctr_import(socket, built)
+        if err is None:
+            break
+        if "does not exist" not in err or attempt == IMPORT_TRIES:
+            raise NodeError(f"ctr images import of {built.image} failed: {err[-2000:]}")
+        log(f"import of {built.image}: a snapshot went away mid-unpack; trying again ({err.strip()[-200:]})")
+    if images(socket).get(built.image) != built.digest:
+        raise NodeError(f"imported {built.image} but containerd does not list it at {built.digest}")
+    log(f"imported {built.image} in {time.monotonic() - started:.0f}s")
+    return True
+
+
+IMPORT_TRIES = 3
+
+
+def _ctr_import(socket: Path, built: Any) -> str | None:
+    """One `ctr images import`; None when it succeeded, else what ctr printed."""
     proc = subprocess.Popen(
         ["ctr", "--address", str(socket), "--namespace", "k8s.io", "images", "import",
          "--snapshotter", "overlayfs", "-"],
@@ -420,12 +444,7 @@ def import_image(socket: Path, built: Any) -> bool:
         proc.stdin.close()
     err = proc.stderr.read()
     proc.wait()
-    if proc.returncode != 0:
-        raise NodeError(f"ctr images import of {built.image} failed: {err.decode(errors='replace')[-2000:]}")
-    if images(socket).get(built.image) != built.digest:
-        raise NodeError(f"imported {built.image} but containerd does not list it at {built.digest}")
-    log(f"imported {built.image} in {time.monotonic() - started:.0f}s")
-    return True
+    return None if proc.returncode == 0 else err.decode(errors="replace")
 
 
 def _oci() -> Any:

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "hybrid-cpu.yaml"
 MODEL = "smollm2-135m-instruct"
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
+BURST_CLIENTS = 8  # against one edge replica of 4 slots: 4 queued, within its spill depth (8)
 LONG = [
     {
         "role": "user",
@@ -403,6 +404,58 @@ def test_agents_get_valid_json_and_tool_calls_from_both_tiers(hybrid: Local) -> 
         assert f'{names.GATEWAY_REQUEST_KINDS_TOTAL}{{kind="structured",tier="{tier}"}}' in metrics
 
 
+def test_a_burst_on_the_example_is_named_saturated(hybrid: Local) -> None:
+    """The new user's burst (#52) on `make up`'s manifest as it ships (capacity left out,
+    reactive, 15 s intervals): 8 clients back to back with long prompts keep the cloud
+    replica's time to first token far over the SLO while its token rate is a sliver of what
+    the default capacity (an 8B model on an H100) calls one replica's: the case where the
+    token rate alone held the pool at one, without a word. Within two intervals of the
+    first answers the pool's decision names the saturation; on a machine whose cores the
+    running replicas already hold (CI's two) it says capacity-bound and starts nothing
+    that would slow every replica down, elsewhere it scales up. No request fails."""
+    stop = threading.Event()
+    failures: list[str] = []
+    answered: list[str] = []
+
+    def ask() -> None:
+        client = hybrid.client()
+        while not stop.is_set():
+            try:
+                answered.append(_chat(client, LONG)[0])
+            except openai.OpenAIError as exc:
+                failures.append(repr(exc))
+
+    def cloud() -> dict[str, Any]:
+        return dict(hybrid.status()["autoscaling"]["pools"]["monolithic"])
+
+    askers = [threading.Thread(target=ask, daemon=True) for _ in range(8)]
+    try:
+        for asker in askers:
+            asker.start()
+        wait_for("the first answers", lambda: len(answered) > 0, timeout_s=120)
+        wait_for(
+            "the cloud pool's decision to name the saturation",
+            lambda: "saturated (cloud p95 time to first token" in cloud()["reason"],
+            timeout_s=2 * 15 + 5,  # two autoscaler intervals, and the status write
+        )  # fmt: skip
+        decision = cloud()
+    finally:
+        stop.set()
+        for asker in askers:
+            asker.join(timeout=120)
+    assert failures == [], failures[:3]
+    assert set(answered) == {"cloud"}
+    cores = os.cpu_count() or 1
+    if cores <= 2:  # edge-0 and monolithic-0 hold a core each
+        assert decision["reason"].startswith("capacity-bound while saturated"), decision
+        assert f"this machine has {cores} cores" in decision["reason"], decision
+        assert decision["desired"] == 1
+        assert hybrid.process("monolithic-1")["status"] == "standby"
+    else:
+        assert decision["reason"].startswith("scale up to 2: saturated"), decision
+        assert decision["desired"] == 2
+
+
 def test_down_drains_a_stream_in_flight_then_leaves_nothing(hybrid: Local) -> None:
     pids = hybrid.pids()
     ports = [p["port"] for p in hybrid.status()["processes"]]
@@ -597,10 +650,13 @@ def test_killing_one_of_three_cloud_replicas_fails_no_request_that_had_not_start
 def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_idle(
     tmp_path: Path, testenv: Any
 ) -> None:
-    """`hybridllm up` of an edge-only service whose replicas carry little (its capacity
-    says 20 prompt tokens a second): a client asking back to back takes the edge pool from
-    one replica to two, both in the routing table; idle, the second is retired (out of
-    the table, then SIGTERM) and its slot goes back on standby. No request fails.
+    """`hybridllm up` of the example, edge only (the machine's two cores hold two edge
+    replicas), its capacity left out and its reactive mode as the example has them: 8
+    clients asking back to back take the edge pool from one replica to two, both in the
+    routing table, and the autoscaler learns the pool's speed from the gateway (status:
+    "learned from N answers"); idle, the second is retired (out of the table, then
+    SIGTERM) and its slot goes back on standby: one scale change each way, no flapping. No
+    request fails.
 
     Under the load, the dashboard page (`--metrics`, fed by a real Prometheus scraping the
     supervisor's scrape-targets.json) opened in headless Chromium draws the traffic and the
@@ -610,17 +666,10 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
     doc["metadata"]["name"] = "scaler"
     doc["spec"]["cloud"] = {"enabled": False}
     doc["spec"]["routing"]["policy"] = "edge-only"
-    doc["spec"]["gateway"] = {"requestsPerMinute": 100_000}  # one client, back to back
-    doc["spec"]["edge"]["pool"]["capacity"] = {
-        "prefillTokensPerSecond": 20,
-        "decodeTokensPerSecond": 2,
-    }
-    doc["spec"]["autoscaling"] = {
-        "mode": "hybrid",
-        "intervalSeconds": 5,
-        "scaleUpLeadSeconds": 5,
-        "scaleDownDelaySeconds": 5,
-    }
+    doc["spec"]["gateway"] = {"requestsPerMinute": 100_000}  # clients back to back
+    assert "capacity" not in doc["spec"]["edge"]["pool"]  # learned, as a new user's would be
+    assert doc["spec"]["autoscaling"]["mode"] == "reactive"
+    doc["spec"]["autoscaling"].update(intervalSeconds=5, scaleDownDelaySeconds=5)
     manifest = tmp_path / "scaler.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     metrics_port = _free_port()
@@ -643,18 +692,19 @@ def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prome
     answered: list[str] = []
     stop = threading.Event()
 
-    def ask() -> None:
+    def ask() -> None:  # streamed: the gateway learns a replica's speed from those
         client = local.client()
         while not stop.is_set():
             try:
-                answered.append(_chat(client, SHORT)[1])
+                answered.append(_stream(client, SHORT)[1])
             except openai.OpenAIError as exc:
                 failures.append(repr(exc))
 
-    asker = threading.Thread(target=ask, daemon=True)
+    askers = [threading.Thread(target=ask, daemon=True) for _ in range(BURST_CLIENTS)]
     try:
         assert local.process("edge-1")["status"] == "standby"
-        asker.start()
+        for asker in askers:
+            asker.start()
         wait_for(
             "a second edge replica ready", lambda: local.process("edge-1")["status"] == "ready",
             timeout_s=180,
@@ -671,13 +721,23 @@ def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prome
         routing = json.loads((tmp_path / "root" / "scaler" / "routing.json").read_text())
         assert len(routing["tiers"]["edge"]["backends"]) == 2
         _look_at_the_page(f"http://127.0.0.1:{metrics_port}", "local", "scaler")
+        wait_for(
+            "the edge pool's speed learned",
+            lambda: local.status()["autoscaling"]["capacity"]["edge"].startswith("learned from"),
+            timeout_s=120,
+        )  # fmt: skip
         stop.set()
-        asker.join(timeout=60)
+        for asker in askers:
+            asker.join(timeout=60)
         wait_for(
             "the second replica retired", lambda: local.process("edge-1")["status"] == "standby",
             timeout_s=120,
         )  # fmt: skip
         assert local.process("edge-1")["pid"] is None
+        exported = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        for direction in ("up", "down"):  # one change each way: no flapping
+            line = f'{names.AUTOSCALER_SCALE_EVENTS_TOTAL}{{direction="{direction}",{pool}}} '
+            assert float(exported.split(line)[1].split()[0]) == 1, exported
         assert local.process("edge-0")["status"] == "ready"
         assert _chat(local.client(), SHORT)[0] == "edge"  # the one left serves
     finally:
