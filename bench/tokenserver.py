@@ -13,7 +13,10 @@ with the prompt it received (to see what the gateway sent upstream).
 
 ``--prefill-rate`` makes the first token wait for the prompt, and ``--slowdown-s`` makes
 each token wait longer for every other stream in flight (a batch's step): a replica of
-known speed, for `hybridllm profile`'s test.
+known speed, for `hybridllm profile`'s test. With ``--serial-prefill`` the replica is an
+engine without chunked prefill: one prompt is prefilled at a time and every stream's
+decoding stops while it is (the capacity model's replica: ``prompt / prefill rate +
+output / decode rate`` of its time per request, see hybridllm_forecaster.capacity).
 
 Two flags make it a replica with a capacity, for the autoscaling benchmark:
 ``--max-concurrency N`` answers at most N requests at once and queues the rest in arrival
@@ -44,6 +47,26 @@ STATS = web.AppKey("stats", dict)
 OPTS = web.AppKey("opts", argparse.Namespace)
 SLOTS = web.AppKey("slots", object)  # asyncio.Semaphore, or None: no limit
 LOADED_AT = web.AppKey("loaded_at", float)  # time.monotonic() once the "model" is loaded
+
+
+class Engine:
+    """One prefill at a time, and no stream decodes while one runs (--serial-prefill)."""
+
+    def __init__(self) -> None:
+        self.prefilling = asyncio.Lock()
+        self.decoding = asyncio.Event()
+        self.decoding.set()
+
+    async def prefill(self, seconds: float) -> None:
+        async with self.prefilling:
+            self.decoding.clear()
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                self.decoding.set()
+
+
+ENGINE = web.AppKey("engine", Engine)  # the --serial-prefill replica's one prefill
 
 
 def _error(code: str, message: str, param: str | None = None) -> web.Response:
@@ -122,7 +145,13 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     interval = 1.0 / opts.rate + opts.slowdown_s * stats["in_flight"]  # others in flight
     prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
-    ttft_s = opts.ttft_s + (prompt_tokens / opts.prefill_rate if opts.prefill_rate else 0.0)
+    prefill_s = prompt_tokens / opts.prefill_rate if opts.prefill_rate else 0.0
+    engine = request.app[ENGINE] if opts.serial_prefill else None
+    if engine is not None:  # the prompt's time is the engine's, not this request's alone
+        ttft_s = opts.ttft_s
+        await engine.prefill(prefill_s)
+    else:
+        ttft_s = opts.ttft_s + prefill_s
     if not body.get("stream"):
         await asyncio.sleep(ttft_s + interval * (n - 1))
         text = opts.token * n
@@ -195,7 +224,11 @@ async def _answer(request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         for i in range(n if chat else n - 1):
-            if i:
+            if engine is not None:  # a token a step, the steps held while a prompt prefills
+                if i:
+                    await asyncio.sleep(interval)
+                await engine.decoding.wait()
+            elif i:
                 await asyncio.sleep(max(0.0, t0 + i * interval - loop.time()))
             await resp.write(tok_b)
         if not chat and n > 1:
@@ -226,6 +259,7 @@ def create_app(opts: argparse.Namespace) -> web.Application:
     app[STATS] = {"requests": 0, "completed": 0, "cancelled": 0, "in_flight": 0, "waiting": 0}
     app[SLOTS] = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
     app[LOADED_AT] = time.monotonic() + opts.startup_s
+    app[ENGINE] = Engine()
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({**request.app[STATS], "id": opts.id})
@@ -262,6 +296,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-rate", type=float, default=0.0,
         help="prompt tokens per second added to the first token's time (0: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--serial-prefill", action="store_true",
+        help="prefill one prompt at a time and hold every stream's decoding meanwhile",
     )  # fmt: skip
     p.add_argument(
         "--slowdown-s", type=float, default=0.0,

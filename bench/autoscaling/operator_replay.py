@@ -517,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     labels = [m.strip() for m in args.modes.split(",") if m.strip()]
     if problem := replay.modes_problem(labels):
         p.error(f"--modes: {problem}")
+    if args.replica != "slots" or any(replay.learns(label) for label in labels):
+        # every answer here comes from one token server behind kwok's pods: there is no
+        # replica whose speed could be learned, nor an engine to model
+        p.error("the pods are kwok's: capacity is typed (no +auto) and --replica is slots")
     argv = sys.argv[1:] if argv is None else argv
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="autoscaling-operator-"))
     load_before, started = load_average(), time.monotonic()

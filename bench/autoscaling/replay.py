@@ -27,8 +27,20 @@ how far the ready replicas lead (+) or lag (-) the load (the shift that best ali
 two); plus the forecast's calibration on the compressed trace (its P90 over the offered
 load), which says how far the compression's coarser bins and Poisson noise widen it.
 
+Capacity learned against capacity typed (``--replica engine``, labels ``MODE+auto``): the
+replicas are engines without chunked prefill (one prompt at a time, every stream's
+decoding held meanwhile: the replica `hybridllm_forecaster.capacity` describes) and the
+prompts vary in length; a ``+auto`` service leaves ``capacity`` out, so its autoscaler
+learns it from its gateway's measurements (`hybridllm_common.speed`), beside its twin with
+the replica's parameters typed. Before the load, `hybridllm profile` measures one replica;
+the report puts the learned figures beside the profile's and the typed ones, and each
+learning service's SLO attainment and replica-seconds beside its twin's.
+
     uv run python bench/autoscaling/replay.py       # ~33 min: 3 days of 600 s
     # writes bench/results/autoscaling-replay.{md,json,png}
+    uv run python bench/autoscaling/replay.py --replica engine \
+        --modes reactive,reactive+auto,hybrid,hybrid+auto   # ~33 min
+    # writes bench/results/autoscaling-capacity.{md,json,png}
 """
 
 from __future__ import annotations
@@ -64,20 +76,37 @@ DEFAULT_MODES = "reactive,reactive@0.5,hybrid,predictive"
 PROMPT_CHARS = 400  # the gateway counts (chars + 3) // 4 = 100 prompt tokens
 MAX_TOKENS = 4
 TTFT_S, TOKEN_RATE = 0.2, 20.0  # a replica's answer: 0.2 s to the first token, 20 tokens/s
+# --replica engine: an engine without chunked prefill (bench/tokenserver.py --serial-prefill):
+# one prompt at a time at ENGINE_PREFILL_RATE tokens/s while every stream's decoding waits,
+# ENGINE_TTFT_S of fixed cost per answer (it holds no engine time), prompts of
+# ENGINE_PROMPT_CHARS (uniform, seeded) so that the prompt's cost can be told from the
+# fixed one, and the same decode (TOKEN_RATE a stream, --slots streams)
+ENGINE_PREFILL_RATE = 1000.0
+ENGINE_TTFT_S = 0.1
+ENGINE_PROMPT_CHARS = (200, 600)  # 50 to 150 prompt tokens, 100 on average
+AUTO = "+auto"  # a label's suffix: the service's capacity left out (learned: capacity auto)
 RESULTS = ROOT / "bench" / "results"
 
 
-def results_path(shape: str) -> Path:
-    """One current results file per experiment: the trace, and the step days."""
+def results_path(shape: str, replica: str = "slots") -> Path:
+    """One current results file per experiment: the trace, the step days, and the
+    engine replica's run (learned capacity against the typed one)."""
+    if replica == "engine":
+        return RESULTS / "autoscaling-capacity"
     return RESULTS / ("autoscaling-replay" if shape == "servegen" else "autoscaling-replay-step")
 
 
 def variant(label: str) -> tuple[str, float | None]:
     """A service's label: an autoscaling mode, or ``mode@u`` for that mode with a target
     utilisation of ``u`` instead of the default (``reactive@0.5``: an HPA run with more
-    headroom, a peer that spends what the forecast modes spend)."""
-    mode, _, u = label.partition("@")
+    headroom, a peer that spends what the forecast modes spend); either with ``+auto``:
+    its capacity left out of the manifest, so the autoscaler learns it."""
+    mode, _, u = label.removesuffix(AUTO).partition("@")
     return mode, float(u) if u else None
+
+
+def learns(label: str) -> bool:
+    return label.endswith(AUTO)
 
 
 def modes_problem(labels: list[str]) -> str | None:
@@ -100,7 +129,8 @@ def service_name(label: str) -> str:
     """The LLMService (and state directory) name of a label: ``reactive@0.5`` ->
     ``replay-reactive-u050``."""
     mode, u = variant(label)
-    return f"replay-{mode}" + ("" if u is None else f"-u{round(u * 100):03d}")
+    name = f"replay-{mode}" + ("" if u is None else f"-u{round(u * 100):03d}")
+    return name + ("-auto" if learns(label) else "")
 
 
 RUNNING = {"pending", "starting", "ready", "unready", "backoff", "draining", "updating"}
@@ -112,6 +142,30 @@ RUNNING = {"pending", "starting", "ready", "unready", "backoff", "draining", "up
 def service_s() -> float:
     """How long one request holds a slot: the first token, then the rest at the rate."""
     return TTFT_S + (MAX_TOKENS - 1) / TOKEN_RATE
+
+
+def engine_capacity(slots: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s of an engine replica, as its parameters set them: what a
+    user who knows the hardware types into ``capacity``."""
+    return ENGINE_PREFILL_RATE, slots * TOKEN_RATE
+
+
+def per_replica_rps(args: argparse.Namespace) -> float:
+    """Requests/s one replica carries at 100%: its slots over a request's time in one
+    (slots), or one over a request's engine time at its capacity (engine)."""
+    if args.replica == "engine":
+        prefill, decode = engine_capacity(args.slots)
+        mean_prompt = sum(ENGINE_PROMPT_CHARS) / 2 / 4
+        return 1.0 / (mean_prompt / prefill + MAX_TOKENS / decode)
+    return float(args.slots / service_s())
+
+
+def prompt_sizes(n: int, replica: str, seed: int) -> np.ndarray:
+    """Each arrival's prompt in characters (the same for every service)."""
+    if replica != "engine":
+        return np.full(n, PROMPT_CHARS)
+    low, high = ENGINE_PROMPT_CHARS
+    return np.random.default_rng(seed + 1).integers(low, high + 1, n)
 
 
 def compressed_rate(
@@ -169,12 +223,14 @@ class Result:
     error: str = ""
 
 
-async def ask(session: Any, url: str, model: str, sent_s: float) -> Result:
+async def ask(
+    session: Any, url: str, model: str, sent_s: float, chars: int = PROMPT_CHARS
+) -> Result:
     import aiohttp
 
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": "x" * PROMPT_CHARS}],
+        "messages": [{"role": "user", "content": "x" * chars}],
         "max_tokens": MAX_TOKENS,
         "stream": True,
     }
@@ -193,8 +249,11 @@ async def ask(session: Any, url: str, model: str, sent_s: float) -> Result:
         return Result(sent_s, 0, first, None, f"{type(exc).__name__}: {exc}"[:200])
 
 
-async def drive(urls: dict[str, str], model: str, times: np.ndarray) -> dict[str, list[Result]]:
-    """Send every arrival to every gateway at its time; gather the answers."""
+async def drive(
+    urls: dict[str, str], model: str, times: np.ndarray, chars: np.ndarray | None = None
+) -> dict[str, list[Result]]:
+    """Send every arrival to every gateway at its time (its prompt ``chars[i]`` characters
+    long, PROMPT_CHARS by default); gather the answers."""
     import aiohttp
 
     out: dict[str, list[Result]] = {m: [] for m in urls}
@@ -209,16 +268,17 @@ async def drive(urls: dict[str, str], model: str, times: np.ndarray) -> dict[str
     loop = asyncio.get_running_loop()
     t0 = loop.time()
 
-    async def one(mode: str, at: float) -> None:
-        out[mode].append(await ask(sessions[mode], urls[mode], model, at))
+    async def one(mode: str, at: float, size: int) -> None:
+        out[mode].append(await ask(sessions[mode], urls[mode], model, at, size))
 
+    sizes = np.full(len(times), PROMPT_CHARS) if chars is None else chars
     try:
-        for at in times:
+        for at, size in zip(times, sizes, strict=True):
             delay = t0 + float(at) - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             for mode in urls:
-                task = asyncio.create_task(one(mode, float(at)))
+                task = asyncio.create_task(one(mode, float(at), int(size)))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
         if pending:
@@ -234,12 +294,16 @@ async def drive(urls: dict[str, str], model: str, times: np.ndarray) -> dict[str
 
 def manifest(label: str, args: argparse.Namespace) -> dict[str, Any]:
     mode, utilisation = variant(label)
-    per_request = 1.0 / (args.slots / service_s())  # replica-seconds of work per request
-    # a replica's capacity, split evenly between its prompt and its output tokens (the
-    # gateway counts a streamed answer's tokens, not its finish chunk nor [DONE])
-    prefill = (PROMPT_CHARS // 4) / (per_request / 2)
-    decode = MAX_TOKENS / (per_request / 2)
-    return {
+    if args.replica == "engine":
+        prefill, decode = engine_capacity(args.slots)
+    else:
+        per_request = 1.0 / (args.slots / service_s())  # replica-seconds of work per request
+        # a replica's capacity, split evenly between its prompt and its output tokens (the
+        # gateway counts a streamed answer's tokens, not its finish chunk nor [DONE])
+        prefill = (PROMPT_CHARS // 4) / (per_request / 2)
+        decode = MAX_TOKENS / (per_request / 2)
+    capacity = {"prefillTokensPerSecond": round(prefill), "decodeTokensPerSecond": round(decode)}
+    doc: dict[str, Any] = {
         "apiVersion": "hybridllm.io/v1alpha1",
         "kind": "LLMService",
         "metadata": {"name": service_name(label)},
@@ -255,11 +319,9 @@ def manifest(label: str, args: argparse.Namespace) -> dict[str, Any]:
                     "replicas": 1,
                     "minReplicas": 1,
                     "maxReplicas": args.max_replicas,
-                    "capacity": {
-                        "prefillTokensPerSecond": round(prefill),
-                        "decodeTokensPerSecond": round(decode),
-                    },
+                    **({} if learns(label) else {"capacity": capacity}),
                 },
+                **({"parallel": args.slots} if args.replica == "engine" else {}),
             },
             "cloud": {"enabled": False},
             "routing": {"policy": "edge-only"},
@@ -274,18 +336,23 @@ def manifest(label: str, args: argparse.Namespace) -> dict[str, Any]:
             },
         },
     }
+    return doc
 
 
-def replica_command(port: int, name: str, slots: int, cold_start_s: float) -> list[str]:
+def replica_command(
+    port: int, name: str, slots: int, cold_start_s: float, replica: str = "slots"
+) -> list[str]:
+    engine = ["--serial-prefill", "--prefill-rate", str(ENGINE_PREFILL_RATE)]
     return [
         sys.executable, str(TOKENSERVER), "--port", str(port),
         "--id", name, "--model", "smollm2", "--max-concurrency", str(slots),
-        "--rate", str(TOKEN_RATE), "--ttft-s", str(TTFT_S),
+        "--rate", str(TOKEN_RATE), "--ttft-s", str(ENGINE_TTFT_S if replica == "engine" else TTFT_S),
         "--default-tokens", str(MAX_TOKENS), "--startup-s", str(cold_start_s),
+        *(engine if replica == "engine" else []),
     ]  # fmt: skip
 
 
-def place_token_servers(slots: int, cold_start_s: float) -> None:
+def place_token_servers(slots: int, cold_start_s: float, replica: str = "slots") -> None:
     """Local mode places every runtime replica as a token server (the same port, name and
     slot): the plan's first placement and the supervisor's later ones (it re-renders
     each replica from the spec and restarts one that differs) alike."""
@@ -295,7 +362,8 @@ def place_token_servers(slots: int, cold_start_s: float) -> None:
 
     def token_server(pool: Any, index: int, port: int, **kw: Any) -> Any:
         r = place(pool, index, port, **kw)
-        return dataclasses.replace(r, command=replica_command(port, r.name, slots, cold_start_s))
+        command = replica_command(port, r.name, slots, cold_start_s, replica)
+        return dataclasses.replace(r, command=command)
 
     plan_mod.place = token_server
 
@@ -325,7 +393,7 @@ def start_stack(mode: str, work: Path, args: argparse.Namespace, env: dict[str, 
     state_dir.mkdir(parents=True)
     path = state_dir / "manifest.yaml"
     path.write_text(yaml.safe_dump(manifest(mode, args)))
-    place_token_servers(args.slots, args.cold_start_s)
+    place_token_servers(args.slots, args.cold_start_s, args.replica)
     plan = plan_mod.make_plan(
         plan_mod.load_manifest(path), state_dir, gateway_port=plan_mod.free_ports(1)[0]
     )
@@ -333,7 +401,7 @@ def start_stack(mode: str, work: Path, args: argparse.Namespace, env: dict[str, 
     with (state_dir / "supervisor.log").open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--supervise", str(state_dir), "--slots", str(args.slots),
-             "--cold-start-s", str(args.cold_start_s)],
+             "--cold-start-s", str(args.cold_start_s), "--replica", args.replica],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     return Stack(mode, state_dir, proc, plan.gateway_url)
@@ -352,16 +420,41 @@ def wait_ready(stacks: list[Stack], timeout_s: float = 120.0) -> None:
             time.sleep(0.2)
 
 
-async def sample(stacks: list[Stack], stop: asyncio.Event, t0: float) -> dict[str, list[Any]]:
+LEARNED = re.compile(
+    r"learned from (\d+) answers: prefill ([\d,.]+) tokens/s, decode ([\d,.]+) tokens/s"
+)
+
+
+def learned_capacity(state: dict[str, Any]) -> tuple[int, float, float] | None:
+    """(answers, prefill, decode tokens/s) of the edge pool's learned capacity, from the
+    local service's status line (``llmservice.autoscaling``: "learned from N answers:
+    prefill P tokens/s, decode D tokens/s at batch B"); None before it is learned."""
+    line = ((state.get("autoscaling") or {}).get("capacity") or {}).get("edge") or ""
+    m = LEARNED.match(line)
+    if m is None:
+        return None
+    answers, prefill, decode = m.groups()
+    return int(answers), float(prefill.replace(",", "")), float(decode.replace(",", ""))
+
+
+async def sample(
+    stacks: list[Stack],
+    stop: asyncio.Event,
+    t0: float,
+    learned: dict[str, list[Any]] | None = None,
+) -> dict[str, list[Any]]:
     """Every second: each pool's running and ready replicas, its autoscaler's desired, the
     reactive and predictive parts of that decision, and the forecast's P90 over the lead
-    time (replicas at target; None where the mode has no such part)."""
+    time (replicas at target; None where the mode has no such part). Into ``learned``,
+    per service that learns its capacity: (t, answers, prefill, decode) once learned."""
     out: dict[str, list[Any]] = {s.mode: [] for s in stacks}
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         now = loop.time() - t0
         for s in stacks:
             state = s.state() or {}
+            if learned is not None and learns(s.mode) and (got := learned_capacity(state)):
+                learned.setdefault(s.mode, []).append((now, *got))
             procs = [p for p in state.get("processes", []) if p["component"] == "edge"]
             desired = (state.get("autoscaling") or {}).get("pools", {}).get("edge", {})
             out[s.mode].append((
@@ -372,6 +465,96 @@ async def sample(stacks: list[Stack], stop: asyncio.Event, t0: float) -> dict[st
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
     return out
+
+
+def profile_replica(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """`hybridllm profile` of one replica as the services run it (a token server started
+    for it alone, before the load), with the manifest's slots and objectives: the figures a
+    user would type into ``capacity`` before traffic."""
+    import urllib.request
+
+    import yaml
+
+    from hybridllm_operator.local import plan as plan_mod
+
+    port = plan_mod.free_ports(1)[0]
+    path = work / "profile-manifest.yaml"
+    path.write_text(yaml.safe_dump(manifest("reactive" + AUTO, args)))
+    command = replica_command(port, "profiled", args.slots, 0.0, args.replica)
+    with (work / "profile-replica.log").open("ab") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the replica to profile did not start: {command}") from None
+                time.sleep(0.1)
+        started = time.monotonic()
+        run = subprocess.run(
+            [sys.executable, "-m", "hybridllm_common.cli", "profile", "--url", url, "-f",
+             str(path), "--pool", "edge", "--json"],
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        if run.returncode != 0:
+            raise RuntimeError(f"hybridllm profile failed: {run.stderr[-2000:]}")
+        got = json.loads(run.stdout)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return {
+        "prefill": float(got["prefillTokensPerSecond"]),
+        "decode": float(got["decodeTokensPerSecond"]),
+        "answers": got.get("answers"),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def capacity_report(
+    args: argparse.Namespace,
+    modes: list[str],
+    learned: dict[str, list[Any]],
+    profiled: dict[str, Any] | None,
+    within: float = 0.15,
+) -> dict[str, Any] | None:
+    """Per service that learns its capacity: the last learned figures, when they were
+    first learned, and from when on every later reading stayed within ``within`` of
+    `hybridllm profile`'s figures (None: not by the end); beside the typed capacity."""
+    if profiled is None:
+        return None
+    doc = manifest(modes[0].removesuffix(AUTO), args)
+    typed = doc["spec"]["edge"]["pool"]["capacity"]
+    rows: dict[str, dict[str, Any]] = {}
+    for label in (m for m in modes if learns(m)):
+        series = learned.get(label, [])
+        if not series:
+            rows[label] = {"learned": None}
+            continue
+        ok = [
+            abs(pre / profiled["prefill"] - 1) <= within and abs(dec / profiled["decode"] - 1) <= within
+            for _, _, pre, dec in series
+        ]  # fmt: skip
+        k = len(ok)
+        while k > 0 and ok[k - 1]:
+            k -= 1
+        _, answers, prefill, decode = series[-1]
+        rows[label] = {
+            "learned": {"answers": answers, "prefill": prefill, "decode": decode},
+            "first_learned_s": series[0][0],
+            "within_of_profile_from_s": series[k][0] if k < len(series) else None,
+        }
+    return {
+        "typed": {"prefill": float(typed["prefillTokensPerSecond"]),
+                  "decode": float(typed["decodeTokensPerSecond"])},
+        "profile": profiled,
+        "within": within,
+        "services": rows,
+        "series": {label: learned.get(label, []) for label in rows},
+    }  # fmt: skip
 
 
 def stop_stacks(stacks: list[Stack]) -> None:
@@ -581,8 +764,30 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
             f"{a['start_day'] + a['days'] - 1}, a day played in {a['day_seconds']} s "
             f"({86_400 / a['day_seconds']:.0f}x faster), peak {a['peak_rps']} requests/s"
         )
+    if a["replica"] == "engine":
+        prefill, decode = engine_capacity(a["slots"])
+        replica = (
+            f"a replica is an engine without chunked prefill (a token server): one prompt "
+            f"at a time at {prefill:g} tokens/s while every stream's decoding waits, "
+            f"{ENGINE_TTFT_S} s of fixed cost to the first token, {a['slots']} streams of "
+            f"{MAX_TOKENS} tokens at {TOKEN_RATE:g}/s each (capacity as typed: prefill "
+            f"{prefill:g}, decode {decode:g} tokens/s; {out['per_replica_rps']:.2f} requests/s "
+            f"at 100% for prompts of {ENGINE_PROMPT_CHARS[0] // 4} to "
+            f"{ENGINE_PROMPT_CHARS[1] // 4} tokens)"
+        )
+    else:
+        replica = (
+            f"a replica is a token server with {a['slots']} slots, {TTFT_S} s to the first "
+            f"token and {MAX_TOKENS} tokens at {TOKEN_RATE:g}/s "
+            f"({out['per_replica_rps']:.2f} requests/s at 100%)"
+        )
+    title = (
+        "# Autoscaling, closed loop: capacity learned against capacity typed"
+        if out.get("capacity")
+        else "# Autoscaling, closed loop: reactive, hybrid and predictive on real processes"
+    )
     lines = [
-        "# Autoscaling, closed loop: reactive, hybrid and predictive on real processes",
+        title,
         "",
         f"Command: `uv run python bench/autoscaling/replay.py{''.join(' ' + x for x in argv)}`"
         f" ({out['date']}, {out['wall_s'] / 60:.0f} min)",
@@ -593,14 +798,13 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
         f"{load}; {out['arrivals']:,} arrivals (seed {a['seed']}), each sent to all "
         f"{len(out['modes'])} services at "
         f"the same moment. Each service: local mode (its own supervisor and gateway), one "
-        f"edge pool of 1 to {a['max_replicas']} replicas; a replica is a token server with "
-        f"{a['slots']} slots, {TTFT_S} s to the first token and {MAX_TOKENS} tokens at "
-        f"{TOKEN_RATE:g}/s ({out['per_replica_rps']:.2f} requests/s at 100%), loading for "
+        f"edge pool of 1 to {a['max_replicas']} replicas; {replica}, loading for "
         f"{a['cold_start_s']} s after it starts. Autoscaling: interval {a['interval_s']} s, "
         f"lead {a['lead_s']} s, scale-down delay {a['scale_down_delay_s']} s, target "
         f"utilisation 70% (the default; `mode@u`: u instead), forecast `{a['forecast_model']}` on "
         f"{a['bin_s']} s bins with a season of {a['day_seconds']} s. SLO: the first token "
-        f"within {a['slo_ttft_s']} s.",
+        f"within {a['slo_ttft_s']} s. A `+auto` service leaves `capacity` out of its "
+        "manifest: its autoscaler learns it from the gateway's measurements.",
         "",
         f"## The measured day (day {first_day + a['days'] - 1}, after "
         f"{a['days'] - 1} days of history)",
@@ -619,6 +823,7 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
             f"{r['replica_seconds']:,.0f}{rel} | {r['mean_replicas']:.2f} / {r['max_replicas']} | "
             f"{r['under_provisioned_s']:.0f} | {r['scale_changes']} | {lead} |"
         )
+    lines += capacity_lines(out, m)
     if out["rises"]:
         lines += [
             "",
@@ -684,6 +889,63 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
     path.with_suffix(".md").write_text(portable("\n".join(lines)))
 
 
+def capacity_lines(out: dict[str, Any], measured: dict[str, Any]) -> list[str]:
+    """The learned capacity beside the typed one and `hybridllm profile`'s, and each
+    learning service's SLO attainment and replica-seconds beside its typed twin's."""
+    c = out.get("capacity")
+    if not c:
+        return []
+    typed, prof = c["typed"], c["profile"]
+    lines = [
+        "",
+        "## Capacity: typed, profiled, learned",
+        "",
+        f"`hybridllm profile` of one replica before the load ({prof['answers']} answers, "
+        f"{prof['wall_s']:.0f} s): prefill {prof['prefill']:,.0f}, decode "
+        f"{prof['decode']:,.0f} tokens/s. Typed (the replica's parameters): prefill "
+        f"{typed['prefill']:,.0f}, decode {typed['decode']:,.0f} tokens/s.",
+        "",
+        "| service | learned prefill / decode (tokens/s) | over the profile's | answers | first learned at (s) | within "
+        f"{c['within']:.0%} of the profile's from (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, r in c["services"].items():
+        got = r["learned"]
+        if got is None:
+            lines.append(f"| {label} | not learned | - | - | - | - |")
+            continue
+        since = r["within_of_profile_from_s"]
+        lines.append(
+            f"| {label} | {got['prefill']:,.0f} / {got['decode']:,.0f} | "
+            f"{got['prefill'] / prof['prefill']:.2f}x / {got['decode'] / prof['decode']:.2f}x | "
+            f"{got['answers']:,} | {r['first_learned_s']:.0f} | "
+            f"{'not by the end' if since is None else f'{since:.0f}'} |"
+        )
+    lines += [
+        "",
+        "Each learning service against its twin with the capacity typed, on the measured "
+        "day (the SLO band: 95% binomial interval of the difference of two attainments):",
+        "",
+        "| service | SLO attainment (typed twin) | difference (band) | replica-seconds vs twin |",
+        "|---|---|---|---|",
+    ]
+    for label in c["services"]:
+        twin = label.removesuffix(AUTO)
+        if twin not in measured or label not in measured:
+            continue
+        a, b = measured[label], measured[twin]
+        pa, pb = a["slo_attainment"], b["slo_attainment"]
+        band = 1.96 * math.sqrt(
+            pa * (1 - pa) / max(a["requests"], 1) + pb * (1 - pb) / max(b["requests"], 1)
+        )
+        ratio = a["replica_seconds"] / max(b["replica_seconds"], 1e-9)
+        lines.append(
+            f"| {label} | {pa:.2%} ({pb:.2%}) | {100 * (pa - pb):+.1f} points "
+            f"(+-{100 * band:.1f}) | {ratio:.2f}x |"
+        )
+    return lines
+
+
 def run_header(load_before: Any, started: float) -> dict[str, Any]:
     """What every results file of a replay opens with: the date, the machine, its load
     before and after, and the run's wall time (``started``: a ``time.monotonic()``)."""
@@ -713,6 +975,11 @@ def add_load_arguments(p: argparse.ArgumentParser, day_seconds: int, bin_s: floa
     p.add_argument("--forecast-model", default="holt-winters")
     p.add_argument("--slo-ttft-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--replica", choices=("slots", "engine"), default="slots",
+        help="slots: a replica of --slots independent slots and a fixed time to the first "
+        "token; engine: one prefill at a time that holds every stream (see ENGINE_*)",
+    )  # fmt: skip
     p.add_argument(
         "--work-dir", type=Path, default=None, help="state and logs (default: a temp dir)"
     )
@@ -750,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.supervise is not None:  # one service's supervisor (start_stack runs it)
         from hybridllm_operator.local import supervisor
 
-        place_token_servers(args.slots, args.cold_start_s)
+        place_token_servers(args.slots, args.cold_start_s, args.replica)
         return int(supervisor.run_detached(args.supervise, 30.0))
     argv = sys.argv[1:] if argv is None else argv
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -762,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
     rate_t, rate, rises = load_shape(args)
     duration = float(args.days * args.day_seconds)
     times = arrivals(rate_t, rate, duration, args.seed)
-    per_replica_rps = args.slots / service_s()
+    chars = prompt_sizes(len(times), args.replica, args.seed)
+    per_replica = per_replica_rps(args)
     env = {
         **os.environ,
         "HYBRIDLLM_OPERATOR_FORECAST_BIN_SECONDS": str(args.bin_s),
@@ -773,6 +1041,12 @@ def main(argv: list[str] | None = None) -> int:
     load_before, started = load_average(), time.monotonic()
     print(f"{len(times):,} arrivals over {duration:.0f} s; state and logs in {work}", flush=True)
     stacks: list[Stack] = []
+    learned: dict[str, list[Any]] = {}
+    profiled = None
+    if any(learns(m) for m in modes):
+        work.mkdir(parents=True, exist_ok=True)
+        profiled = profile_replica(args, work)
+        print(f"hybridllm profile of one replica: {profiled}", flush=True)
     try:
         stacks = [start_stack(m, work, args, env) for m in modes]
         wait_ready(stacks)
@@ -780,9 +1054,9 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> tuple[dict[str, list[Result]], dict[str, list[Any]]]:
             stop = asyncio.Event()
             t0 = asyncio.get_running_loop().time()
-            sampler = asyncio.create_task(sample(stacks, stop, t0))
+            sampler = asyncio.create_task(sample(stacks, stop, t0, learned))
             progress = asyncio.create_task(report_progress(duration, t0, stop))
-            answers = await drive({s.mode: s.url for s in stacks}, "smollm2", times)
+            answers = await drive({s.mode: s.url for s in stacks}, "smollm2", times, chars)
             stop.set()
             await progress
             return answers, await sampler
@@ -795,14 +1069,14 @@ def main(argv: list[str] | None = None) -> int:
     def each(window: tuple[float, float]) -> dict[str, Any]:
         return {
             mode: summarise(answers[mode], samples[mode], window, rate_t, rate,
-                            per_replica_rps, args.slo_ttft_s)
+                            per_replica, args.slo_ttft_s)
             for mode in modes
         }  # fmt: skip
 
     def rise(results: list[Result], samples: list[Any], at: float) -> dict[str, Any]:
         ramp = STEP["ramp"] * args.day_seconds
         return rise_response(
-            results, samples, at, args.peak_rps, per_replica_rps, args.slo_ttft_s, ramp
+            results, samples, at, args.peak_rps, per_replica, args.slo_ttft_s, ramp
         )
 
     out = {
@@ -813,8 +1087,9 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if not isinstance(v, Path)},
         "modes": modes,
         "arrivals": len(times),
-        "per_replica_rps": per_replica_rps,
+        "per_replica_rps": per_replica,
         "day_seconds": args.day_seconds,
+        "capacity": capacity_report(args, modes, learned, profiled),
         "measured_window_s": windows[-1],
         "measured": each(windows[-1]),
         "days": [each(w) for w in windows],
@@ -823,7 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
         "rate": rate.tolist(),
         "samples": samples,
     }
-    results = results_path(args.shape)
+    results = results_path(args.shape, args.replica)
     write(out, argv, results)
     plot(out, samples, results.with_suffix(".png"))
     print(results.with_suffix(".md").read_text())

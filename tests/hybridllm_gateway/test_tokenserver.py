@@ -109,3 +109,36 @@ def test_a_negative_concurrency_is_refused() -> None:
     )  # fmt: skip
     assert out.returncode == 2
     assert "must be 0 or more" in out.stderr
+
+
+def test_serial_prefill_holds_every_streams_decoding_while_a_prompt_prefills(procs: Any) -> None:
+    """--serial-prefill: the autoscaling benchmark's engine replica (one prompt at a time,
+    no stream decodes meanwhile), the replica the capacity model describes."""
+    server = procs.tokenserver("engine", "--serial-prefill", "--prefill-rate", "200",
+                               "--rate", "50")  # fmt: skip
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    arrivals: list[float] = []
+
+    def decode() -> None:  # a short prompt, a long answer: a token each 20 ms
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=60, stream=True
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.monotonic())
+
+    decoding = threading.Thread(target=decode)
+    decoding.start()
+    _wait(lambda: len(arrivals) >= 3, "the first stream to decode")
+    sent = time.monotonic()
+    long_prompt = [{"role": "user", "content": "x" * 800}]  # ~205 tokens: ~1 s of prefill
+    stream = client.chat.completions.create(model=MODEL, messages=long_prompt, max_tokens=2,
+                                            stream=True)  # fmt: skip
+    first = next(c for c in stream if c.choices and c.choices[0].delta.content)
+    ttft = time.monotonic() - sent
+    assert first.choices[0].delta.content
+    decoding.join(timeout=30)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert ttft >= 0.9, ttft  # the prompt's tokens at 200/s
+    assert max(gaps) >= 0.8, gaps  # the first stream held while the prompt prefilled
+    assert sorted(gaps)[len(gaps) // 2] < 0.1  # and otherwise a token each 20 ms

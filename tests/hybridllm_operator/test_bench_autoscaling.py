@@ -92,7 +92,8 @@ def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_r
     back in (what the first version of the replay did)."""
     monkeypatch.setattr(plan_mod, "place", plan_mod.place)  # restored after the test
     args = replay.main.__globals__["argparse"].Namespace(
-        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10
+        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10,
+        replica="slots",
     )
     path = tmp_path / "manifest.yaml"
     path.write_text(yaml.safe_dump(replay.manifest("hybrid", args)))
@@ -122,7 +123,8 @@ def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
     replay: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = replay.main.__globals__["argparse"].Namespace(
-        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10
+        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10,
+        replica="slots",
     )
     path = tmp_path / "manifest.yaml"
     path.write_text(yaml.safe_dump(replay.manifest("reactive@0.5", args)))
@@ -136,6 +138,28 @@ def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
         with pytest.raises(SystemExit):
             replay.main(["--modes", f"hybrid,{bad}"])
         assert says in capsys.readouterr().err
+    # `+auto`: the same service with its capacity left out (learned), and on engine
+    # replicas the pool's slots are the replica's, which the learned capacity batches by
+    engine = replay.main.__globals__["argparse"].Namespace(**{**vars(args), "replica": "engine"})
+    path.write_text(yaml.safe_dump(replay.manifest("hybrid@0.5+auto", engine)))
+    learning = plan_mod.load_manifest(path)
+    assert learning.name == replay.service_name("hybrid@0.5+auto") == "replay-hybrid-u050-auto"
+    assert learning.spec.edge.pool.capacity is None
+    assert learning.spec.edge.parallel == 2
+    assert learning.spec.autoscaling.target_utilization == 0.5
+    path.write_text(yaml.safe_dump(replay.manifest("hybrid", engine)))
+    typed = plan_mod.load_manifest(path).spec.edge.pool.capacity
+    assert typed is not None
+    assert (typed.prefill_tokens_per_second, typed.decode_tokens_per_second) == (1000, 40)
+    # the learned capacity is read from the status line the autoscaler writes
+    from hybridllm_forecaster.capacity import DEFAULT_POOLS, CapacityModel
+    from hybridllm_operator.llmservice import autoscaling
+
+    pool = DEFAULT_POOLS["edge"].with_(capacity=CapacityModel.from_rates(1234.0, 38.0, 2))
+    line = f"learned from 1500 answers: {autoscaling.describe(pool)}"
+    got = replay.learned_capacity({"autoscaling": {"capacity": {"edge": line}}})
+    assert got == (1500, 1234.0, 38.0)
+    assert replay.learned_capacity({"autoscaling": {"capacity": {"edge": "defaults until"}}}) is None
 
 
 def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
@@ -173,7 +197,8 @@ def test_the_cluster_replay_applies_the_replays_service_and_measures_what_the_op
     from hybridllm_common import crd
 
     args = operator_replay.main.__globals__["argparse"].Namespace(
-        max_replicas=10, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10
+        max_replicas=10, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10,
+        replica="slots",
     )
     doc = operator_replay.service_manifest("reactive@0.5", args)
     assert doc["metadata"] == {"name": "replay-reactive-u050", "namespace": "replay"}
