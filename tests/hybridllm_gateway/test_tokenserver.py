@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import threading
@@ -138,7 +139,7 @@ def test_serial_prefill_holds_every_streams_decoding_while_a_prompt_prefills(pro
     ttft = time.monotonic() - sent
     assert first.choices[0].delta.content
     decoding.join(timeout=30)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert ttft >= 0.9, ttft  # the prompt's tokens at 200/s
     assert max(gaps) >= 0.8, gaps  # the first stream held while the prompt prefilled
     assert sorted(gaps)[len(gaps) // 2] < 0.1  # and otherwise a token each 20 ms
