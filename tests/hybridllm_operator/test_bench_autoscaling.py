@@ -92,7 +92,12 @@ def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_r
     back in (what the first version of the replay did)."""
     monkeypatch.setattr(plan_mod, "place", plan_mod.place)  # restored after the test
     args = replay.main.__globals__["argparse"].Namespace(
-        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10,
+        max_replicas=3,
+        slots=2,
+        slo_ttft_s=1.0,
+        interval_s=5,
+        lead_s=10,
+        scale_down_delay_s=10,
         replica="slots",
     )
     path = tmp_path / "manifest.yaml"
@@ -123,7 +128,12 @@ def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
     replay: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = replay.main.__globals__["argparse"].Namespace(
-        max_replicas=3, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10,
+        max_replicas=3,
+        slots=2,
+        slo_ttft_s=1.0,
+        interval_s=5,
+        lead_s=10,
+        scale_down_delay_s=10,
         replica="slots",
     )
     path = tmp_path / "manifest.yaml"
@@ -159,7 +169,9 @@ def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
     line = f"learned from 1500 answers: {autoscaling.describe(pool)}"
     got = replay.learned_capacity({"autoscaling": {"capacity": {"edge": line}}})
     assert got == (1500, 1234.0, 38.0)
-    assert replay.learned_capacity({"autoscaling": {"capacity": {"edge": "defaults until"}}}) is None
+    assert (
+        replay.learned_capacity({"autoscaling": {"capacity": {"edge": "defaults until"}}}) is None
+    )
 
 
 def test_step_days_repeat_one_sharp_rise_and_its_response_is_measured_from_it(
@@ -197,7 +209,12 @@ def test_the_cluster_replay_applies_the_replays_service_and_measures_what_the_op
     from hybridllm_common import crd
 
     args = operator_replay.main.__globals__["argparse"].Namespace(
-        max_replicas=10, slots=2, slo_ttft_s=1.0, interval_s=5, lead_s=10, scale_down_delay_s=10,
+        max_replicas=10,
+        slots=2,
+        slo_ttft_s=1.0,
+        interval_s=5,
+        lead_s=10,
+        scale_down_delay_s=10,
         replica="slots",
     )
     doc = operator_replay.service_manifest("reactive@0.5", args)
