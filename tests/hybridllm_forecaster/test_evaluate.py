@@ -199,10 +199,12 @@ def test_the_noise_band_is_a_deterministic_block_bootstrap_and_bounds_the_findin
 def test_a_verdict_does_not_flip_when_only_the_scale_of_the_test_half_changes(
     bursty, bursty_scaled
 ):
-    """Scaling the test half 1.6x moves predictive+floor from -0.9 to -1.5 SLO points at
+    """Scaling the test half 1.6x moved predictive+floor from -0.9 to -1.5 SLO points at
     the HPA's cost, with bootstrap bands of 1.8 and 1.45 points: a band from the
     bootstrap alone called it "no difference" at one scale and "worse" at the other. Every
-    finding, against the HPA and against the tuned HPA, is the same at both scales."""
+    finding, against the HPA and against the tuned HPA, is the same at both scales. (Those
+    figures are from the token work measure; since work counts the prefill slot, every
+    policy runs more replicas here and the move is +0.14 to +0.05 points, bands 1.7.)"""
     from hybridllm_forecaster import report
 
     va, vb = report.verdict(bursty), report.verdict(bursty_scaled)
@@ -212,7 +214,7 @@ def test_a_verdict_does_not_flip_when_only_the_scale_of_the_test_half_changes(
             assert va[fam]["vs_hpa_tuned"]["finding"] == vb[fam]["vs_hpa_tuned"]["finding"], fam
     pa = va["predictive+floor"]["slo_points_at_equal_cost"]
     pb = vb["predictive+floor"]["slo_points_at_equal_cost"]
-    assert abs(pa - pb) > 0.3  # the scale did move the estimate
+    assert abs(pa - pb) > 0.05  # the scale did move the estimate
     assert va["predictive+floor"]["finding"] == "no difference"
 
 

@@ -9,11 +9,42 @@ chunk of up to ``prefill_chunk_tokens`` of one waiting prompt, which adds
 ``step(b) / (1 - rho_p)``; ``max_batch`` is the largest batch whose step still meets
 the TBT SLO with a prefill reserve (capped by KV memory).
 
-Load is counted in *replica-seconds of work per second*: ``input_tok_s / prefill_tok_s +
-output_tok_s / decode_tok_s`` where ``decode_tok_s = max_batch / step(max_batch)`` is
-the decode throughput at full batch. A value of 3.2 means that 3.2 replicas would be
-100% busy; every policy and the planner divide it by a target utilisation. Prefill-only
-and decode-only pools (disaggregation) count only their own half.
+Load is counted in *replicas of work*: a value of 3.2 means 3.2 replicas would be at
+the point where the per-request simulator (`des.py`, the same replica) saturates; every
+policy and the planner divide it by a target utilisation. Tokens alone do not say
+where that is. The simulated replica prefills one prompt at a time, one chunk per
+decode step, so it runs out of whichever of three things binds first
+(`PoolConfig.work_per_s`):
+
+- the decode batch: ``lost + output_tok_s / decode_tok_s``, the token measure, with
+  ``decode_tok_s = max_batch / step(max_batch)`` the decode throughput at full batch;
+- the TBT objective: a replica stepping once per ``tbt_s`` spends ``tbt_base_s / tbt_s``
+  of its time on the steps' fixed cost, so ``(lost + output_tok_s * tbt_per_seq_s) /
+  (1 - tbt_base_s / tbt_s)``;
+- the prefill slot: a prompt holds it for its tokens plus one decode step per chunk,
+  ``tokens / prefill_tok_s + chunks * step(b)``, a short prompt a whole step; ``b`` is
+  the batch the replica runs when the slot is saturated (Little's law at the TBT
+  objective, at most ``max_batch``).
+
+``lost`` is the decode time the prefills take: ``input_tok_s / prefill_tok_s``, plus,
+for a prompt that ends in a partial chunk, the rest of that chunk at
+``tbt_base_s / (tbt_base_s + chunk_time)`` (the replica slows every step it prefills in
+by a whole chunk's time). The slot, the partial chunks and the TBT term need the
+request rate; without it (``requests_per_s=None``: the operator's autoscaler, whose
+demand has no request rate yet, and capacities typed as measured rates, whose decode
+figure already holds the step's cost) the measure is the token measure alone,
+``input_tok_s / prefill_tok_s + output_tok_s / decode_tok_s``, which reads short-prompt
+loads low (20-token prompts with 20-token answers saturate the
+replica at 0.33 of the token measure, 1.0 of the full one). With it the default
+replica saturates (attainment under 90%, 4 or 8 replicas, Poisson arrivals) at
+0.83-1.02 of this measure for prompts of 20-3,000 tokens and answers of 5-1,000, where
+the token measure ranged 0.16-1.00. Prompts that take a large share of the TTFT
+objective by themselves are lost to waiting behind one another, not to throughput: at
+10k prefill tokens/s against 2 s, 6k-token prompts saturate at 0.72-0.93 and 10k-token
+ones at 0.3-0.8, and no load measure moves that (with a 10-20 s objective they saturate
+at 0.88-1.05). Prefill-only and decode-only pools (disaggregation) count only their own
+half: a prefill pool's prompts run without decode steps between chunks, a decode pool's
+requests arrive prefilled.
 
 The defaults describe an 8B model on one H100 at bf16 (prefill around 10k tokens/s,
 25 ms decode steps at small batch); they are parameters now and will be calibrated from
@@ -49,6 +80,10 @@ class CapacityModel:
 
     def step_s(self, batch: float) -> float:
         return self.tbt_base_s + self.tbt_per_seq_s * batch
+
+    def prompt_chunks(self, input_tokens: np.ndarray) -> np.ndarray:
+        """Chunks each prompt is prefilled in (one decode step each)."""
+        return np.ceil(np.asarray(input_tokens, dtype=float) / self.prefill_chunk_tokens)
 
     def max_batch(self, slo: Slo, prefill_reserve: float = 0.0) -> int:
         """Largest batch meeting the TBT SLO when `prefill_reserve` of the time goes to prefills."""
@@ -112,9 +147,10 @@ class PoolConfig:
     min_replicas: int = 1
     max_replicas: int = 1000
     # of a replica's work capacity, for planned load: the per-request simulator's SLO
-    # cliff for the default replica is at about 0.75-0.8 (see docs/forecaster.md); the
-    # ServeGen training half chose 0.7 for the predictive policy (`forecast eval` prints
-    # the choice for any trace)
+    # cliff for the default replica on ServeGen's requests is at about 0.85-0.9 (0.75-0.8
+    # of the token measure work was before; see docs/forecaster.md); the ServeGen
+    # training half chose 0.7, in the token measure, for the predictive policy
+    # (`forecast eval` prints the choice for any trace)
     target_utilisation: float = 0.7
     scale_down_stabilisation_s: float = 300.0  # the HPA's (reactive) window
     # the planner's window: 0, because its forecast already covers the whole lead time
@@ -142,19 +178,64 @@ class PoolConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def work_per_s(
-        self, input_tok_s: np.ndarray | float, output_tok_s: np.ndarray | float
+        self,
+        input_tok_s: np.ndarray | float,
+        output_tok_s: np.ndarray | float,
+        requests_per_s: np.ndarray | float | None = None,
+        *,
+        chunks_per_s: np.ndarray | float | None = None,
     ) -> np.ndarray:
-        """Replica-seconds of work per second that these token rates need (see module doc)."""
-        pre = np.asarray(input_tok_s, dtype=float) / self.capacity.prefill_tok_s
-        dec = np.asarray(output_tok_s, dtype=float) / self.decode_tok_s
-        if self.role == "prefill":
-            return pre
-        if self.role == "decode":
-            return dec
-        return pre + dec
+        """Replicas of work that this demand needs (see the module doc): the largest of
+        the decode-batch, TBT and prefill-slot terms.
+
+        `requests_per_s` adds what a request costs beyond its tokens (the prefill slot,
+        partial chunks, the TBT term); without it the token measure alone counts.
+        `chunks_per_s` is the
+        prompts' chunks (``prompt_chunks`` summed) when the caller counted them; else
+        they are estimated from the mean prompt (``mean / chunk + 0.5``, at least one),
+        which is right on average for a spread of lengths."""
+        cap = self.capacity
+        inp = np.asarray(input_tok_s, dtype=float)
+        out = np.asarray(output_tok_s, dtype=float)
+        prefill = inp / cap.prefill_tok_s
+        if self.role == "prefill":  # no decode steps between a prefill pool's chunks
+            return prefill
+        decode = out / self.decode_tok_s
+        if self.role == "decode":  # prompts arrive prefilled; the batch is the bound
+            return decode
+        if requests_per_s is None:  # the token measure (what the operator reads today)
+            return prefill + decode
+        req = np.asarray(requests_per_s, dtype=float)
+        some = req > 0
+        per = np.where(some, req, 1.0)
+        mean_in, mean_out = inp / per, out / per
+        chunk = float(cap.prefill_chunk_tokens)
+        if chunks_per_s is None:
+            chunks = np.where(mean_in > 0, np.maximum(1.0, mean_in / chunk + 0.5), 0.0)
+        else:
+            chunks = np.asarray(chunks_per_s, dtype=float) / per
+        # a partial chunk slows the steps it rides by a whole chunk's time
+        chunk_s = chunk / cap.prefill_tok_s
+        unused_s = np.maximum(chunks * chunk - mean_in, 0.0) / cap.prefill_tok_s
+        lost = prefill + np.where(  # the decode time the prefills take from the replica
+            some, req * unused_s * cap.tbt_base_s / (cap.tbt_base_s + chunk_s), 0.0
+        )
+        # the prefill slot: the prompt's tokens and one step per chunk, at the batch
+        # b = (output - 1) * tbt / slot that a saturated slot leaves decoding (the root
+        # of slot = a + chunks * per_seq * b), at most max_batch
+        a = mean_in / cap.prefill_tok_s + chunks * cap.tbt_base_s
+        q = chunks * cap.tbt_per_seq_s * np.maximum(mean_out - 1.0, 0.0) * self.slo.tbt_s
+        held = (a + np.sqrt(a * a + 4.0 * q)) / 2.0
+        held = np.minimum(held, mean_in / cap.prefill_tok_s + chunks * cap.step_s(self.max_batch))
+        slot = np.where(some, req * held, 0.0)
+        work = np.maximum(lost + decode, slot)
+        free = 1.0 - cap.tbt_base_s / self.slo.tbt_s  # share of a step-per-TBT replica
+        if free > 0:  # (else no step meets the objective: `attainable` counts them)
+            work = np.maximum(work, (lost + out * cap.tbt_per_seq_s) / free)
+        return work
 
     def work_series(self, demand: DemandSeries) -> np.ndarray:
-        return self.work_per_s(demand.input_tok_per_s, demand.output_tok_per_s)
+        return self.work_per_s(demand.input_tok_per_s, demand.output_tok_per_s, demand.req_per_s)
 
     def attainable(self, input_tokens: np.ndarray, output_tokens: np.ndarray) -> np.ndarray:
         """Which requests can meet the SLO at all: alone on an idle replica, the prompt's

@@ -73,8 +73,18 @@ class PoolSimulator:
         self.pending: deque[int] = deque()
         self.changes: list[tuple[float, int]] = []
         self.num_done = 0
-        work = pool.work_per_s(stream.input_tokens, stream.output_tokens)
-        self.cum_work = np.concatenate([[0.0], np.cumsum(work)])
+        # running totals of what arrived, for the work of any span of arrivals
+        self.cum = np.stack([
+            np.concatenate([[0.0], np.cumsum(stream.input_tokens, dtype=float)]),
+            np.concatenate([[0.0], np.cumsum(stream.output_tokens, dtype=float)]),
+            np.concatenate([[0.0], np.cumsum(pool.capacity.prompt_chunks(stream.input_tokens))]),
+        ])  # fmt: skip
+
+    def _work(self, a: np.ndarray | int, b: np.ndarray | int, dt: float) -> np.ndarray:
+        """Work per second of arrivals [a, b) spread over `dt` seconds (`PoolConfig.work_per_s`)."""
+        tin, tout, chunks = (self.cum[:, b] - self.cum[:, a]) / dt
+        count = (np.asarray(b) - np.asarray(a)) / dt
+        return self.pool.work_per_s(tin, tout, count, chunks_per_s=chunks)
 
     # ---- events and replicas -------------------------------------------------------
     def _push(self, t: float, kind: int, rid: int = -1, version: int = 0) -> None:
@@ -173,7 +183,7 @@ class PoolSimulator:
     # ---- control -------------------------------------------------------------------
     def _control(self, now: float, arrived_until: int, arrived_from: int) -> None:
         dt = self.pool.control_interval_s
-        work = (self.cum_work[arrived_until] - self.cum_work[arrived_from]) / dt
+        work = float(self._work(arrived_from, arrived_until, dt))
         live = [r for r in self.replicas.values() if r.state in ("starting", "ready")]
         ready = [r for r in live if r.state == "ready"]
         in_flight = len(self.pending) + sum(r.outstanding() for r in self.replicas.values())
@@ -257,12 +267,12 @@ class PoolSimulator:
         times = np.arange(1, num_ticks + 1) * dt
         paid = _sample_changes(self.changes, times)
         att = np.ones(num_ticks)
-        work = np.zeros(num_ticks)
+        ticks = np.asarray(tick_idx)
+        work = self._work(ticks[:-1], ticks[1:], dt) if num_ticks else np.zeros(0)
         for k in range(num_ticks):
             a, b = tick_idx[k], tick_idx[k + 1]
             if np.any(counted[a:b]):
                 att[k] = float(np.mean(ok[a:b][counted[a:b]]))
-            work[k] = (self.cum_work[b] - self.cum_work[a]) / dt
         n, m = s.num_requests, int(np.sum(counted))
         return SimResult(
             policy=self.policy.name,

@@ -559,8 +559,16 @@ def _fine_work(stream: RequestStream, pool: PoolConfig, step: float, duration: f
     """True work per control step, what the oracle looks ahead at."""
     num = max(1, math.ceil(duration / step))
     idx = np.minimum((stream.arrival_s // step).astype(int), num - 1)
-    w = pool.work_per_s(stream.input_tokens, stream.output_tokens)
-    return np.bincount(idx, weights=w, minlength=num) / step
+
+    def per_s(weights: np.ndarray | None) -> np.ndarray:
+        return np.bincount(idx, weights=weights, minlength=num) / step
+
+    return pool.work_per_s(
+        per_s(stream.input_tokens.astype(float)),
+        per_s(stream.output_tokens.astype(float)),
+        per_s(None),
+        chunks_per_s=per_s(pool.capacity.prompt_chunks(stream.input_tokens)),
+    )
 
 
 def make_policy(

@@ -5,9 +5,9 @@ would take hours, and scaling the rate down far enough to make it cheap changes 
 queueing (a pool of 2 replicas is not a pool of 60 at 1/30 of the load). So the long
 traces are simulated as a fluid, step by step (15 s, the HPA's sync period):
 
-- Work (replica-seconds, `capacity.PoolConfig.work_per_s`) arrives at the step's rate
-  and is served by the ready replicas at 1 replica-second per second; what is not
-  served waits as backlog, first in first out.
+- Work (`capacity.PoolConfig.work_per_s`: replicas' worth, 1 where a replica
+  saturates) arrives at the step's rate and is served by the ready replicas at 1 per
+  replica per second; what is not served waits as backlog, first in first out.
 - TTFT of a step's requests = time to drain the backlog ahead of them + queueing for a
   replica's prefill slot + the prefill. A prompt holds the slot for its tokens at the
   prefill rate plus one decode step per 512-token chunk (decode runs between chunks),
@@ -77,12 +77,10 @@ def simulate_fluid(
     rate, tin, tout, cv = s["req_per_s"], s["input_tok_per_s"], s["output_tok_per_s"], s["cv"]
     num_steps = len(rate)
     cap = pool.capacity
-    prefill_tok_s = cap.prefill_tok_s
-    decode_tok_s = pool.decode_tok_s
     max_batch = pool.max_batch
     do_prefill = pool.role != "decode"
     do_decode = pool.role != "prefill"
-    work = pool.work_per_s(tin, tout)
+    work = pool.work_per_s(tin, tout, rate)
     typical_step_s = cap.step_s(max_batch / 2)
 
     start = initial_replicas or pool.replicas_for(float(work[0]) if num_steps else 0.0)
@@ -103,9 +101,8 @@ def simulate_fluid(
             ready += 1
         km1 = max(k - 1, 0)  # what was measured over the last interval
         in_flight = backlog_in_flight(
-            backlog, ready, rate[km1], tin[km1], tout[km1], prefill_tok_s, decode_tok_s,
-            do_prefill, typical_step_s,
-        )  # fmt: skip
+            backlog, rate[km1], float(work[km1]), tout[km1], typical_step_s
+        )
         obs = Observation(now, ready, ready + len(starting), last_work, in_flight)
         desired = policy.decide(obs)
         if overlay is not None:
@@ -167,13 +164,13 @@ def simulate_fluid(
 
 
 def backlog_in_flight(
-    backlog: float, ready: int, rate: float, tin: float, tout: float,
-    prefill_tok_s: float, decode_tok_s: float, do_prefill: bool, step_s: float,
-) -> float:  # fmt: skip
-    """Requests waiting or running, for the queue-length policy (Little's law on the fluid)."""
+    backlog: float, rate: float, work: float, tout: float, step_s: float
+) -> float:
+    """Requests waiting or running, for the queue-length policy (Little's law on the fluid):
+    the backlog (replica-seconds) over the work of one request, plus the decoding ones."""
     if rate <= 0:
         return 0.0
-    work_per_req = (((tin / prefill_tok_s) if do_prefill else 0.0) + tout / decode_tok_s) / rate
+    work_per_req = work / rate
     waiting = backlog / work_per_req if work_per_req > 0 else 0.0
     running = tout * step_s  # rate * mean output tokens * seconds per token
     return waiting + running
