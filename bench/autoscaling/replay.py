@@ -81,9 +81,11 @@ TTFT_S, TOKEN_RATE = 0.2, 20.0  # a replica's answer: 0.2 s to the first token, 
 # ENGINE_TTFT_S of fixed cost per answer (it holds no engine time), prompts of
 # ENGINE_PROMPT_CHARS (uniform, seeded) so that the prompt's cost can be told from the
 # fixed one, and the same decode (TOKEN_RATE a stream, --slots streams)
-ENGINE_PREFILL_RATE = 1000.0
+ENGINE_PREFILL_RATE = 5000.0
 ENGINE_TTFT_S = 0.1
-ENGINE_PROMPT_CHARS = (200, 600)  # 50 to 150 prompt tokens, 100 on average
+# 50 to 1,000 prompt tokens: a spread the prefill rate can be measured from under load
+# (hybridllm_common.speed.PREFILL_MAX_REL_ERROR; 50 to 150 tokens cannot)
+ENGINE_PROMPT_CHARS = (200, 4000)
 AUTO = "+auto"  # a label's suffix: the service's capacity left out (learned: capacity auto)
 RESULTS = ROOT / "bench" / "results"
 
@@ -421,7 +423,7 @@ def wait_ready(stacks: list[Stack], timeout_s: float = 120.0) -> None:
 
 
 LEARNED = re.compile(
-    r"learned from (\d+) answers: prefill ([\d,.]+) tokens/s, decode ([\d,.]+) tokens/s"
+    r"learned from ([\d,]+) answers: prefill ([\d,.]+) tokens/s, decode ([\d,.]+) tokens/s"
 )
 
 
@@ -434,7 +436,11 @@ def learned_capacity(state: dict[str, Any]) -> tuple[int, float, float] | None:
     if m is None:
         return None
     answers, prefill, decode = m.groups()
-    return int(answers), float(prefill.replace(",", "")), float(decode.replace(",", ""))
+    return (
+        int(answers.replace(",", "")),
+        float(prefill.replace(",", "")),
+        float(decode.replace(",", "")),
+    )
 
 
 async def sample(

@@ -12,12 +12,13 @@ from hybridllm_common.speed import MIN_OBSERVATIONS, Answer, ReplicaSpeed, Speed
 
 def _answers(rng: random.Random, n: int, *, overhead: float = 0.04, per_1k: float = 0.5,
              wait: float = 0.15, decode: float = 0.02, slowdown: float = 0.004,
-             noise: float = 0.1, stalls: float = 0.0) -> list[Answer]:  # fmt: skip
+             noise: float = 0.1, stalls: float = 0.0,
+             prompts: tuple[int, int] = (50, 4000)) -> list[Answer]:  # fmt: skip
     """``n`` answers of a replica with these figures, each time off by up to ``noise``
     (multiplicative), a share ``stalls`` of them stalled 20x."""
     out = []
     for _ in range(n):
-        load, prompt, tokens = rng.randint(1, 8), rng.randint(50, 4000), rng.randint(2, 200)
+        load, prompt, tokens = rng.randint(1, 8), rng.randint(*prompts), rng.randint(2, 200)
         ttft = overhead + prompt / 1000 * per_1k + wait * (load - 1)
         tpot = decode + slowdown * (load - 1)
         ttft *= rng.uniform(1 - noise, 1 + noise)
@@ -92,3 +93,20 @@ def test_a_wrong_observation_shape_is_refused() -> None:
     speed = ReplicaSpeed()
     with pytest.raises(ValueError, match="one per dimension"):
         speed.ttft.update([1.0, 2.0], 1.0)
+
+
+def test_a_prefill_rate_the_prompts_cannot_measure_is_not_given() -> None:
+    """Under load the time to first token carries the queue's noise: prompts of 50 to 150
+    tokens leave the slope to it (the replay on engine replicas learned "rates" of 3 to 532
+    tokens/s for 1,000), so no rate is given, where prompts of 50 to 4,000 measure it."""
+    narrow, wide = ReplicaSpeed(), ReplicaSpeed()
+    for answer in _answers(random.Random(3), 400, per_1k=1.0, noise=0.4, prompts=(50, 150)):
+        narrow.observe(answer)
+    for answer in _answers(random.Random(3), 400, per_1k=1.0, noise=0.4):
+        wide.observe(answer)
+    assert narrow.ready()
+    assert narrow.prefill_tokens_per_s is None
+    assert narrow.ttft.std_error(1) > 0.25 * narrow.ttft.theta[1]
+    assert _close(wide.prefill_tokens_per_s, 1000.0, 0.15)
+    # the router's prediction does not need the rate: the fitted line still predicts
+    assert _close(narrow.predict_ttft(100, load=1), 0.04 + 0.1, 0.5)

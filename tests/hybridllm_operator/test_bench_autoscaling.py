@@ -4,8 +4,10 @@ the arithmetic they claim, and its replicas stay token servers under the supervi
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +19,13 @@ from hybridllm_operator.local import plan as plan_mod
 @pytest.fixture(scope="module")
 def replay(bench_module) -> ModuleType:
     return bench_module("bench/autoscaling/replay.py")  # type: ignore[no-any-return]
+
+
+def _args(**changes: Any) -> argparse.Namespace:
+    """The replay's pool and autoscaling arguments, as its command line gives them."""
+    base = {"max_replicas": 3, "slots": 2, "slo_ttft_s": 1.0, "interval_s": 5, "lead_s": 10,
+            "scale_down_delay_s": 10, "replica": "slots"}  # fmt: skip
+    return argparse.Namespace(**{**base, **changes})
 
 
 def test_a_compressed_day_keeps_its_shape_and_is_scaled_to_the_peak(replay: ModuleType) -> None:
@@ -91,15 +100,7 @@ def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_r
     differs: its placement must give the same token server, or it would swap the runtime
     back in (what the first version of the replay did)."""
     monkeypatch.setattr(plan_mod, "place", plan_mod.place)  # restored after the test
-    args = replay.main.__globals__["argparse"].Namespace(
-        max_replicas=3,
-        slots=2,
-        slo_ttft_s=1.0,
-        interval_s=5,
-        lead_s=10,
-        scale_down_delay_s=10,
-        replica="slots",
-    )
+    args = _args()
     path = tmp_path / "manifest.yaml"
     path.write_text(yaml.safe_dump(replay.manifest("hybrid", args)))
     replay.place_token_servers(2, 5.0)
@@ -127,15 +128,7 @@ def test_replicas_are_placed_as_token_servers_first_and_when_the_supervisor_re_r
 def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
     replay: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = replay.main.__globals__["argparse"].Namespace(
-        max_replicas=3,
-        slots=2,
-        slo_ttft_s=1.0,
-        interval_s=5,
-        lead_s=10,
-        scale_down_delay_s=10,
-        replica="slots",
-    )
+    args = _args()
     path = tmp_path / "manifest.yaml"
     path.write_text(yaml.safe_dump(replay.manifest("reactive@0.5", args)))
     manifest = plan_mod.load_manifest(path)
@@ -150,7 +143,7 @@ def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
         assert says in capsys.readouterr().err
     # `+auto`: the same service with its capacity left out (learned), and on engine
     # replicas the pool's slots are the replica's, which the learned capacity batches by
-    engine = replay.main.__globals__["argparse"].Namespace(**{**vars(args), "replica": "engine"})
+    engine = _args(replica="engine")
     path.write_text(yaml.safe_dump(replay.manifest("hybrid@0.5+auto", engine)))
     learning = plan_mod.load_manifest(path)
     assert learning.name == replay.service_name("hybrid@0.5+auto") == "replay-hybrid-u050-auto"
@@ -160,13 +153,13 @@ def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
     path.write_text(yaml.safe_dump(replay.manifest("hybrid", engine)))
     typed = plan_mod.load_manifest(path).spec.edge.pool.capacity
     assert typed is not None
-    assert (typed.prefill_tokens_per_second, typed.decode_tokens_per_second) == (1000, 40)
+    assert (typed.prefill_tokens_per_second, typed.decode_tokens_per_second) == (5000, 40)
     # the learned capacity is read from the status line the autoscaler writes
     from hybridllm_forecaster.capacity import DEFAULT_POOLS, CapacityModel
     from hybridllm_operator.llmservice import autoscaling
 
     pool = DEFAULT_POOLS["edge"].with_(capacity=CapacityModel.from_rates(1234.0, 38.0, 2))
-    line = f"learned from 1500 answers: {autoscaling.describe(pool)}"
+    line = f"learned from 1,500 answers: {autoscaling.describe(pool)}"  # as the status has it
     got = replay.learned_capacity({"autoscaling": {"capacity": {"edge": line}}})
     assert got == (1500, 1234.0, 38.0)
     assert (
@@ -208,15 +201,7 @@ def test_the_cluster_replay_applies_the_replays_service_and_measures_what_the_op
 ) -> None:
     from hybridllm_common import crd
 
-    args = operator_replay.main.__globals__["argparse"].Namespace(
-        max_replicas=10,
-        slots=2,
-        slo_ttft_s=1.0,
-        interval_s=5,
-        lead_s=10,
-        scale_down_delay_s=10,
-        replica="slots",
-    )
+    args = _args(max_replicas=10)
     doc = operator_replay.service_manifest("reactive@0.5", args)
     assert doc["metadata"] == {"name": "replay-reactive-u050", "namespace": "replay"}
     spec = crd.LLMServiceSpec.model_validate(doc["spec"])

@@ -162,6 +162,40 @@ def _stream(
     return raw.headers["x-hybridllm-tier"], "".join(text), finish
 
 
+class _Clients:
+    """``n`` clients asking back to back, each on a thread of its own, from ``start`` to
+    ``stop``: what they were answered (``ask``'s result) and how they failed."""
+
+    def __init__(self, n: int, client: Callable[[], openai.OpenAI],
+                 ask: Callable[[openai.OpenAI], str]) -> None:  # fmt: skip
+        self.answered: list[str] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(client, ask), daemon=True) for _ in range(n)
+        ]
+
+    def _run(
+        self, client: Callable[[], openai.OpenAI], ask: Callable[[openai.OpenAI], str]
+    ) -> None:
+        c = client()
+        while not self._stop.is_set():
+            try:
+                self.answered.append(ask(c))
+            except openai.OpenAIError as exc:
+                self.failures.append(repr(exc))
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=120)
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
     local = _up_detached(tmp_path_factory.mktemp("local"), EXAMPLE, "smollm2-cpu")
@@ -413,26 +447,14 @@ def test_a_burst_on_the_example_is_named_saturated(hybrid: Local) -> None:
     first answers the pool's decision names the saturation; on a machine whose cores the
     running replicas already hold (CI's two) it says capacity-bound and starts nothing
     that would slow every replica down, elsewhere it scales up. No request fails."""
-    stop = threading.Event()
-    failures: list[str] = []
-    answered: list[str] = []
-
-    def ask() -> None:
-        client = hybrid.client()
-        while not stop.is_set():
-            try:
-                answered.append(_chat(client, LONG)[0])
-            except openai.OpenAIError as exc:
-                failures.append(repr(exc))
 
     def cloud() -> dict[str, Any]:
         return dict(hybrid.status()["autoscaling"]["pools"]["monolithic"])
 
-    askers = [threading.Thread(target=ask, daemon=True) for _ in range(8)]
+    load = _Clients(8, hybrid.client, lambda c: _chat(c, LONG)[0])
     try:
-        for asker in askers:
-            asker.start()
-        wait_for("the first answers", lambda: len(answered) > 0, timeout_s=120)
+        load.start()
+        wait_for("the first answers", lambda: len(load.answered) > 0, timeout_s=120)
         wait_for(
             "the cloud pool's decision to name the saturation",
             lambda: "saturated (cloud p95 time to first token" in cloud()["reason"],
@@ -440,11 +462,9 @@ def test_a_burst_on_the_example_is_named_saturated(hybrid: Local) -> None:
         )  # fmt: skip
         decision = cloud()
     finally:
-        stop.set()
-        for asker in askers:
-            asker.join(timeout=120)
-    assert failures == [], failures[:3]
-    assert set(answered) == {"cloud"}
+        load.stop()
+    assert load.failures == [], load.failures[:3]
+    assert set(load.answered) == {"cloud"}
     cores = os.cpu_count() or 1
     if cores <= 2:  # edge-0 and monolithic-0 hold a core each
         assert decision["reason"].startswith("capacity-bound while saturated"), decision
@@ -688,23 +708,11 @@ def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prome
         tmp_path / "root", manifest, "scaler", "--metrics", f"127.0.0.1:{metrics_port}",
         "--prometheus-url", prometheus,
     )  # fmt: skip
-    failures: list[str] = []
-    answered: list[str] = []
-    stop = threading.Event()
-
-    def ask() -> None:  # streamed: the gateway learns a replica's speed from those
-        client = local.client()
-        while not stop.is_set():
-            try:
-                answered.append(_stream(client, SHORT)[1])
-            except openai.OpenAIError as exc:
-                failures.append(repr(exc))
-
-    askers = [threading.Thread(target=ask, daemon=True) for _ in range(BURST_CLIENTS)]
+    # streamed: the gateway learns a replica's speed from those
+    load = _Clients(BURST_CLIENTS, local.client, lambda c: _stream(c, SHORT)[1])
     try:
         assert local.process("edge-1")["status"] == "standby"
-        for asker in askers:
-            asker.start()
+        load.start()
         wait_for(
             "a second edge replica ready", lambda: local.process("edge-1")["status"] == "ready",
             timeout_s=180,
@@ -726,9 +734,7 @@ def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prome
             lambda: local.status()["autoscaling"]["capacity"]["edge"].startswith("learned from"),
             timeout_s=120,
         )  # fmt: skip
-        stop.set()
-        for asker in askers:
-            asker.join(timeout=60)
+        load.stop()
         wait_for(
             "the second replica retired", lambda: local.process("edge-1")["status"] == "standby",
             timeout_s=120,
@@ -741,10 +747,10 @@ def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prome
         assert local.process("edge-0")["status"] == "ready"
         assert _chat(local.client(), SHORT)[0] == "edge"  # the one left serves
     finally:
-        stop.set()
+        load.stop()
         local.down()
-    assert failures == [], failures[:3]
-    assert len(answered) > 0
+    assert load.failures == [], load.failures[:3]
+    assert len(load.answered) > 0
 
 
 def _look_at_the_page(url: str, namespace: str, name: str) -> None:

@@ -34,6 +34,10 @@ MIN_OBSERVATIONS = 8
 FORGETTING = 0.99  # the weight an answer keeps per later answer: ~100 answers of memory
 HUBER_K = 3.0  # errors beyond this many typical errors get a smaller say
 PROMPT_UNIT = 1000.0  # prompt tokens are fitted in thousands, to keep the problem well scaled
+# The prefill rate is given only once its standard error is within this share of it: under
+# load, the time to first token carries the queue's noise, and prompts of similar lengths
+# (50-150 tokens, say) leave the slope to that noise (a "rate" of 3 or 3,000 tokens/s).
+PREFILL_MAX_REL_ERROR = 0.25
 
 
 class Rls:
@@ -50,6 +54,12 @@ class Rls:
 
     def predict(self, x: list[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
+
+    def std_error(self, i: int) -> float:
+        """The standard error of ``theta[i]``: the (forgetting-weighted) inverse
+        information ``p[i][i]`` times the noise variance, the noise's deviation taken from
+        the typical absolute error (x1.25, as for a normal error)."""
+        return math.sqrt(max(self.p[i][i], 0.0)) * 1.25 * self.scale
 
     def update(self, x: list[float], y: float) -> float:
         """Take one observation; the error of the prediction it had before."""
@@ -134,9 +144,12 @@ class ReplicaSpeed:
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
-        """Prompt tokens per second (None: not measurably positive yet)."""
+        """Prompt tokens per second (None: not measurably positive yet, or not known to
+        within PREFILL_MAX_REL_ERROR: the answers' prompts vary too little for the noise)."""
         per_unit = self.ttft.theta[1]
-        return PROMPT_UNIT / per_unit if per_unit > 0 else None
+        if per_unit <= 0 or self.ttft.std_error(1) > PREFILL_MAX_REL_ERROR * per_unit:
+            return None
+        return PROMPT_UNIT / per_unit
 
     @property
     def wait_s_per_request(self) -> float:

@@ -242,6 +242,9 @@ class ReplicaSpeeds:
         rate = fitted.prefill_tokens_per_s
         if rate is not None:
             self.prefill.labels(tier=tier, replica=url).set(rate)
+        else:  # not (or no longer) measurable: no figure rather than a stale one
+            with contextlib.suppress(KeyError):
+                self.prefill.remove(tier, url)
         self.wait.labels(tier=tier, replica=url).set(fitted.wait_s_per_request)
         for load in (1, SPEED_REFERENCE_LOAD):
             self.output.labels(tier=tier, replica=url, load=str(load)).set(

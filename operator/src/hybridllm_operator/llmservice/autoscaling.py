@@ -386,6 +386,17 @@ class ServiceAutoscaler:
                 f"defaults: {describe(config)} (a disaggregated pool's capacity is not "
                 f"learned: set spec.cloud.{component}.capacity, e.g. from hybridllm profile)"
             )
+        if speed is not None and speed.answers >= LEARN_MIN_ANSWERS:
+            why = (
+                "the prefill rate: their prompts vary too little in length for the noise "
+                "in their times to first token"
+                if not speed.prefill_tok_s
+                else "the decode step: it needs answers at one and at several at once"
+            )
+            return (
+                f"defaults: {answers} answers do not measure {why} (hybridllm profile "
+                f"measures it before traffic): {describe(config)}"
+            )
         return (
             f"defaults until {LEARN_MIN_ANSWERS} answers are measured ({answers} so far): "
             f"{describe(config)}"
