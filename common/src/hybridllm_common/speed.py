@@ -51,15 +51,19 @@ class Rls:
         self.p = [[prior if i == j else 0.0 for j in range(dims)] for i in range(dims)]
         self.count = 0
         self.scale = 0.0  # the typical absolute error (an exponential average)
+        # the noise: an exponential average of the squared errors left after each update,
+        # once the fit has more answers than unknowns (None before)
+        self.noise_sq: float | None = None
 
     def predict(self, x: list[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
 
     def std_error(self, i: int) -> float:
         """The standard error of ``theta[i]``: the (forgetting-weighted) inverse
-        information ``p[i][i]`` times the noise variance, the noise's deviation taken from
-        the typical absolute error (x1.25, as for a normal error)."""
-        return math.sqrt(max(self.p[i][i], 0.0)) * 1.25 * self.scale
+        information ``p[i][i]`` times the noise variance (infinite until it is known)."""
+        if self.noise_sq is None:
+            return math.inf
+        return math.sqrt(max(self.p[i][i], 0.0) * self.noise_sq)
 
     def update(self, x: list[float], y: float) -> float:
         """Take one observation; the error of the prediction it had before."""
@@ -79,6 +83,9 @@ class Rls:
             for i in range(self.dims)
         ]
         self.count += 1
+        if self.count > self.dims:
+            left = min((y - self.predict(x)) ** 2, (HUBER_K * self.scale) ** 2 or math.inf)
+            self.noise_sq = left if self.noise_sq is None else 0.95 * self.noise_sq + 0.05 * left
         clipped = abs(error) if self.scale == 0 else min(abs(error), HUBER_K * self.scale)
         self.scale = clipped if self.count == 1 else 0.95 * self.scale + 0.05 * clipped
         return error
