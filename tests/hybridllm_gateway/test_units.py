@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -193,6 +194,12 @@ def test_ejection_backs_off_and_recovers() -> None:
     b.record_success(r)
     assert r.num_consecutive_failures == 0
     assert r.num_ejections == 2
+    # a replica whose requests all time out fails thousands of times in a row: each is
+    # ejected for at most the cap, and none raises (2**1100 overflowed a float: every
+    # request to the replica then failed with a 500 in the closed-loop replay)
+    for _ in range(2000):
+        b.record_failure(r)
+    assert r.ejected_until - time.monotonic() <= 12
 
 
 def test_rules_and_model_agree_on_clear_cases() -> None:

@@ -265,7 +265,9 @@ class Balancer:
         if r.num_consecutive_failures < self.settings.eject_after_failures:
             return False
         s = self.settings
-        duration = min(s.eject_base_s * 2**r.num_ejections_in_row, s.eject_max_s)
+        # the back-off doubles up to its cap; the exponent is bounded too (a replica whose
+        # in-flight requests all time out counts thousands: 2**1100 is no float)
+        duration = min(s.eject_base_s * 2 ** min(r.num_ejections_in_row, 62), s.eject_max_s)
         r.ejected_until = time.monotonic() + duration
         r.num_ejections_in_row += 1
         r.num_ejections += 1
