@@ -673,10 +673,10 @@ def test_the_local_autoscaler_starts_a_replica_under_load_and_retires_it_when_id
     """`hybridllm up` of the example, edge only (the machine's two cores hold two edge
     replicas), its capacity left out and its reactive mode as the example has them: 8
     clients asking back to back take the edge pool from one replica to two, both in the
-    routing table, and the autoscaler learns the pool's speed from the gateway (status:
-    "learned from N answers"); idle, the second is retired (out of the table, then
-    SIGTERM) and its slot goes back on standby: one scale change each way, no flapping. No
-    request fails.
+    routing table, and the autoscaler takes the pool's speed from the gateway (status:
+    "learned from N answers", or which figure the answers do not measure yet); idle, the
+    second is retired (out of the table, then SIGTERM) and its slot goes back on standby:
+    one scale change each way, no flapping. No request fails.
 
     Under the load, the dashboard page (`--metrics`, fed by a real Prometheus scraping the
     supervisor's scrape-targets.json) opened in headless Chromium draws the traffic and the
@@ -708,8 +708,17 @@ def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prome
         tmp_path / "root", manifest, "scaler", "--metrics", f"127.0.0.1:{metrics_port}",
         "--prometheus-url", prometheus,
     )  # fmt: skip
-    # streamed: the gateway learns a replica's speed from those
-    load = _Clients(BURST_CLIENTS, local.client, lambda c: _stream(c, SHORT)[1])
+    # streamed (the gateway learns a replica's speed from those), each prompt new (no
+    # answer from the edge's cache) and of its own length, 10 to 190 tokens (a prefill
+    # rate needs prompts of different lengths to be measured)
+    asked = itertools.count()
+
+    def question(c: openai.OpenAI) -> str:
+        i = next(asked)
+        words = "the quick brown fox " * (4 * (i % 12))
+        return _stream(c, [{"role": "user", "content": f"({i}) {words}Name a colour."}])[1]
+
+    load = _Clients(BURST_CLIENTS, local.client, question)
     try:
         assert local.process("edge-1")["status"] == "standby"
         load.start()
@@ -729,11 +738,15 @@ def _autoscale_and_look(tmp_path: Path, manifest: Path, metrics_port: int, prome
         routing = json.loads((tmp_path / "root" / "scaler" / "routing.json").read_text())
         assert len(routing["tiers"]["edge"]["backends"]) == 2
         _look_at_the_page(f"http://127.0.0.1:{metrics_port}", "local", "scaler")
+        # the gateways' measurements reach the autoscaler: the pool's capacity is learned
+        # from them, or the status says which figure they do not measure yet
         wait_for(
-            "the edge pool's speed learned",
-            lambda: local.status()["autoscaling"]["capacity"]["edge"].startswith("learned from"),
+            "the edge pool's speed learned, or why not",
+            lambda: not local.status()["autoscaling"]["capacity"]["edge"].startswith("defaults until"),
             timeout_s=120,
         )  # fmt: skip
+        said = local.status()["autoscaling"]["capacity"]["edge"]
+        assert said.startswith("learned from") or "answers do not measure" in said, said
         load.stop()
         wait_for(
             "the second replica retired", lambda: local.process("edge-1")["status"] == "standby",
