@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridllm_forecaster import des, evaluate, fluid, policies, servegen
+from hybridllm_forecaster import des, fluid, policies, servegen
 from hybridllm_forecaster.capacity import CapacityModel, PoolConfig, Slo
 from hybridllm_forecaster.simresult import integrate_changes
 from hybridllm_forecaster.stream import DemandSeries, RequestStream
@@ -108,7 +108,9 @@ def test_oracle_never_worse_than_reactive_at_equal_cost_des(traces):
     stream = traces.ramp_stream(duration_s=5400.0, low=1.0, high=12.0)
     hpa = des.simulate_des(stream, POOL, policies.Hpa(POOL, 0.7))
     step = POOL.control_interval_s
-    fine = evaluate._fine_work(stream, POOL, step, stream.duration_s)
+    fine = POOL.binned_work(
+        stream.arrival_s, stream.input_tokens, stream.output_tokens, step, stream.duration_s
+    )
     runs = []
     for target in (0.5, 0.6, 0.7, 0.8, 0.9):
         orc = des.simulate_des(

@@ -234,6 +234,29 @@ class PoolConfig:
             work = np.maximum(work, (lost + out * cap.tbt_per_seq_s) / free)
         return work
 
+    def binned_work(
+        self,
+        arrival_s: np.ndarray,
+        input_tokens: np.ndarray,
+        output_tokens: np.ndarray,
+        step_s: float,
+        duration_s: float,
+    ) -> np.ndarray:
+        """Work per second of each ``step_s`` bin of requests arriving at ``arrival_s``
+        (their request rate and prompt chunks counted): the true work per control step."""
+        num = max(1, math.ceil(duration_s / step_s))
+        idx = np.minimum((np.asarray(arrival_s) // step_s).astype(int), num - 1)
+
+        def per_s(weights: np.ndarray | None) -> np.ndarray:
+            return np.bincount(idx, weights=weights, minlength=num) / step_s
+
+        return self.work_per_s(
+            per_s(np.asarray(input_tokens, dtype=float)),
+            per_s(np.asarray(output_tokens, dtype=float)),
+            per_s(None),
+            chunks_per_s=per_s(self.capacity.prompt_chunks(input_tokens)),
+        )
+
     def work_series(self, demand: DemandSeries) -> np.ndarray:
         return self.work_per_s(demand.input_tok_per_s, demand.output_tok_per_s, demand.req_per_s)
 

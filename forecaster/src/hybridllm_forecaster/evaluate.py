@@ -326,7 +326,9 @@ def _reach_sweep(
         )
         if part.num_requests:
             step = pool.control_interval_s
-            fine = _fine_work(part, pool, step, test.duration_s)
+            fine = pool.binned_work(
+                part.arrival_s, part.input_tokens, part.output_tokens, step, test.duration_s
+            )
             # a 1-minute mean: a pool sized to one control step's burst is not the point
             k = max(1, round(60.0 / step))
             kernel = np.ones(k) / k
@@ -531,7 +533,13 @@ def _simulate_part(
             output_tokens=stream.output_tokens[mask],
             source=stream.source,
         )
-        truth = _fine_work(part_stream, pool, step, part_demand.duration_s)
+        truth = pool.binned_work(
+            part_stream.arrival_s,
+            part_stream.input_tokens,
+            part_stream.output_tokens,
+            step,
+            part_demand.duration_s,
+        )
     else:
         part_stream = None
         truth = pool.work_series(part_demand)[
@@ -552,22 +560,6 @@ def _simulate_part(
         sigma = float(np.std(np.log(np.maximum(stream.input_tokens, 1))))
     return fluid.simulate_fluid(
         part_demand, pool, policy, initial_replicas=initial, prompt_sigma=sigma
-    )
-
-
-def _fine_work(stream: RequestStream, pool: PoolConfig, step: float, duration: float) -> np.ndarray:
-    """True work per control step, what the oracle looks ahead at."""
-    num = max(1, math.ceil(duration / step))
-    idx = np.minimum((stream.arrival_s // step).astype(int), num - 1)
-
-    def per_s(weights: np.ndarray | None) -> np.ndarray:
-        return np.bincount(idx, weights=weights, minlength=num) / step
-
-    return pool.work_per_s(
-        per_s(stream.input_tokens.astype(float)),
-        per_s(stream.output_tokens.astype(float)),
-        per_s(None),
-        chunks_per_s=per_s(pool.capacity.prompt_chunks(stream.input_tokens)),
     )
 
 
