@@ -454,9 +454,12 @@ class Built:
                 )
         return None
 
-    def write_archive(self, out: BinaryIO) -> None:
+    def write_archive(self, out: BinaryIO, present: frozenset[str] = frozenset()) -> None:
         """The image as an OCI image layout in a tar stream (what `ctr images import`,
-        `podman load` and `skopeo copy oci-archive:` read)."""
+        `podman load` and `skopeo copy oci-archive:` read). Layers whose digests are in
+        `present` are left out: for a store that already holds them (containerd unpacks an
+        image from its own content store, so a layer it has is never read from the stream),
+        this keeps a new build from streaming gigabytes it already has."""
         index = {
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.index.v1+json",
@@ -488,6 +491,8 @@ class Built:
                 info.size, info.mode = len(data), 0o644
                 tar.addfile(info, io.BytesIO(data))
             for path, digest in self.layers:
+                if f"sha256:{digest}" in present:
+                    continue
                 info = _normalize(tarfile.TarInfo(f"blobs/sha256/{digest}"))
                 info.size, info.mode = path.stat().st_size, 0o644
                 with path.open("rb") as f:

@@ -251,7 +251,10 @@ def _on_new_ports(what: str, start):  # type: ignore[no-untyped-def]
 
 
 def _wait(what: str, check, timeout: float, state_dir: Path, component: str) -> None:  # type: ignore[no-untyped-def]
-    """Poll ``check`` until it is true; fail with the component's log if it dies or times out."""
+    """Poll ``check`` until it is true; fail with the component's log if it dies or times out.
+    The poll's delay grows to a quarter of a second, not more: an API server restarted by
+    the fault tests is ready after about two seconds, and a longer step waited up to a
+    second past that on each of their restarts."""
     deadline = time.monotonic() + timeout
     delay = 0.05
     while time.monotonic() < deadline:
@@ -260,7 +263,7 @@ def _wait(what: str, check, timeout: float, state_dir: Path, component: str) -> 
         if not _alive(state_dir, component):
             raise TestEnvError(f"{component} exited while waiting for {what}:\n{_tail(state_dir, component)}")
         time.sleep(delay)
-        delay = min(delay * 1.5, 1.0)
+        delay = min(delay * 1.5, 0.25)
     raise TestEnvError(f"timed out after {timeout:.0f}s waiting for {what}; {component} log:\n{_tail(state_dir, component)}")
 
 

@@ -400,9 +400,16 @@ def images(socket: Path) -> dict[str, str]:
     return out
 
 
+def content(socket: Path) -> frozenset[str]:
+    """The digests of the blobs containerd's content store holds."""
+    return frozenset(_ctr(socket, "content", "ls", "--quiet").stdout.split())
+
+
 def import_image(socket: Path, built: Any) -> bool:
     """Stream a built image (hack/images/oci.py) into containerd, unless it already holds
-    that name at that digest; returns whether it imported.
+    that name at that digest; returns whether it imported. Layers the store already holds
+    are not streamed again (after a source change only our own packages' layer is new:
+    the cloud runtime's torch layer alone is gigabytes).
 
     Re-importing a name at a new digest drops the old image's hold on its snapshots, and
     containerd's collector may remove one of them while the unpacker, having just found it
@@ -413,7 +420,7 @@ def import_image(socket: Path, built: Any) -> bool:
         return False
     started = time.monotonic()
     for attempt in range(1, IMPORT_TRIES + 1):
-        err = _ctr_import(socket, built)
+        err = _ctr_import(socket, built, content(socket))
         if err is None:
             break
         if "does not exist" not in err or attempt == IMPORT_TRIES:
@@ -428,8 +435,9 @@ def import_image(socket: Path, built: Any) -> bool:
 IMPORT_TRIES = 3
 
 
-def _ctr_import(socket: Path, built: Any) -> str | None:
-    """One `ctr images import`; None when it succeeded, else what ctr printed."""
+def _ctr_import(socket: Path, built: Any, present: frozenset[str]) -> str | None:
+    """One `ctr images import` of the layers not `present`; None when it succeeded, else
+    what ctr printed."""
     proc = subprocess.Popen(
         ["ctr", "--address", str(socket), "--namespace", "k8s.io", "images", "import",
          "--snapshotter", "overlayfs", "-"],
@@ -437,7 +445,7 @@ def _ctr_import(socket: Path, built: Any) -> str | None:
     )
     assert proc.stdin is not None and proc.stderr is not None
     try:
-        built.write_archive(proc.stdin)
+        built.write_archive(proc.stdin, present)
     except BrokenPipeError:
         pass  # ctr stopped reading: its error is on stderr
     finally:

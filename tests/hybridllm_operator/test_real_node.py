@@ -13,6 +13,7 @@ which a pod's network cannot reach, so the process runs beside it rather than in
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -304,6 +305,59 @@ def test_a_bad_image_or_a_missing_model_is_named_in_the_status(
     except AssertionError as exc:
         report = _describe(kube, "badimage") + _describe(kube, "nomodel")
         raise AssertionError(report + operator_process.read_text()[-3000:]) from exc
+
+
+def test_a_rebuilt_image_streams_only_its_new_layers_and_runs(
+    real_cluster: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """After a source change only the image's last layer (our packages) is new: the import
+    streams that layer, not the gigabytes of base and third-party layers containerd holds,
+    and containerd unpacks the image from what it has. Here the gateway image with one
+    more layer, under a name of its own, as a rebuilt image would come."""
+    import io
+    import tarfile
+
+    cluster, _ = real_cluster
+    node = sys.modules["hybridllm_testenv"].node
+    oci = node._oci()
+    socket = cluster.state_dir / "node" / "containerd" / "containerd.sock"
+    built = oci.build_image(oci.recipes()["gateway"])  # cached: the fixture imported it
+    layer = tmp_path / "extra.tar"
+    with tarfile.open(layer, "w") as tar:
+        info = tarfile.TarInfo("etc/hybridllm-rebuilt")
+        info.size = len(b"rebuilt\n")
+        tar.addfile(info, io.BytesIO(b"rebuilt\n"))
+    digest = hashlib.sha256(layer.read_bytes()).hexdigest()
+    config = json.loads(built.config)
+    config["rootfs"]["diff_ids"].append(f"sha256:{digest}")
+    image = "docker.io/hybridllm/gateway:rebuilt-test"
+    rebuilt = oci._assemble(built.name, image, config, [*built.layers, (layer, digest)])
+    full, partial = _Count(), _Count()
+    built.write_archive(full)  # type: ignore[arg-type]
+    rebuilt.write_archive(partial, node.content(socket))  # type: ignore[arg-type]
+    assert full.bytes > 100e6, full.bytes  # the gateway's base and packages: 500 MB
+    assert partial.bytes < 100e3, partial.bytes
+    assert node.import_image(socket, rebuilt)
+    assert node.images(socket)[image] == rebuilt.digest
+    ran = subprocess.run(
+        ["ctr", "--address", str(socket), "--namespace", "k8s.io", "run", "--rm", image,
+         "rebuilt-test", "/opt/hybridllm/bin/python", "-c",
+         "import hybridllm_gateway; print(open('/etc/hybridllm-rebuilt').read())"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    node._ctr(socket, "images", "rm", image)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip() == "rebuilt", ran.stdout
+
+
+class _Count:
+    """A write-only stream that counts what it is given."""
+
+    bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.bytes += len(data)
+        return len(data)
 
 
 def test_scaling_a_pool_from_3_to_1_under_load_fails_no_request(
