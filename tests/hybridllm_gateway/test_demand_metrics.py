@@ -229,9 +229,10 @@ def test_the_history_starts_where_the_tiers_bins_start_and_a_late_tier_is_padded
     assert snap.bins["cloud"] == [(0.0, 0.0), (0.0, 0.0), (10.0, 0.0), (10.0, 0.0)]
 
 
-def test_answers_of_503_in_the_window_are_read_as_overload_per_tier():
-    """The autoscaler's saturation signal: 503s the gateways answered for a tier since the
-    last read (other codes and tiers apart; a gateway restart is not a drop)."""
+def test_answers_of_503_and_first_byte_timeouts_in_the_window_are_read_per_tier():
+    """The autoscaler's saturation signals: 503s the gateways answered for a tier, and its
+    attempts that timed out before a first byte, since the last read (other codes, kinds
+    and tiers apart; a gateway restart is not a drop)."""
     counts = {"edge": 0.0, "cloud": 0.0}
 
     def page(_: str) -> str:
@@ -239,6 +240,8 @@ def test_answers_of_503_in_the_window_are_read_as_overload_per_tier():
             f'hybridllm_gateway_offered_prompt_tokens_total{{tier="{t}"}} 0\n'
             f'hybridllm_gateway_requests_total{{tier="{t}",code="503"}} {n}\n'
             f'hybridllm_gateway_requests_total{{tier="{t}",code="200"}} 99\n'
+            f'hybridllm_gateway_upstream_errors_total{{tier="{t}",kind="timeout"}} {n / 2}\n'
+            f'hybridllm_gateway_upstream_errors_total{{tier="{t}",kind="connect"}} 77\n'
             for t, n in counts.items()
         )
 
@@ -247,5 +250,7 @@ def test_answers_of_503_in_the_window_are_read_as_overload_per_tier():
     counts["cloud"] = 34.0
     snap = scrape.read(15.0)
     assert (snap.tiers["cloud"].overloaded, snap.tiers["edge"].overloaded) == (34.0, 0.0)
-    counts["cloud"] = 3.0  # the gateway restarted: its counter began again
-    assert scrape.read(30.0).tiers["cloud"].overloaded == 3.0
+    assert (snap.tiers["cloud"].timed_out, snap.tiers["edge"].timed_out) == (17.0, 0.0)
+    counts["cloud"] = 4.0  # the gateway restarted: its counters began again
+    again = scrape.read(30.0).tiers["cloud"]
+    assert (again.overloaded, again.timed_out) == (4.0, 2.0)

@@ -13,8 +13,10 @@ import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridllm_gateway import app as app_mod
 from hybridllm_gateway import config, relay
@@ -455,15 +457,18 @@ def test_hostile_upstreams_get_a_502_naming_their_fault_and_hurt_no_other_stream
             goods = [send(url, "fine", "edge") for _ in range(40)]
             bads = [send(url, case, "cloud") for case in HOSTILE]
             bads.append(send(url, "whole-past-cap", "cloud", stream=False))
+            bads.append(send(url, "slow-drip", "cloud", stream=False))  # the other path
             bads.append(send(url, "reset-mid-chunk", "cloud"))
             results = await asyncio.wait_for(asyncio.gather(*goods, *bads), timeout=60)
+            async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+                metrics = await resp.text()
         finally:
             await runner.cleanup()
             good_server.close()
             bad_server.close()
         good_results, bad_results = results[:40], results[40:]
         assert all(r == (200, b"".join(EVENTS)) for r in good_results), good_results[:2]
-        cases = [*HOSTILE, "whole-past-cap"]
+        cases = [*HOSTILE, "whole-past-cap", "slow-drip"]
         for case, (status, body) in zip(cases, bad_results, strict=False):
             assert status == 502, (case, status, body[:300])
             message = json.loads(body)["error"]["message"]
@@ -478,6 +483,16 @@ def test_hostile_upstreams_get_a_502_naming_their_fault_and_hurt_no_other_stream
         # took in), not read to their end
         assert len(offered) == 2, offered
         assert max(offered.values()) < 16 << 20, offered
+        # the two that sent no first byte in time (one on each path) are counted as timeouts
+        # (the autoscaler's saturation signal), not as read errors
+        kinds = {
+            s.labels["kind"]: s.value
+            for family in text_string_to_metric_families(metrics)
+            for s in family.samples
+            if s.name == "hybridllm_gateway_upstream_errors_total" and s.labels["tier"] == "cloud"
+        }
+        assert kinds["timeout"] == 2, kinds
+        assert "read" not in kinds, kinds
 
     asyncio.run(main())
 

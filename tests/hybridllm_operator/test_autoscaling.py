@@ -90,19 +90,23 @@ def test_disaggregated_pools_count_their_own_half_of_the_work():
 
 
 def test_a_saturated_pool_scales_up_and_pending_pods_block_scale_up():
-    """A pool whose TTFT breaks the SLO, or whose tier answers 503, is short of replicas
-    whatever its token rate says (here none): one more, with the signal named."""
+    """A pool whose TTFT breaks the SLO, whose tier answers 503, or whose requests time out
+    before a first byte (none finish: no TTFT to read) is short of replicas whatever its
+    token rate says (here none): one more, with the signal named."""
     scaler = autoscaling.ServiceAutoscaler()
     scaler.configure(spec("predictive"))
-    slow = TierDemand(prompt_tok_s=0, completion_tok_s=0, ttft_p95_s=2.5)
-    turned = TierDemand(prompt_tok_s=0, completion_tok_s=0, overloaded=34)
-    scaler.step(0.0, snapshot(slow, turned), OBSERVED)
+    slow = TierDemand(prompt_tok_s=0, completion_tok_s=0, ttft_p95_s=2.5, overloaded=34)
+    late = TierDemand(prompt_tok_s=0, completion_tok_s=0, timed_out=5)
+    scaler.step(0.0, snapshot(slow, late), OBSERVED)
     edge, cloud = scaler.decisions["edge"], scaler.decisions["monolithic"]
     assert (edge.recommended, edge.desired) == (1, 3)
-    assert "saturated (edge p95 time to first token 2.50 s > 1 s)" in edge.reason
+    assert (
+        "saturated (edge p95 time to first token 2.50 s > 1 s; 34 request(s) answered 503 "
+        "(overloaded))" in edge.reason
+    ), edge.reason
     assert edge.cause == "scale up: saturated"
     assert (cloud.recommended, cloud.desired) == (1, 3)
-    assert "34 request(s) answered 503 (overloaded)" in cloud.reason
+    assert "saturated (5 attempt(s) timed out before a first byte)" in cloud.reason
     stuck = {**OBSERVED, "edge": autoscaling.Observed(replicas=3, ready=2, unschedulable=1)}
     busy = TierDemand(prompt_tok_s=9000, completion_tok_s=0, ttft_p95_s=2.5)
     for t in (15.0, 30.0, 45.0):  # until the busy load reaches the (delayed) metric

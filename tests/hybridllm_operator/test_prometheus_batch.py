@@ -55,6 +55,11 @@ def prometheus(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             for i, (_, metrics) in enumerate(servers):
                 metrics.offered.prompt.labels("edge").inc(10 * (i + 1))
                 metrics.offered.completion.labels("cloud").inc(i + 1)
+                # saturation: the edge answers 503s, the cloud's attempts time out
+                metrics.requests.labels(tier="edge", code="503").inc(i + 1)
+                metrics.requests.labels(tier="edge", code="200").inc(5)
+                metrics.upstream_errors.labels(tier="cloud", kind="timeout").inc(i + 1)
+                metrics.upstream_errors.labels(tier="cloud", kind="connect").inc(5)
 
     threading.Thread(target=traffic, daemon=True).start()
     url = testenv.prometheus_up(state)
@@ -82,7 +87,7 @@ def prometheus(testenv: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_each_service_reads_from_the_batch_what_it_reads_alone(prometheus: str) -> None:
     batch = demand.PrometheusBatch(prometheus)
     at = math.floor((time.time() - SETTLED_S) / demand.EVAL_QUANTUM_S) * demand.EVAL_QUANTUM_S
-    rates = []
+    rates, timeouts = [], []
     for namespace, name in SERVICES:
         own = demand.PrometheusDemand(prometheus, namespace, name, bin_s=BIN_S, rate_window_s=10)
         shared = demand.PrometheusDemand(
@@ -100,10 +105,14 @@ def test_each_service_reads_from_the_batch_what_it_reads_alone(prometheus: str) 
         assert learned.step_s() == pytest.approx((0.008, 0.002), rel=0.02)
         assert batched.tiers["cloud"].speed is None  # no cloud answers measured
         rates.append(batched.tiers["edge"].prompt_tok_s)
+        assert batched.tiers["edge"].overloaded > 0
+        assert (batched.tiers["cloud"].overloaded, batched.tiers["edge"].timed_out) == (0, 0)
+        timeouts.append(batched.tiers["cloud"].timed_out)
     # each service its own rate (service i answers i + 1 times the first's), not another's
     assert 0 < rates[0] < rates[1] < rates[2]
-    # seven instant queries (prompt, completion, in flight, waiting, TTFT, 503s, the
-    # replicas' speed) answered all three services
+    assert 0 < timeouts[0] < timeouts[1] < timeouts[2]
+    # seven instant queries (prompt, completion, in flight, waiting, TTFT, the 503s and
+    # timeouts, the replicas' speed) answered all three services
     assert batch.queries == 7
 
 

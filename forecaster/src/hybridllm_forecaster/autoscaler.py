@@ -57,6 +57,9 @@ class Reading:
     slo_violation: str | None = None  # e.g. "p95 TTFT 3.1 s > 1.0 s"; None: met or unknown
     waiting: float = 0.0  # requests held (or turned away) for want of a replica
     overloaded: float = 0.0  # requests the pool's tier answered 503 (overloaded) in the window
+    # attempts on the pool's replicas that sent no first byte within the gateway's timeout:
+    # a pool so far behind that its requests time out shows no TTFT (none finish) and no 503
+    timed_out: float = 0.0
 
     @property
     def available(self) -> bool:
@@ -65,10 +68,12 @@ class Reading:
     @property
     def saturation(self) -> list[str]:
         """The signals that the pool is short of replicas whatever its token rate says:
-        its time to first token breaks the SLO, or it turns requests away."""
+        its time to first token breaks the SLO, it turns requests away, or they time out."""
         signals = [self.slo_violation] if self.slo_violation else []
         if self.overloaded > 0:
             signals.append(f"{self.overloaded:g} request(s) answered 503 (overloaded)")
+        if self.timed_out > 0:
+            signals.append(f"{self.timed_out:g} attempt(s) timed out before a first byte")
         return signals
 
 

@@ -16,6 +16,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from hybridllm_common import metrics as names
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import relay
 from hybridllm_gateway.attempt import (
@@ -59,6 +60,14 @@ class ClientPath(Attempts):
                 self._fail(replica, "tls")  # not the device it should be (or no TLS at all)
                 outcome.status, outcome.unsent = 0, True
                 return None, report_fault(replica, "failed its TLS certificate check", exc)
+            except aiohttp.SocketTimeoutError:
+                # connected and sent, but no head within the first-byte timeout: the replica
+                # has the request (not "unsent": the same address is not asked again)
+                self._fail(replica, names.UPSTREAM_ERROR_TIMEOUT)
+                outcome.status = 0
+                return None, report_fault(
+                    replica, f"no answer within {self.first_byte_timeout_s:g} s"
+                )
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 if not fresh and _stale_connection(exc):
                     # A pooled keep-alive connection the replica closed while it was idle
@@ -98,7 +107,12 @@ class ClientPath(Attempts):
             outcome.status = 0
             resp.close()
             return None, report_fault(replica, exc.fault, exc)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError:
+            self._fail(replica, names.UPSTREAM_ERROR_TIMEOUT)
+            outcome.status = 0
+            resp.close()
+            return None, report_fault(replica, f"no answer within {self.first_byte_timeout_s:g} s")
+        except (aiohttp.ClientError, OSError) as exc:
             self._fail(replica, "read")
             outcome.status = 0
             resp.close()

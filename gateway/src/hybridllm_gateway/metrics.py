@@ -67,7 +67,10 @@ class GatewayMetrics:
             buckets=ADDED_BUCKETS, registry=r,
         )  # fmt: skip
         self.upstream_errors = Counter(
-            UPSTREAM_ERRORS_TOTAL, "Failed upstream attempts, by tier and kind.",
+            UPSTREAM_ERRORS_TOTAL,
+            "Failed upstream attempts, by tier and kind: connect, tls, timeout (no first "
+            "byte within the first-byte timeout), read, malformed, empty_stream, mid_stream, "
+            "http_<code>, busy (a 503 with Retry-After).",
             ["tier", "kind"], registry=r,
         )  # fmt: skip
         self.ejections = Counter(

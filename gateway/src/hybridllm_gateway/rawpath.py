@@ -18,6 +18,7 @@ import time
 
 from aiohttp import web
 
+from hybridllm_common import metrics as names
 from hybridllm_gateway import balancer as balancer_mod
 from hybridllm_gateway import relay
 from hybridllm_gateway.attempt import (
@@ -135,7 +136,7 @@ class RawPath(Attempts):
         except TimeoutError:
             if conn is not None:
                 conn.abort()
-            self._fail(replica, "read")
+            self._fail(replica, names.UPSTREAM_ERROR_TIMEOUT)
             outcome.status = 0
             return None, report_fault(replica, f"no answer within {self.first_byte_timeout_s:g} s")
         except BaseException:

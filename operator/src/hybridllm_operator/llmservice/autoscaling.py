@@ -316,6 +316,7 @@ class ServiceAutoscaler:
                     violation,
                     demand.waiting if demand else 0.0,
                     demand.overloaded if demand else 0.0,
+                    demand.timed_out if demand else 0.0,
                 ),
                 unschedulable=seen.unschedulable,
                 bound=seen.bound,

@@ -34,6 +34,8 @@ class TierDemand:
     overloaded: float = 0.0
     # the tier's replicas' speed as the gateways learned it (capacity: auto); None: none yet
     speed: TierSpeed | None = None
+    # attempts on the tier's replicas that timed out before a first byte, in the window
+    timed_out: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class _Sample:
     held: dict[str, float] = field(default_factory=dict)
     cold: dict[str, float] = field(default_factory=dict)
     overloaded: dict[str, float] = field(default_factory=dict)  # cumulative 503 answers
+    timed_out: dict[str, float] = field(default_factory=dict)  # cumulative first-byte timeouts
     # tier -> replica -> [prefill tokens/s, s/token at load 1, at REFERENCE_LOAD, answers]
     speeds: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
 
@@ -106,6 +107,11 @@ def parse_gateway_metrics(text: str, t: float) -> _Sample:
                 sample.cold[tier] = s.value
             elif s.name == names.GATEWAY_REQUESTS_TOTAL and s.labels.get("code") == "503":
                 sample.overloaded[tier] = sample.overloaded.get(tier, 0.0) + s.value
+            elif (
+                s.name == names.GATEWAY_UPSTREAM_ERRORS_TOTAL
+                and s.labels.get("kind") == names.UPSTREAM_ERROR_TIMEOUT
+            ):
+                sample.timed_out[tier] = sample.timed_out.get(tier, 0.0) + s.value
             elif s.name == names.TIME_TO_FIRST_TOKEN_SECONDS + "_bucket":
                 sample.ttft.setdefault(tier, {})[float(s.labels["le"])] = s.value
             elif s.name in SPEED_COLUMNS or s.name == ANSWERS:
@@ -184,6 +190,7 @@ class GatewayScrape(DemandSource):
         in_flight = dict.fromkeys(TIERS, 0.0)
         waiting = dict.fromkeys(TIERS, 0.0)
         overloaded = dict.fromkeys(TIERS, 0.0)
+        timed_out = dict.fromkeys(TIERS, 0.0)
         buckets: dict[str, dict[float, float]] = {t: {} for t in TIERS}
         spans: dict[str, float] = {}
         new_replicas = []
@@ -198,6 +205,7 @@ class GatewayScrape(DemandSource):
                     continue
                 waiting[tier] += _increase(s.cold.get(tier, 0.0), old.cold.get(tier))
                 overloaded[tier] += _increase(s.overloaded.get(tier, 0.0), old.overloaded.get(tier))
+                timed_out[tier] += _increase(s.timed_out.get(tier, 0.0), old.timed_out.get(tier))
                 dp = _increase(s.prompt[tier], old.prompt.get(tier))
                 dc = _increase(s.completion.get(tier, 0.0), old.completion.get(tier))
                 self.bins[tier].add(old.t, s.t, dp, dc)
@@ -234,6 +242,7 @@ class GatewayScrape(DemandSource):
                     waiting[tier],
                     overloaded[tier],
                     speeds.get(tier),
+                    timed_out[tier],
                 )
         bins, start = self._aligned_bins(now_s)
         return Snapshot(tiers, bins, start, problems)

@@ -163,9 +163,19 @@ class PrometheusDemand(DemandSource):
                 f"sum by ({by}tier) ({names.GATEWAY_HELD_REQUESTS}{{{sel}}}) + sum by ({by}tier) "
                 f"(increase({names.GATEWAY_COLD_REQUESTS_TOTAL}{{{sel}}}[{w}]))"
             ),
-            "overloaded": (
-                f"sum by ({by}tier) (increase({names.GATEWAY_REQUESTS_TOTAL}"
-                f'{{{sel},code="503"}}[{w}]))'
+            # the saturation signals that are counts: 503s answered for the tier, and its
+            # attempts that timed out before a first byte (one query, a "figure" label each)
+            "failures": " or ".join(
+                f"label_replace(sum by ({by}tier) (increase({metric}{{{sel},{match}}}[{w}])), "
+                f'"figure", "{figure}", "", "")'
+                for figure, metric, match in (
+                    ("overloaded", names.GATEWAY_REQUESTS_TOTAL, 'code="503"'),
+                    (
+                        "timed_out",
+                        names.GATEWAY_UPSTREAM_ERRORS_TOTAL,
+                        f'kind="{names.UPSTREAM_ERROR_TIMEOUT}"',
+                    ),
+                )
             ),
             "ttft": (
                 f"histogram_quantile({TTFT_QUANTILE}, sum by ({by}tier, le) "
@@ -197,14 +207,20 @@ class PrometheusDemand(DemandSource):
             str(r["metric"].get("tier", "")): float(r["value"][1]) for r in self._rows(name, at)
         }
 
-    def _speeds(self, at: float) -> dict[str, TierSpeed]:
-        """Each tier's learned speed (the "speed" query's figures)."""
+    def _figures(self, name: str, at: float) -> dict[str, dict[str, float]]:
+        """A query of several figures (each tagged by its "figure" label): tier -> figure ->
+        value, the values that are numbers."""
         figures: dict[str, dict[str, float]] = {}
-        for r in self._rows("speed", at):
+        for r in self._rows(name, at):
             value = float(r["value"][1])
             if math.isfinite(value):
                 tier = str(r["metric"].get("tier", ""))
                 figures.setdefault(tier, {})[str(r["metric"].get("figure"))] = value
+        return figures
+
+    def _speeds(self, at: float) -> dict[str, TierSpeed]:
+        """Each tier's learned speed (the "speed" query's figures)."""
+        figures = self._figures("speed", at)
         return {
             tier: TierSpeed(f.get("prefill"), f.get("tpot_1"), f.get("tpot_ref"),
                             f.get("answers", 0.0))
@@ -231,10 +247,11 @@ class PrometheusDemand(DemandSource):
         at = math.floor(now_s / EVAL_QUANTUM_S) * EVAL_QUANTUM_S if self.batch else now_s
         problems: dict[str, str] = {}
         try:
-            prompt, completion, in_flight, waiting, ttft, overloaded = (
+            prompt, completion, in_flight, waiting, ttft = (
                 self._by_tier(name, at)
-                for name in ("prompt", "completion", "in_flight", "waiting", "ttft", "overloaded")
+                for name in ("prompt", "completion", "in_flight", "waiting", "ttft")
             )
+            failures = self._figures("failures", at)
             speeds = self._speeds(at)
             bins, start = self._history(now_s)
         except PrometheusError as exc:
@@ -253,15 +270,16 @@ class PrometheusDemand(DemandSource):
             else:
                 q = ttft.get(tier)
                 held = waiting.get(tier, 0.0)
-                turned = overloaded.get(tier, 0.0)
+                counts = failures.get(tier, {})
                 tiers[tier] = TierDemand(
                     p,
                     c,
                     in_flight.get(tier, 0.0),
                     q if q is not None and math.isfinite(q) else None,
                     held if math.isfinite(held) else 0.0,
-                    turned if math.isfinite(turned) else 0.0,
+                    counts.get("overloaded", 0.0),
                     speeds.get(tier),
+                    counts.get("timed_out", 0.0),
                 )
         return Snapshot(tiers, bins, start, problems)
 
