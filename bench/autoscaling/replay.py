@@ -38,8 +38,8 @@ learning service's SLO attainment and replica-seconds beside its twin's.
 
     uv run python bench/autoscaling/replay.py       # ~33 min: 3 days of 600 s
     # writes bench/results/autoscaling-replay.{md,json,png}
-    uv run python bench/autoscaling/replay.py --replica engine \
-        --modes reactive,reactive+auto,hybrid,hybrid+auto   # ~33 min
+    uv run python bench/autoscaling/replay.py --replica engine --slots 8 --peak-rps 12 \
+        --days 2 --modes reactive,reactive+auto                # ~22 min
     # writes bench/results/autoscaling-capacity.{md,json,png}
 """
 
@@ -80,9 +80,14 @@ TTFT_S, TOKEN_RATE = 0.2, 20.0  # a replica's answer: 0.2 s to the first token, 
 # one prompt at a time at ENGINE_PREFILL_RATE tokens/s while every stream's decoding waits,
 # ENGINE_TTFT_S of fixed cost per answer (it holds no engine time), prompts of
 # ENGINE_PROMPT_CHARS (uniform, seeded) so that the prompt's cost can be told from the
-# fixed one, and the same decode (TOKEN_RATE a stream, --slots streams)
+# fixed one, and a continuous batch of up to --slots streams of ENGINE_MAX_TOKENS tokens
+# whose step grows with the batch (1/TOKEN_RATE + ENGINE_SLOWDOWN_S per other stream).
+# Answers long enough that the fixed cost is a small share of a request's time, so the
+# replica's capacity is its tokens' (what `capacity` describes), not its slots'.
 ENGINE_PREFILL_RATE = 5000.0
-ENGINE_TTFT_S = 0.1
+ENGINE_TTFT_S = 0.02
+ENGINE_SLOWDOWN_S = 0.005
+ENGINE_MAX_TOKENS = 16
 # 50 to 1,000 prompt tokens: a spread the prefill rate can be measured from under load
 # (hybridllm_common.speed.PREFILL_MAX_REL_ERROR; 50 to 150 tokens cannot)
 ENGINE_PROMPT_CHARS = (200, 4000)
@@ -146,10 +151,16 @@ def service_s() -> float:
     return TTFT_S + (MAX_TOKENS - 1) / TOKEN_RATE
 
 
+def answer_tokens(replica: str) -> int:
+    """Output tokens each request asks for."""
+    return ENGINE_MAX_TOKENS if replica == "engine" else MAX_TOKENS
+
+
 def engine_capacity(slots: int) -> tuple[float, float]:
-    """(prefill, decode) tokens/s of an engine replica, as its parameters set them: what a
-    user who knows the hardware types into ``capacity``."""
-    return ENGINE_PREFILL_RATE, slots * TOKEN_RATE
+    """(prefill, decode) tokens/s of an engine replica, as its parameters set them: the
+    decode of a full batch of ``slots`` streams (each step 1/TOKEN_RATE plus
+    ENGINE_SLOWDOWN_S per other stream)."""
+    return ENGINE_PREFILL_RATE, slots / (1.0 / TOKEN_RATE + ENGINE_SLOWDOWN_S * (slots - 1))
 
 
 def per_replica_rps(args: argparse.Namespace) -> float:
@@ -158,7 +169,7 @@ def per_replica_rps(args: argparse.Namespace) -> float:
     if args.replica == "engine":
         prefill, decode = engine_capacity(args.slots)
         mean_prompt = sum(ENGINE_PROMPT_CHARS) / 2 / 4
-        return 1.0 / (mean_prompt / prefill + MAX_TOKENS / decode)
+        return 1.0 / (mean_prompt / prefill + ENGINE_MAX_TOKENS / decode)
     return float(args.slots / service_s())
 
 
@@ -226,14 +237,19 @@ class Result:
 
 
 async def ask(
-    session: Any, url: str, model: str, sent_s: float, chars: int = PROMPT_CHARS
+    session: Any,
+    url: str,
+    model: str,
+    sent_s: float,
+    chars: int = PROMPT_CHARS,
+    max_tokens: int = MAX_TOKENS,
 ) -> Result:
     import aiohttp
 
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "x" * chars}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "stream": True,
     }
     start = time.monotonic()
@@ -252,10 +268,14 @@ async def ask(
 
 
 async def drive(
-    urls: dict[str, str], model: str, times: np.ndarray, chars: np.ndarray | None = None
+    urls: dict[str, str],
+    model: str,
+    times: np.ndarray,
+    chars: np.ndarray | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> dict[str, list[Result]]:
     """Send every arrival to every gateway at its time (its prompt ``chars[i]`` characters
-    long, PROMPT_CHARS by default); gather the answers."""
+    long, PROMPT_CHARS by default, asking for ``max_tokens``); gather the answers."""
     import aiohttp
 
     out: dict[str, list[Result]] = {m: [] for m in urls}
@@ -271,7 +291,7 @@ async def drive(
     t0 = loop.time()
 
     async def one(mode: str, at: float, size: int) -> None:
-        out[mode].append(await ask(sessions[mode], urls[mode], model, at, size))
+        out[mode].append(await ask(sessions[mode], urls[mode], model, at, size, max_tokens))
 
     sizes = np.full(len(times), PROMPT_CHARS) if chars is None else chars
     try:
@@ -297,7 +317,9 @@ async def drive(
 def manifest(label: str, args: argparse.Namespace) -> dict[str, Any]:
     mode, utilisation = variant(label)
     if args.replica == "engine":
-        prefill, decode = engine_capacity(args.slots)
+        # what a user types: `hybridllm profile`'s figures (main measures one replica
+        # first), else the replica's parameters
+        prefill, decode = getattr(args, "typed_capacity", None) or engine_capacity(args.slots)
     else:
         per_request = 1.0 / (args.slots / service_s())  # replica-seconds of work per request
         # a replica's capacity, split evenly between its prompt and its output tokens (the
@@ -344,12 +366,13 @@ def manifest(label: str, args: argparse.Namespace) -> dict[str, Any]:
 def replica_command(
     port: int, name: str, slots: int, cold_start_s: float, replica: str = "slots"
 ) -> list[str]:
-    engine = ["--serial-prefill", "--prefill-rate", str(ENGINE_PREFILL_RATE)]
+    engine = ["--serial-prefill", "--prefill-rate", str(ENGINE_PREFILL_RATE),
+              "--slowdown-s", str(ENGINE_SLOWDOWN_S)]  # fmt: skip
     return [
         sys.executable, str(TOKENSERVER), "--port", str(port),
         "--id", name, "--model", "smollm2", "--max-concurrency", str(slots),
         "--rate", str(TOKEN_RATE), "--ttft-s", str(ENGINE_TTFT_S if replica == "engine" else TTFT_S),
-        "--default-tokens", str(MAX_TOKENS), "--startup-s", str(cold_start_s),
+        "--default-tokens", str(answer_tokens(replica)), "--startup-s", str(cold_start_s),
         *(engine if replica == "engine" else []),
     ]  # fmt: skip
 
@@ -553,9 +576,12 @@ def capacity_report(
             "first_learned_s": series[0][0],
             "within_of_profile_from_s": series[k][0] if k < len(series) else None,
         }
+    parameters = engine_capacity(args.slots) if args.replica == "engine" else None
     return {
         "typed": {"prefill": float(typed["prefillTokensPerSecond"]),
                   "decode": float(typed["decodeTokensPerSecond"])},
+        "parameters": None if parameters is None else {
+            "prefill": parameters[0], "decode": parameters[1]},
         "profile": profiled,
         "within": within,
         "services": rows,
@@ -775,10 +801,11 @@ def write(out: dict[str, Any], argv: list[str], path: Path) -> None:
         replica = (
             f"a replica is an engine without chunked prefill (a token server): one prompt "
             f"at a time at {prefill:g} tokens/s while every stream's decoding waits, "
-            f"{ENGINE_TTFT_S} s of fixed cost to the first token, {a['slots']} streams of "
-            f"{MAX_TOKENS} tokens at {TOKEN_RATE:g}/s each (capacity as typed: prefill "
-            f"{prefill:g}, decode {decode:g} tokens/s; {out['per_replica_rps']:.2f} requests/s "
-            f"at 100% for prompts of {ENGINE_PROMPT_CHARS[0] // 4} to "
+            f"{ENGINE_TTFT_S} s of fixed cost to the first token, a batch of up to "
+            f"{a['slots']} streams of {ENGINE_MAX_TOKENS} tokens, each step "
+            f"{1000 / TOKEN_RATE:g} ms plus {1000 * ENGINE_SLOWDOWN_S:g} ms per other stream "
+            f"(decode {decode:.0f} tokens/s at a full batch; {out['per_replica_rps']:.2f} "
+            f"requests/s at 100% for prompts of {ENGINE_PROMPT_CHARS[0] // 4} to "
             f"{ENGINE_PROMPT_CHARS[1] // 4} tokens)"
         )
     else:
@@ -901,15 +928,17 @@ def capacity_lines(out: dict[str, Any], measured: dict[str, Any]) -> list[str]:
     c = out.get("capacity")
     if not c:
         return []
-    typed, prof = c["typed"], c["profile"]
+    prof = c["profile"]
     lines = [
         "",
         "## Capacity: typed, profiled, learned",
         "",
         f"`hybridllm profile` of one replica before the load ({prof['answers']} answers, "
         f"{prof['wall_s']:.0f} s): prefill {prof['prefill']:,.0f}, decode "
-        f"{prof['decode']:,.0f} tokens/s. Typed (the replica's parameters): prefill "
-        f"{typed['prefill']:,.0f}, decode {typed['decode']:,.0f} tokens/s.",
+        f"{prof['decode']:,.0f} tokens/s, typed into the twins' `capacity` (what a user "
+        f"does before traffic; the replica's parameters give prefill "
+        f"{c['parameters']['prefill']:,.0f}, decode {c['parameters']['decode']:,.0f} "
+        f"tokens/s at a full batch).",
         "",
         "| service | learned prefill / decode (tokens/s) | over the profile's | answers | first learned at (s) | within "
         f"{c['within']:.0%} of the profile's from (s) |",
@@ -1053,6 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         profiled = profile_replica(args, work)
         print(f"hybridllm profile of one replica: {profiled}", flush=True)
+        args.typed_capacity = (profiled["prefill"], profiled["decode"])  # the twins' capacity
     try:
         stacks = [start_stack(m, work, args, env) for m in modes]
         wait_ready(stacks)
@@ -1062,7 +1092,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = asyncio.get_running_loop().time()
             sampler = asyncio.create_task(sample(stacks, stop, t0, learned))
             progress = asyncio.create_task(report_progress(duration, t0, stop))
-            answers = await drive({s.mode: s.url for s in stacks}, "smollm2", times, chars)
+            answers = await drive(
+                {s.mode: s.url for s in stacks}, "smollm2", times, chars,
+                answer_tokens(args.replica),
+            )  # fmt: skip
             stop.set()
             await progress
             return answers, await sampler

@@ -153,7 +153,13 @@ def test_a_mode_at_a_utilisation_is_its_own_service_with_that_target(
     path.write_text(yaml.safe_dump(replay.manifest("hybrid", engine)))
     typed = plan_mod.load_manifest(path).spec.edge.pool.capacity
     assert typed is not None
-    assert (typed.prefill_tokens_per_second, typed.decode_tokens_per_second) == (5000, 40)
+    # the replica's parameters: a full batch of 2 streams, each step 50 ms + 5 ms
+    assert (typed.prefill_tokens_per_second, typed.decode_tokens_per_second) == (5000, 36)
+    engine.typed_capacity = (4870.4, 33.2)  # hybridllm profile's figures, as the replay types
+    path.write_text(yaml.safe_dump(replay.manifest("hybrid", engine)))
+    typed = plan_mod.load_manifest(path).spec.edge.pool.capacity
+    assert typed is not None
+    assert (typed.prefill_tokens_per_second, typed.decode_tokens_per_second) == (4870, 33)
     # the learned capacity is read from the status line the autoscaler writes
     from hybridllm_forecaster.capacity import DEFAULT_POOLS, CapacityModel
     from hybridllm_operator.llmservice import autoscaling
