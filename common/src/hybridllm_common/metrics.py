@@ -87,9 +87,16 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 # Gateway only (hybridllm_gateway.metrics)
 GATEWAY_ADDED_LATENCY_SECONDS = "hybridllm_gateway_added_latency_seconds"  # time in gateway code
 GATEWAY_UPSTREAM_ERRORS_TOTAL = "hybridllm_gateway_upstream_errors_total"  # labels: tier, kind
-# the kind of an attempt that sent no first byte within the gateway's first-byte timeout:
-# the autoscaler reads it as saturation (a pool whose requests all time out answers none)
-UPSTREAM_ERROR_TIMEOUT = "timeout"
+
+
+class UpstreamErrorKind:
+    """Values of the ``kind`` label of GATEWAY_UPSTREAM_ERRORS_TOTAL that readers act on."""
+
+    # an attempt that sent no first byte within the gateway's first-byte timeout: the
+    # autoscaler reads it as saturation (a pool whose requests all time out answers none)
+    TIMEOUT = "timeout"
+
+
 GATEWAY_EJECTIONS_TOTAL = "hybridllm_gateway_ejections_total"  # label: tier
 GATEWAY_CONFIG_RELOADS_TOTAL = "hybridllm_gateway_config_reloads_total"
 GATEWAY_OUTSTANDING_REQUESTS = "hybridllm_gateway_outstanding_requests"  # gauge; label: tier

@@ -63,7 +63,7 @@ class ClientPath(Attempts):
             except aiohttp.SocketTimeoutError:
                 # connected and sent, but no head within the first-byte timeout: the replica
                 # has the request (not "unsent": the same address is not asked again)
-                self._fail(replica, names.UPSTREAM_ERROR_TIMEOUT)
+                self._fail(replica, names.UpstreamErrorKind.TIMEOUT)
                 outcome.status = 0
                 return None, report_fault(
                     replica, f"no answer within {self.first_byte_timeout_s:g} s"
@@ -108,7 +108,7 @@ class ClientPath(Attempts):
             resp.close()
             return None, report_fault(replica, exc.fault, exc)
         except TimeoutError:
-            self._fail(replica, names.UPSTREAM_ERROR_TIMEOUT)
+            self._fail(replica, names.UpstreamErrorKind.TIMEOUT)
             outcome.status = 0
             resp.close()
             return None, report_fault(replica, f"no answer within {self.first_byte_timeout_s:g} s")

@@ -136,7 +136,7 @@ class RawPath(Attempts):
         except TimeoutError:
             if conn is not None:
                 conn.abort()
-            self._fail(replica, names.UPSTREAM_ERROR_TIMEOUT)
+            self._fail(replica, names.UpstreamErrorKind.TIMEOUT)
             outcome.status = 0
             return None, report_fault(replica, f"no answer within {self.first_byte_timeout_s:g} s")
         except BaseException:

@@ -109,7 +109,7 @@ def parse_gateway_metrics(text: str, t: float) -> _Sample:
                 sample.overloaded[tier] = sample.overloaded.get(tier, 0.0) + s.value
             elif (
                 s.name == names.GATEWAY_UPSTREAM_ERRORS_TOTAL
-                and s.labels.get("kind") == names.UPSTREAM_ERROR_TIMEOUT
+                and s.labels.get("kind") == names.UpstreamErrorKind.TIMEOUT
             ):
                 sample.timed_out[tier] = sample.timed_out.get(tier, 0.0) + s.value
             elif s.name == names.TIME_TO_FIRST_TOKEN_SECONDS + "_bucket":

@@ -173,7 +173,7 @@ class PrometheusDemand(DemandSource):
                     (
                         "timed_out",
                         names.GATEWAY_UPSTREAM_ERRORS_TOTAL,
-                        f'kind="{names.UPSTREAM_ERROR_TIMEOUT}"',
+                        f'kind="{names.UpstreamErrorKind.TIMEOUT}"',
                     ),
                 )
             ),
