@@ -1,14 +1,16 @@
 """What the edge agent accepts from its fleet server: a signed config for itself, newer
-than what it runs, not expired; anything else is refused with the reason."""
+than what it runs, not expired, and for a site gateway a signed table for itself;
+anything else is refused with the reason."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from hybridllm_common import signing
-from hybridllm_edge import agent
+from hybridllm_edge import agent, agent_site
 
 IDENTITY = {"namespace": "ns", "fleet": "shops", "device": "dev-1"}
 
@@ -89,3 +91,50 @@ def test_kpis_come_from_two_reads_of_the_runtime_metrics() -> None:
     out = kpis.update(text(200, 18, 2, 19, 30), now=20.0)
     assert out["ttftP95Seconds"] == 1.0
     assert out["tokensPerSecond"] == 0.0
+
+
+def _site_payload(**over: Any) -> dict[str, Any]:
+    table = {"model": "chat", "tiers": {"edge": {"backends": []}, "cloud": {"remote": True}}}
+    return {"kind": "SiteRoutingTable", **IDENTITY, "site": "shop", "version": "ab12",
+            "issuedAt": 1000.0, "expiresAt": 2000.0, "table": table, **over}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "now", "reason"),
+    [
+        ({}, 2500.0, "expired"),
+        ({"device": "dev-2"}, 1500.0, "for device 'dev-2'"),
+        ({"namespace": "other"}, 1500.0, "for namespace 'other'"),
+        ({"issuedAt": 9000.0}, 1500.0, "in the future"),
+        ({"table": {"model": "chat"}}, 1500.0, "no routing table"),
+        ({"kind": "EdgeDeviceConfig"}, 1500.0, "not a site routing table"),
+    ],
+)
+def test_a_site_table_is_the_devices_own_signed_and_current_or_refused(
+    change: dict[str, Any], now: float, reason: str, tmp_path: Any
+) -> None:
+    """What the site gateway an agent runs accepts; the last good table on disk is
+    started without the server (its expiry no longer counts: it served before)."""
+    key, thief = signing.generate_key(), signing.generate_key()
+    good = signing.sign_document(_site_payload(), key)
+    assert (
+        agent_site.check_site_document(good, key.public_key(), IDENTITY, 1500.0)["site"] == "shop"
+    )
+    with pytest.raises(agent_site.Rejected, match=reason):
+        agent_site.check_site_document(
+            signing.sign_document(_site_payload(**change), key), key.public_key(), IDENTITY, now
+        )
+    with pytest.raises(agent_site.Rejected, match="tampered or foreign"):
+        agent_site.check_site_document(
+            signing.sign_document(_site_payload(), thief), key.public_key(), IDENTITY, 1500.0
+        )
+    site = agent_site.SiteGateway(tmp_path, "127.0.0.1:8080", "127.0.0.1")
+    assert not site.start_last_good(key.public_key(), IDENTITY)  # none yet
+    (tmp_path / agent_site.SIGNED).write_text(json.dumps(good))  # long expired by now
+    assert site.start_last_good(key.public_key(), IDENTITY)
+    assert json.loads((tmp_path / agent_site.TABLE).read_text()) == _site_payload()["table"]
+    assert (site.site, site.version, site.url) == ("shop", "ab12", None)  # not started yet
+    assert site.command()[-4:] == ["--host", "127.0.0.1", "--port", "8080"]
+    for bad in ("8080", "host:", "host:99999"):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            agent_site.parse_listen(bad)

@@ -6,9 +6,13 @@ The devices enroll with a bootstrap token over HTTPS, wait for approval, pull th
 config, check the model's sha256, answer the golden prompt and serve through the gateway.
 A new revision goes out in two waves; a wave with a device whose new runtime cannot start
 (its next port is taken) is stopped and every device is sent the previous config back.
+The fleet declares sites (by the devices' `site` label): dev-1's agent also runs the
+shop site's gateway, whose signed table names the shop's two devices as its edge tier and
+a cloud gateway across HTTPS (a token server behind it) as its remote cloud tier.
 Then the fleet server stops: the devices keep answering; an agent restarted without a
-server serves its last good config; and a server that is not the fleet's hands it a
-tampered and a replayed config, which it refuses and logs.
+server serves its last good config, and its site gateway its last good table; and a
+server that is not the fleet's hands it a tampered and a replayed config, which it
+refuses and logs.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from hybridllm_operator.observability import panels
 
 from . import promql
 from .conftest import Kube, chart_fleet_env, chart_operator_env, own_control_plane
-from .test_k8s_autoscaling import Operator, _free_port, _serve
+from .test_k8s_autoscaling import TOKENSERVER, Operator, _free_port, _serve
 from .test_k8s_rollout import Load
 
 NAMESPACE = "fleet"
@@ -90,6 +94,13 @@ FLEET = {
 DEVICES = {"dev-0": "lab", "dev-1": "shop", "dev-2": "shop"}
 
 
+def _with_sites(fleet: dict[str, Any], cloud_url: str) -> dict[str, Any]:
+    """The fleet with sites by the devices' `site` label, the cloud gateway at ``cloud_url``."""
+    doc = json.loads(json.dumps(fleet))
+    doc["spec"]["sites"] = {"label": "site", "cloudURL": cloud_url}
+    return dict(doc)
+
+
 class Routing:
     """Keeps the gateway's config file equal to the routing ConfigMap (its device rows are
     loopback URLs the gateway reaches as they are)."""
@@ -128,7 +139,9 @@ class Routing:
 
 
 class Agent:
-    def __init__(self, name: str, site: str, tmp: Path, server: str, token: str, ca: Path) -> None:
+    def __init__(
+        self, name: str, site: str, tmp: Path, server: str, token: str, ca: Path, *extra: str
+    ) -> None:
         self.name, self.port = name, _free_port()
         while True:  # the agent alternates between port and port + 1
             try:
@@ -143,13 +156,17 @@ class Agent:
             "--token", token, "--ca-file", str(ca), "--labels", f"site={site},kind=shop-pc",
             "--state-dir", str(self.state), "--model-cache", str(store.Store().root),
             "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1",
-            "--drain-seconds", "8",
+            "--drain-seconds", "8", *extra,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
+        # the site gateway it may run trusts the test CA for the cloud gateway's certificate
+        self.env = {**os.environ, "SSL_CERT_FILE": str(ca)}
 
     def start(self) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env
+            )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -238,6 +255,8 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
     ca = certs / "ca.pem"
     port, gateway_port = _free_port(), _free_port()
     server_url = f"https://127.0.0.1:{port}"
+    cloud_port, site_port = _free_port(), _free_port()
+    fleet_doc = _with_sites(FLEET, f"https://127.0.0.1:{cloud_port}")
 
     def run(*args: str) -> str:
         out = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=60)
@@ -274,7 +293,7 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         return [e["message"] for e in json.loads(out)["items"] if e["reason"] == reason]
 
     kube.apply(_service("v1"), NAMESPACE)
-    kube.apply(FLEET, NAMESPACE)
+    kube.apply(fleet_doc, NAMESPACE)
     token = run("fleet", "token", "shops", "-n", NAMESPACE)
     server = fleet_server()
     stack["procs"].append(server)
@@ -282,7 +301,11 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
     operator = Operator(operator_env, tmp / "operator.log", NAMESPACE)
     operator.start()
     stack["procs"].append(operator.proc)  # type: ignore[arg-type]
-    agents = {n: Agent(n, site, tmp, server_url, token, ca) for n, site in DEVICES.items()}
+    site_gateway = ("--site-gateway", f"127.0.0.1:{site_port}")
+    agents = {
+        n: Agent(n, site, tmp, server_url, token, ca, *(site_gateway if n == "dev-1" else ()))
+        for n, site in DEVICES.items()
+    }
     stack["agents"].extend(agents.values())
 
     # ---- enrollment: a request each, approved by hand
@@ -338,12 +361,42 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
     )
     assert answer.choices[0].message.content
 
+    # ---- the shop site's gateway, run by dev-1's agent: its signed table names the shop's
+    # two devices as its edge tier and the cloud gateway, across HTTPS, as its remote cloud
+    site_url = _site_gateway_serves(stack, kube, tmp, certs, cloud_port, site_port)
+    table = json.loads((agents["dev-1"].state / "site-routing.json").read_text())
+    assert sorted(b["serverName"].split(".")[0] for b in table["tiers"]["edge"]["backends"]) == [
+        "dev-1", "dev-2"]  # fmt: skip
+    assert table["deviceCA"] == fleet()["deviceCA"]
+    cloud_tier = table["tiers"]["cloud"]
+    assert cloud_tier["remote"] is True
+    assert [b["url"] for b in cloud_tier["backends"]] == [f"https://127.0.0.1:{cloud_port}"]
+    signed = json.loads((agents["dev-1"].state / "site-routing.signed.json").read_text())
+    assert json.loads(base64.b64decode(signed["payload"]))["site"] == "shop"
+    site_client = openai.OpenAI(base_url=site_url + "/v1", api_key="unused", max_retries=0)
+    for tier, says in (("edge", None), ("cloud", "tok")):
+        raw = site_client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4,
+            extra_headers={"x-hybridllm-tier": tier},
+        )  # fmt: skip
+        assert raw.headers["x-hybridllm-tier"] == tier
+        text = raw.parse().choices[0].message.content or ""
+        assert text, tier
+        assert says is None or says in text, (tier, text)
+    sites = kube.eventually(
+        lambda: [s for s in fleet().get("sites") or [] if s.get("gateways")],
+        what="the shop site's gateway in the fleet status",
+    )  # fmt: skip
+    assert sites == [{"name": "shop", "devices": 2, "readyDevices": 2, "gateways": [site_url]}]
+    with _https(ca) as http:  # the table is the devices' own: a signed call
+        assert http.get(f"{server_url}/v1/devices/dev-1/site-routing").status_code == 401
+
     with Load(gateway, clients=1) as load:
         # ---- a new revision: wave 1 is the lab device, wave 2 the shops. The fleet's waves
         # may start only in a window of the UTC day three hours from now: each wave waits,
         # its planned start in the status, until `hybridllm fleet start` starts it
         hour = time.gmtime().tm_hour
-        windowed = json.loads(json.dumps(FLEET))
+        windowed = json.loads(json.dumps(fleet_doc))
         windowed["spec"]["rollout"]["window"] = {
             "schedule": [f"{(hour + 3) % 24:02d}:00-{(hour + 4) % 24:02d}:00"]
         }
@@ -372,7 +425,7 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         ) or {}
         assert "hybridllm.io/rollout-action" not in annotations  # acted on, removed
         assert revisions()["dev-1"] == "v1"
-        kube.apply(FLEET, NAMESPACE)  # the window removed: the second wave goes at once
+        kube.apply(fleet_doc, NAMESPACE)  # the window removed: the second wave goes at once
         kube.eventually(lambda: set(revisions().values()) == {"v2"} and
                         (fleet().get("rollout") or {}).get("phase") == "Completed",
                         timeout=300, what="v2 on every device")  # fmt: skip
@@ -463,6 +516,15 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
 
         assert kube.eventually(serving, timeout=180, what="dev-1 serving offline")
     assert "starting the last good config" in restarted.log.read_text()
+    # ... and its site gateway its last good table: the site answers from its edge
+    with httpx.Client(timeout=5) as http:
+        kube.eventually(lambda: _ok(http, f"{site_url}/health"), what="the site gateway again")
+    raw = site_client.chat.completions.with_raw_response.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4
+    )
+    assert raw.headers["x-hybridllm-tier"] == "edge"
+    assert raw.parse().choices[0].message.content
+    assert "the last good site table" in restarted.log.read_text()
 
     # ---- a server that is not the fleet's: a tampered and a replayed config are refused
     dev0 = agents["dev-0"]
@@ -478,6 +540,43 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
             timeout=120, what="dev-0 refusing both documents",
         )  # fmt: skip
     assert "evil" not in json.dumps(json.loads((dev0.state / "config.json").read_text()))
+
+
+def _site_gateway_serves(
+    stack: dict[str, Any], kube: Kube, tmp: Path, certs: Path, cloud_port: int, site_port: int
+) -> str:
+    """Start the cloud gateway the site reaches across HTTPS (the test CA's certificate for
+    127.0.0.1; a token server is its cloud tier), and wait for the site gateway dev-1's
+    agent runs; its URL."""
+    backend = _free_port()
+    stack["procs"].append(_serve(
+        [sys.executable, str(TOKENSERVER), "--port", str(backend), "--model", "smollm2",
+         "--id", "cloud"], tmp / "cloud-backend.log", backend,
+    ))  # fmt: skip
+    (tmp / "cloud-routing.json").write_text(json.dumps({
+        "model": "smollm2", "policy": "auto",
+        "rateLimits": {"requestsPerMinute": 10**6, "tokensPerMinute": 10**9},
+        "tiers": {"cloud": {"backends": [{"url": f"http://127.0.0.1:{backend}"}]}},
+    }))  # fmt: skip
+    with (tmp / "cloud-gateway.log").open("ab") as out:
+        stack["procs"].append(subprocess.Popen(
+            [*CLI, "gateway", "serve", "--config", str(tmp / "cloud-routing.json"), "--host",
+             "127.0.0.1", "--port", str(cloud_port), "--tls-cert-file",
+             str(certs / "server.pem"), "--tls-key-file", str(certs / "server-key.pem")],
+            stdout=out, stderr=subprocess.STDOUT,
+        ))  # fmt: skip
+    with _https(certs / "ca.pem") as http:
+        kube.eventually(lambda: _ok(http, f"https://127.0.0.1:{cloud_port}/health"),
+                        what="the cloud gateway over HTTPS")  # fmt: skip
+    site_url = f"http://127.0.0.1:{site_port}"
+    with httpx.Client(timeout=5) as http:
+        kube.eventually(lambda: _ok(http, f"{site_url}/health"), timeout=60,
+                        what="the shop's site gateway")  # fmt: skip
+        # it came up before the cloud gateway did: its probes find the cloud now
+        reachable = f'{names.GATEWAY_TIER_REACHABLE}{{tier="cloud"}} 1.0'
+        kube.eventually(lambda: reachable in http.get(f"{site_url}/metrics").text,
+                        what="the cloud reachable from the site")  # fmt: skip
+    return site_url
 
 
 def _bind(port: int) -> socket.socket | None:

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import multiprocessing
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +29,10 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         default = field.default
         conv: Any = type(default) if isinstance(default, int | float) else str
-        if name in ("config", "api_keys_file", "filter_config", "classifier"):
+        if name in (
+            "config", "api_keys_file", "filter_config", "classifier", "tls_cert_file",
+            "tls_key_file",
+        ):  # fmt: skip
             conv = Path
         parser.add_argument(
             flag,
@@ -59,10 +63,15 @@ def run_worker(settings: config_mod.GatewaySettings, reuse_port: bool) -> None:
     except ImportError:
         log.warning("uvloop not installed; running on the default asyncio loop (slower)")
     app = app_mod.create_app(settings)
+    tls = None
+    if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
     web.run_app(
         app,
         host=settings.host,
         port=settings.port,
+        ssl_context=tls,
         reuse_port=reuse_port,
         access_log=None,
         handler_cancellation=True,

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hybridllm_common import termination
 
@@ -102,6 +102,12 @@ class GatewaySettings(BaseModel):
     api_keys_file: Path | None = None
     filter_config: Path | None = None
     classifier: Path | None = None
+    tls_cert_file: Path | None = Field(
+        default=None,
+        description="Serve HTTPS with this certificate chain (PEM; with --tls-key-file): a "
+        "cloud gateway that site gateways reach across a WAN. Default: plain HTTP.",
+    )
+    tls_key_file: Path | None = Field(default=None, description="The certificate's key (PEM).")
     reload_interval_s: float = Field(default=1.0, gt=0)
     connect_timeout_s: float = Field(
         default=5.0, gt=0, description="Above the 1 s + 3 s SYN retries."
@@ -152,6 +158,12 @@ class GatewaySettings(BaseModel):
         pattern="^(raw|aiohttp)$",
         description="Streaming path: raw (protocol-level relay) or aiohttp (generic client).",
     )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GatewaySettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
+        return self
 
 
 def file_key(path: Path) -> tuple[int, int, int] | None:

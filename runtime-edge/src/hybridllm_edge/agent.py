@@ -53,6 +53,8 @@ from hybridllm_edge import agent_kpis, agent_runtime
 from hybridllm_edge.agent_kpis import Kpis
 from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, serving_part
 from hybridllm_edge.agent_runtime import runtime_command as runtime_command  # named here too
+from hybridllm_edge.agent_site import SiteGateway, gateway_available, parse_listen
+from hybridllm_edge.agent_site import reason as _reason
 from hybridllm_edge.agent_tls import Certificate, write_file
 
 log = logging.getLogger("hybridllm_edge.agent")
@@ -135,6 +137,11 @@ class Agent:
         self._stopping = asyncio.Event()
         self._draining: set[asyncio.Task[None]] = set()
         self._client: httpx.AsyncClient | None = None
+        self.site = (
+            SiteGateway(self.state, args.site_gateway, args.advertise_host)
+            if args.site_gateway
+            else None
+        )
         self.certificate = None if args.plain_http else Certificate(self.state, self.key)
         if self.certificate is not None and self.certificate.held:
             self.runtimes.tls = self.certificate.files  # the last good config serves HTTPS
@@ -373,9 +380,12 @@ class Agent:
             await self._pause(self.heartbeat_s)
 
     async def heartbeat(self) -> None:
+        site = self.site
         body = await agent_kpis.heartbeat_body(
-            self.running, self.kpis, self.version, self.failed_version, self.message
-        )
+            self.running, self.kpis, self.version, self.failed_version,
+            "; ".join(m for m in (self.message, site.message if site else "") if m),
+            site.url if site else None,
+        )  # fmt: skip
         try:
             r = await self._call("POST", f"/v1/devices/{self.identity['device']}/heartbeat", body,
                                  {"Content-Type": "application/json"})  # fmt: skip
@@ -392,20 +402,34 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         await self.start_last_good()
+        site = self.site
+        if site is not None and self.identity.get("fleetPublicKey"):
+            site.start_last_good(
+                signing.public_key_from_text(self.identity["fleetPublicKey"]), self.identity
+            )
         supervisor = asyncio.create_task(self.supervise())
+        tasks = [asyncio.create_task(site.supervise(self._stopping))] if site else []
         try:
             enrolled = asyncio.create_task(self.enroll())
             await asyncio.wait([enrolled, asyncio.create_task(self._stopping.wait())],
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if enrolled.done():
                 enrolled.result()
-                follower = asyncio.create_task(self.follow())
+                tasks.append(asyncio.create_task(self.follow()))
+                if site is not None:
+                    key = signing.public_key_from_text(self.identity["fleetPublicKey"])
+                    tasks.append(asyncio.create_task(site.follow(
+                        self._call, key, self.identity, lambda: self.poll_s, self._stopping
+                    )))  # fmt: skip
                 await self._stopping.wait()
-                follower.cancel()
             else:
                 enrolled.cancel()
         finally:
             supervisor.cancel()
+            for task in tasks:
+                task.cancel()
+            if site is not None:
+                await site.stop()
             if self.running is not None:
                 await self.runtimes.stop(self.running)
             if self._client is not None:
@@ -425,13 +449,6 @@ def facts() -> dict[str, Any]:
 
         out["agentVersion"] = version("hybridllm-runtime-edge")
     return out
-
-
-def _reason(r: httpx.Response) -> str:
-    try:
-        return str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return r.text[:200]
 
 
 def _labels(text: str) -> dict[str, str]:
@@ -473,6 +490,10 @@ def add_agent(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, help="CPU threads of the runtime")
     p.add_argument("--drain-seconds", type=float, default=15.0,
                    help="how long the old runtime keeps answering after a switch")  # fmt: skip
+    p.add_argument("--site-gateway", metavar="HOST:PORT", default=None,
+                   help="also run the site's gateway here, on this address: the fleet "
+                        "(spec.sites) sends it the site's signed routing table (docs/sites.md; "
+                        "needs the hybridllm-gateway package)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     p.set_defaults(func=run_agent)
 
@@ -484,5 +505,12 @@ def run_agent(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
     if args.advertise_host is None:
         args.advertise_host = args.host if args.host != "0.0.0.0" else socket.gethostname()
+    if args.site_gateway:
+        try:
+            parse_listen(args.site_gateway)
+        except ValueError as exc:
+            raise SystemExit(f"hybridllm-edge agent: {exc}") from None
+        if (missing := gateway_available()) is not None:
+            raise SystemExit(f"hybridllm-edge agent: {missing}")
     asyncio.run(Agent(args).run())
     return 0

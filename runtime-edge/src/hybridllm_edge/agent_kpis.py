@@ -65,16 +65,24 @@ class Kpis:
 
 
 async def heartbeat_body(
-    running: Runtime | None, kpis: Kpis, version: int, failed_version: int | None, message: str
+    running: Runtime | None,
+    kpis: Kpis,
+    version: int,
+    failed_version: int | None,
+    message: str,
+    site_gateway: str | None = None,
 ) -> bytes:
     """The heartbeat's JSON: the config running (or none), the one that failed, the agent's
-    message, and, from the running runtime, its revision, endpoint, health and KPIs."""
+    message, the site gateway it runs (its address), and, from the running runtime, its
+    revision, endpoint, health and KPIs."""
     report: dict[str, Any] = {
         "configVersion": version or None,
         "failedVersion": failed_version,
-        "message": message,
+        "message": message[:512],
         "healthy": False,
     }
+    if site_gateway:
+        report["siteGateway"] = site_gateway
     if running is not None:
         report["revision"] = running.payload["revision"]
         report["endpoint"] = running.url

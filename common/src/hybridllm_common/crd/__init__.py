@@ -54,9 +54,11 @@ from hybridllm_common.crd.edgefleet import (
     FleetRollout,
     FleetRolloutPhase,
     FleetRolloutStatus,
+    FleetSites,
     FleetWave,
     HealthCheck,
     OfflineDevices,
+    SiteStatus,
     WaveWindow,
 )
 from hybridllm_common.crd.policies import (
@@ -166,6 +168,7 @@ __all__ = [
     "FleetRollout",
     "FleetRolloutPhase",
     "FleetRolloutStatus",
+    "FleetSites",
     "FleetWave",
     "GatewaySpec",
     "GoldenPrompt",
@@ -198,6 +201,7 @@ __all__ = [
     "RoutingSpec",
     "SLOSpec",
     "SessionAffinity",
+    "SiteStatus",
     "TierPrices",
     "WaveWindow",
     "cel",

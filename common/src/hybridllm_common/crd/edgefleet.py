@@ -205,6 +205,30 @@ class HealthCheck(_Model):
     )
 
 
+class FleetSites(_Model):
+    """The fleet's devices grouped into sites by a label; each site may have gateways of
+    its own (agents started with ``--site-gateway``) that answer from the site's devices
+    and send what needs the cloud across the WAN."""
+
+    label: str = Field(
+        default="site",
+        min_length=1,
+        max_length=63,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description="The device label whose value names a device's site.",
+    )
+    cloud_url: str = Field(
+        alias="cloudURL",
+        max_length=253,
+        pattern=r"^https://[^\s/?#]+/?$",
+        description=(
+            "The cloud gateway as the sites reach it across the WAN: an `https` URL (tenant "
+            "traffic never crosses the WAN in clear), verified against the site gateway's "
+            "trusted CAs. Site gateways send it what their site's edge may not answer."
+        ),
+    )
+
+
 class EdgeFleetSpec(_Model):
     """A fleet of edge devices outside the cluster that pull their config from the fleet server."""
 
@@ -257,6 +281,11 @@ class EdgeFleetSpec(_Model):
         description="A signed config older than this is refused by devices (they keep "
         "running what they have).",
     )
+    sites: FleetSites | None = Field(
+        default=None,
+        description="Sites: devices grouped by a label, each with a gateway of its own "
+        "(docs/sites.md). Absent: no site gateway is served a routing table.",
+    )
     enrollment: FleetEnrollment = _sub(FleetEnrollment, "How devices join.")
     rollout: FleetRollout = _sub(FleetRollout, "How a new revision reaches the devices.")
     health_check: HealthCheck = _sub(HealthCheck, "Golden prompt checked before a switch.")
@@ -302,6 +331,21 @@ class FleetConfig(_Model):
     content: str = Field(description="The config's fields, JSON (what the signature covers).")
 
 
+class SiteStatus(_Model):
+    """One site as the fleet server last saw it."""
+
+    name: str = Field(max_length=63, description="The site (its devices' label value).")
+    devices: int = Field(default=0, ge=0, description="Approved member devices at the site.")
+    ready_devices: int = Field(
+        default=0, ge=0, description="Of them, online and serving the current revision."
+    )
+    gateways: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Online devices serving the site's gateway (their reported address).",
+    )
+
+
 class EdgeFleetStatus(_Model):
     """Devices as the fleet server last saw them."""
 
@@ -331,6 +375,9 @@ class EdgeFleetStatus(_Model):
         default=None, description="Config devices ran before the rollout (for rollback)."
     )
     rollout: FleetRolloutStatus | None = Field(default=None, description="The fleet's rollout.")
+    sites: list[SiteStatus] = Field(
+        default_factory=list, max_length=1000, description="Each site (with spec.sites)."
+    )
     rollout_summary: str | None = Field(default=None, description="Rollout, for kubectl get.")
     signing_key_id: str | None = Field(
         default=None, description="Fingerprint of the key configs are signed with."

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+# A site table's long poll looks again this often: its devices' endpoints and liveness
+# move with heartbeats, which wake no poll by themselves.
+SITE_RECHECK_S = 2.0
 MAX_BODY = 64 * 1024
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -49,6 +52,7 @@ class DeviceAPI:
             web.post("/v1/enroll", self.enrollments.enroll),
             web.get("/v1/devices/{name}", self.device_info),
             web.get("/v1/devices/{name}/config", self.config),
+            web.get("/v1/devices/{name}/site-routing", self.site_routing),
             web.post("/v1/devices/{name}/heartbeat", self.heartbeat),
             web.post("/v1/devices/{name}/certificate", self.certificate),
             web.get("/metrics", self.prometheus),
@@ -167,6 +171,52 @@ class DeviceAPI:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(fleet.changed.wait(), left)
 
+    async def site_routing(self, request: web.Request) -> web.Response:
+        """The routing table of the device's site, signed, for the site gateway the device
+        runs (docs/sites.md); long poll like the config (``If-None-Match``, ``?wait``)."""
+        device, refused = await self._authenticate(request, b"")
+        if refused is not None:
+            return refused
+        assert device is not None
+        if not device.approved:
+            return answers.error(403, f"device {device.name} awaits approval", "not_approved",
+                                 **{"Retry-After": "10"})  # fmt: skip
+        try:
+            wait = min(float(request.query.get("wait", "0")), MAX_WAIT_S)
+        except ValueError:
+            return answers.error(400, "wait must be a number of seconds", "invalid_wait")
+        have = request.headers.get("If-None-Match", "").strip('"')
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            fleet = self.server.fleets.get(device.fleet)
+            if fleet is None or fleet.spec is None:
+                return answers.error(
+                    404, f"fleet {device.fleet} is gone or invalid", "unknown_fleet"
+                )
+            sites = fleet.spec.sites
+            if sites is None:
+                return answers.error(404, f"fleet {fleet.name} declares no sites (spec.sites): "
+                                     "there is no site table to serve", "no_sites")  # fmt: skip
+            site = device.labels.get(sites.label)
+            if not site:
+                return answers.error(409, f"device {device.name} has no label {sites.label}: "
+                                     "it is at no site", "no_site")  # fmt: skip
+            now = time.time()
+            table, why = self.server.state.site_table(fleet, site, now)
+            if table is None:
+                return answers.error(503, why, "no_table", **{"Retry-After": "10"})
+            version = self.server.state.site_version(table)
+            if version != have:
+                return web.json_response(
+                    self.server.state.site_document(fleet, device, site, table, now),
+                    headers={"ETag": f'"{version}"'},
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return web.Response(status=304, headers={"ETag": f'"{version}"'})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fleet.changed.wait(), min(left, SITE_RECHECK_S))
+
     async def certificate(self, request: web.Request) -> web.Response:
         """A TLS certificate for the device's own key, naming the device
         (``hybridllm_common.device_tls``): the gateways verify its runtime with it."""
@@ -224,7 +274,7 @@ class DeviceAPI:
 
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "revision": (str,), "configVersion": (int,), "failedVersion": (int,), "healthy": (bool,),
-    "endpoint": (str,), "message": (str,), "kpis": (dict,),
+    "endpoint": (str,), "message": (str,), "kpis": (dict,), "siteGateway": (str,),
 }  # fmt: skip
 _KPIS = ("tokensPerSecond", "ttftP95Seconds", "errorRate", "queueDepth", "requests")
 
@@ -241,8 +291,9 @@ def check_report(report: dict[str, Any]) -> dict[str, Any]:
         ):
             raise ValueError(f"{key} has the wrong type")
         out[key] = value
-    if "endpoint" in out and not re.match(r"^https?://[^\s/]+(:\d+)?/?$", out["endpoint"]):
-        raise ValueError("endpoint must be http(s)://host:port")
+    for key in ("endpoint", "siteGateway"):
+        if key in out and not re.match(r"^https?://[^\s/]+(:\d+)?/?$", out[key]):
+            raise ValueError(f"{key} must be http(s)://host:port")
     out["message"] = out.get("message", "")[:512]
     kpis = out.get("kpis") or {}
     for key, value in kpis.items():

@@ -251,11 +251,25 @@ class StatusBuilder:
         st.updated_devices = sum(
             1 for d in approved if d.report.get("revision", d.status.get("revision")) == current_rev
         )
-        st.ready_devices = sum(
-            1 for d in online
-            if d.report.get("healthy", d.status.get("healthy"))
-            and d.report.get("revision", d.status.get("revision")) == current_rev
-        )  # fmt: skip
+
+        def ready(d: Device) -> bool:
+            return bool(d.report.get("healthy", d.status.get("healthy"))) and (
+                d.report.get("revision", d.status.get("revision")) == current_rev
+            )
+
+        st.ready_devices = sum(1 for d in online if ready(d))
+        st.sites = []
+        if fleet.spec.sites is not None:  # each site: its devices, ready ones, gateways
+            label, live = fleet.spec.sites.label, {d.name for d in online}
+            for site in sorted({d.labels[label] for d in approved if d.labels.get(label)})[:1000]:
+                here = [d for d in approved if d.labels.get(label) == site]
+                gateways = [d.report["siteGateway"] for d in here
+                            if d.name in live and d.report.get("siteGateway")]  # fmt: skip
+                st.sites.append(crd.SiteStatus(
+                    name=site, devices=len(here),
+                    ready_devices=sum(1 for d in here if d.name in live and ready(d)),
+                    gateways=sorted(gateways)[:64],
+                ))  # fmt: skip
         self._kpis(fleet.name, online)
         ages = [now - d.last_seen for d in online if d.last_seen is not None]
         st.oldest_heartbeat_seconds = round(max(ages), 1) if ages else None

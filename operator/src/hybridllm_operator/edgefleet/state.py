@@ -12,6 +12,7 @@ assignment says, and that config as a signed document.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 import pydantic
 
-from hybridllm_common import crd, signing
+from hybridllm_common import crd, device_tls, signing
 from hybridllm_operator.edgefleet import api, endpoints, waves
 from hybridllm_operator.edgefleet import digest as digests
 from hybridllm_operator.edgefleet import kube as kube_mod
@@ -28,6 +29,8 @@ from hybridllm_operator.edgefleet.records import Device, Fleet
 from hybridllm_operator.llmservice import builders
 
 log = logging.getLogger(__name__)
+
+SITE_ROUTING_KIND = "SiteRoutingTable"
 
 
 class FleetState:
@@ -238,6 +241,73 @@ class FleetState:
                 "the model they download against it (`hybridllm model list` prints it)"
             )
         return waves.config_content(service.name, target, fleet.spec), None
+
+    def site_table(self, fleet: Fleet, site: str, now: float) -> tuple[dict[str, Any] | None, str]:
+        """The routing table of a site's gateways, or why there is none: the fleet's
+        LLMService's table (policy, limits, prompts) with the site's online member devices
+        as its edge tier and the cloud gateway across the WAN as its cloud tier (remote:
+        probed, refused fast while unreachable). The builder is the operator's, so a site
+        routes as the cloud gateway does, from nearer."""
+        assert fleet.spec is not None
+        assert fleet.spec.sites is not None
+        obj = self.services.get(fleet.spec.service)
+        if obj is None:
+            return None, f"LLMService {fleet.spec.service} not found"
+        try:
+            spec = crd.parse_spec(fleet.spec.service, dict(obj.get("spec") or {}))
+        except crd.InvalidSpec as exc:
+            return None, f"LLMService {fleet.spec.service} is invalid: {exc}"
+        if fleet.key is None:
+            return None, f"fleet {fleet.name} has no signing key yet"
+        label, timeout = fleet.spec.sites.label, fleet.spec.heartbeat_timeout_seconds
+        rows = []
+        for d in self.devices.values():
+            if (d.fleet != fleet.name or not d.approved or d.revoked
+                    or d.labels.get(label) != site or not waves.matches(d.labels, fleet.spec.selector)
+                    or not d.online(now, timeout)):  # fmt: skip
+                continue
+            url = d.report.get("endpoint", d.status.get("endpoint"))
+            revision = d.report.get("revision", d.status.get("revision")) or ""
+            if not url:
+                continue
+            if url.startswith("https://"):
+                rows.append(builders.ServingDevice(
+                    url, revision, device_tls.server_name(d.name, fleet.name, self.namespace),
+                    fleet.device_ca(self.namespace)))  # fmt: skip
+            else:  # the fleet allows plain-http endpoints (spec.enrollment)
+                rows.append(builders.ServingDevice(url, revision))
+        raw_rollout = (obj.get("status") or {}).get("rollout")
+        state = crd.RolloutStatus.model_validate(raw_rollout) if raw_rollout else None
+        service = builders.Service(
+            fleet.spec.service, self.namespace, "", spec, rollout=state, devices=tuple(sorted(rows))
+        )
+        table = builders.routing_config(service, {"cloud": [fleet.spec.sites.cloud_url]})
+        table["tiers"]["cloud"]["remote"] = True  # across the WAN from the site
+        return table, ""
+
+    @staticmethod
+    def site_version(table: dict[str, Any]) -> str:
+        """A site table's version: its content's hash (the long poll's ETag)."""
+        return hashlib.sha256(signing.canonical(table)).hexdigest()[:16]
+
+    def site_document(
+        self, fleet: Fleet, device: Device, site: str, table: dict[str, Any], now: float
+    ) -> dict[str, str]:
+        """The site's table for one of its gateways, signed like a config."""
+        assert fleet.spec is not None
+        assert fleet.key is not None
+        payload = {
+            "kind": SITE_ROUTING_KIND,
+            "namespace": self.namespace,
+            "fleet": fleet.name,
+            "device": device.name,
+            "site": site,
+            "version": self.site_version(table),
+            "issuedAt": round(now, 3),
+            "expiresAt": round(now + fleet.spec.config_valid_seconds, 3),
+            "table": table,
+        }
+        return signing.sign_document(payload, fleet.key)
 
     def desired(self, fleet: Fleet, device: Device) -> crd.FleetConfig | None:
         view = waves.DeviceView(
