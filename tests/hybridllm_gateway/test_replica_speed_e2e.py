@@ -5,6 +5,7 @@ autoscaler read; a replica taken out of the routing table is forgotten."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -87,6 +88,55 @@ def test_the_gateway_tells_a_slow_replica_from_a_fast_one(procs, table) -> None:
         time.sleep(0.1)
     figures = _figures(gw.url)
     assert figure(names.GATEWAY_REPLICA_OUTPUT_SECONDS, fast.url, load="1") is not None
+
+
+def test_prompts_that_hold_a_replicas_decoding_are_not_counted_in_its_decode_step(
+    procs, table
+) -> None:
+    """A replica that prefills each prompt whole while its streams wait (an engine without
+    chunked prefill, 2,000 prompt tokens/s, a 50 ms decode step whatever the batch): six
+    clients with prompts of 50 to 600 tokens. The answers' time between tokens, as a client
+    sees it, carries the other prompts' prefills (about 95 ms at the median); the decode
+    step the gateway exports (what the autoscaler's capacity model reads) is the replica's
+    own, because the gateway counts the prompts the replica prefilled while each answer
+    decoded and fits their share apart. Without that term it read 108 ms at one answer
+    in flight and 87 at eight."""
+    engine = procs.tokenserver(
+        "engine", "--rate", "20", "--ttft-s", "0.01", "--serial-prefill",
+        "--prefill-rate", "2000", "--slowdown-s", "0", "--max-concurrency", "8",
+    )  # fmt: skip
+    gw = procs.gateway(table(cloud=[engine.url], policy="cloud-only"))
+    seen: list[float] = []
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            for i in range(8):
+                chars = 200 + 2200 * ((7 * k + 5 * i) % 8) // 7
+                body = {"model": MODEL, "stream": True, "max_tokens": 12,
+                        "messages": [{"role": "user", "content": f"{k}-{i} " + "x" * chars}]}  # fmt: skip
+                times = []
+                with http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if '"content"' in line:
+                            times.append(time.monotonic())
+                seen.append((times[-1] - times[0]) / (len(times) - 1))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    figures = _figures(gw.url)
+
+    def step(load: str) -> float:
+        key = (names.GATEWAY_REPLICA_OUTPUT_SECONDS,
+               (("load", load), ("replica", engine.url), ("tier", "cloud")))  # fmt: skip
+        return figures[key]
+
+    seen.sort()
+    assert seen[len(seen) // 2] > 1.4 * 0.05, seen  # the prefills held the streams
+    assert 0.035 <= step("1") <= 0.065, figures
+    assert 0.035 <= step("8") <= 0.07, figures
 
 
 def test_an_objective_sends_requests_where_the_prediction_says(procs, table) -> None:

@@ -12,8 +12,14 @@ forgetting (old answers fade, so a replica that slows down or speeds up is follo
   included): ``overhead`` is the network and the fixed cost of an answer (a site's gateway
   sees its WAN here), ``1 / prefill_rate`` the seconds per prompt token, ``wait`` the time
   each request ahead adds (its share of a busy batch);
-- time per output token: ``tpot = decode + slowdown * (load - 1)``: a continuous batch
-  decodes every sequence each step, so a step grows with the batch.
+- time per output token: ``tpot = decode + slowdown * (load - 1) + stall * stalled``:
+  a continuous batch decodes every sequence each step, so a step grows with the batch;
+  ``stalled`` is the prompt tokens of other answers the replica prefilled while this one
+  was decoding (their first tokens came in its window), per output token: an engine that
+  prefills a prompt whole holds every stream meanwhile (one that chunks its prefills, a
+  little), so those prompts lengthen the answer's steps. Fitted apart, ``decode`` and ``slowdown`` are the decode step itself,
+  which the autoscaler's capacity model needs (it counts the prefills' time in their own
+  term); left in, an engine's stalls would count twice.
 
 A replica's decode throughput at ``load`` concurrent requests is then ``load / tpot(load)``
 tokens/s, and its prefill throughput ``prefill_rate``.
@@ -100,6 +106,9 @@ class Answer:
     ttft_s: float
     output_tokens: int
     decode_s: float  # from the first token to the last
+    # prompt tokens of other answers whose first token came from the replica between this
+    # one's first token and its last (their prefills; by this gateway: the ones it knows of)
+    stalled_tokens: int = 0
 
     def valid(self) -> bool:
         return (
@@ -109,6 +118,7 @@ class Answer:
             and self.ttft_s >= 0
             and math.isfinite(self.decode_s)
             and self.decode_s >= 0
+            and self.stalled_tokens >= 0
         )
 
 
@@ -117,7 +127,7 @@ class ReplicaSpeed:
     """The two models of one replica (or of a tier, pooled)."""
 
     ttft: Rls = field(default_factory=lambda: Rls(3))
-    tpot: Rls = field(default_factory=lambda: Rls(2))
+    tpot: Rls = field(default_factory=lambda: Rls(3))
 
     def observe(self, answer: Answer) -> None:
         """Learn from one answer; an answer whose numbers cannot be real is ignored."""
@@ -125,7 +135,10 @@ class ReplicaSpeed:
             return
         self.ttft.update(_ttft_x(answer.prompt_tokens, answer.load), answer.ttft_s)
         if answer.output_tokens >= 2:  # one token says nothing of the time between tokens
-            self.tpot.update(_tpot_x(answer.load), answer.decode_s / (answer.output_tokens - 1))
+            steps = answer.output_tokens - 1
+            self.tpot.update(
+                _tpot_x(answer.load, answer.stalled_tokens / steps), answer.decode_s / steps
+            )
 
     @property
     def observations(self) -> int:
@@ -137,8 +150,10 @@ class ReplicaSpeed:
     def predict_ttft(self, prompt_tokens: int, load: int) -> float:
         return max(0.0, self.ttft.predict(_ttft_x(prompt_tokens, load)))
 
-    def predict_tpot(self, load: int) -> float:
-        return max(0.0, self.tpot.predict(_tpot_x(load)))
+    def predict_tpot(self, load: int, stalled_per_token: float = 0.0) -> float:
+        """Seconds per output token at ``load``: the decode step alone, or with
+        ``stalled_per_token`` prompt tokens of others arriving per output token."""
+        return max(0.0, self.tpot.predict(_tpot_x(load, stalled_per_token)))
 
     def predict_seconds(self, prompt_tokens: int, output_tokens: int, load: int) -> float:
         """The whole answer's time: first token, then the rest at the batch's pace."""
@@ -172,8 +187,8 @@ def _ttft_x(prompt_tokens: int, load: int) -> list[float]:
     return [1.0, prompt_tokens / PROMPT_UNIT, float(load - 1)]
 
 
-def _tpot_x(load: int) -> list[float]:
-    return [1.0, float(load - 1)]
+def _tpot_x(load: int, stalled_per_token: float = 0.0) -> list[float]:
+    return [1.0, float(load - 1), stalled_per_token / PROMPT_UNIT]
 
 
 class SpeedTable:

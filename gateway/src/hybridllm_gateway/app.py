@@ -273,11 +273,11 @@ async def _handle(
                 m.speeds.answered(outcome.tier, outcome.replica, speed.Answer(
                     load=outcome.load, prompt_tokens=features.prompt_tokens,
                     ttft_s=outcome.ttft_s - outcome.sent_s, output_tokens=tokens,
-                    decode_s=e2e_s - outcome.ttft_s,
+                    decode_s=e2e_s - outcome.ttft_s, stalled_tokens=outcome.stalled_tokens,
                 ))  # fmt: skip
         reservation.settle(tokens)
 
-    outcome = attempt.Outcome()
+    outcome = attempt.Outcome(prompt_tokens=features.prompt_tokens)
     try:
         if len(raw) > FILTER_INLINE_BYTES:  # linear, but a large body's scan is not the loop's
             found = await asyncio.get_running_loop().run_in_executor(None, state.filter.apply, body)

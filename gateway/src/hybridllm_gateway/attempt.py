@@ -75,6 +75,20 @@ class Outcome:
     load: int = 0  # its outstanding requests when the last attempt was sent (itself included)
     sent_s: float = 0.0  # when the last attempt was sent, from the request's arrival
     started: bool = False  # the answer to the client has begun (its headers are going out)
+    prompt_tokens: int = 0  # the request's, as the gateway counts them (set by the caller)
+    sent_to: balancer_mod.Replica | None = None  # the replica of the last attempt
+    stall_mark: int = 0  # its prompt_tokens_prefilled once this answer's first token came
+
+    def first_token(self, replica: balancer_mod.Replica) -> None:
+        """The streamed answer's first token is here: its prompt is prefilled."""
+        replica.prompt_tokens_prefilled += self.prompt_tokens
+        self.stall_mark = replica.prompt_tokens_prefilled
+
+    @property
+    def stalled_tokens(self) -> int:
+        """Prompt tokens of other answers the replica prefilled (their first tokens came)
+        between this answer's first token and its last."""
+        return self.sent_to.prompt_tokens_prefilled - self.stall_mark if self.sent_to else 0
 
 
 class Attempts:

@@ -68,6 +68,10 @@ class Replica:
     weight: int = 100
     device: bool = False  # outside the cluster: not sent the backend token
     num_outstanding: int = 0
+    # prompt tokens of the streamed answers it has begun (each counted at its first token,
+    # which ends its prefill): the speed estimate's stall term, the prefills an answer's
+    # decoding shared the replica with (hybridllm_common.speed)
+    prompt_tokens_prefilled: int = 0
     num_consecutive_failures: int = 0
     num_ejections_in_row: int = 0
     num_ejections: int = 0

@@ -144,6 +144,7 @@ class ClientPath(Attempts):
             await out.prepare(request)
             await out.write(first)
             outcome.ttft_s = time.perf_counter() - t_start
+            outcome.first_token(replica)
             outcome.added_s = pre_s + (time.perf_counter() - t_first)
             outcome.num_chunks = token_events(first)
             async for chunk in resp.content.iter_any():

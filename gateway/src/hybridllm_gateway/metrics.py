@@ -233,7 +233,8 @@ class ReplicaSpeeds:
             ttft = before.predict_ttft(answer.prompt_tokens, answer.load)
             if ttft > 0:
                 self.error.labels(tier=tier, term="ttft").observe(answer.ttft_s / ttft)
-            tpot = before.predict_tpot(answer.load)
+            steps = max(answer.output_tokens - 1, 1)
+            tpot = before.predict_tpot(answer.load, answer.stalled_tokens / steps)
             if tpot > 0 and answer.output_tokens >= 2:
                 actual = answer.decode_s / (answer.output_tokens - 1)
                 self.error.labels(tier=tier, term="tpot").observe(actual / tpot)

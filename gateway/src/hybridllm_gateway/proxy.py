@@ -197,6 +197,7 @@ class Forwarder(ClientPath, RawPath):
         outcome.revision = replica.revision
         replica.num_outstanding += 1
         outcome.replica, outcome.load = replica.url, replica.num_outstanding
+        outcome.sent_to = replica
         outcome.sent_s = time.perf_counter() - t_start
         gauge = self.metrics.outstanding.labels(tier=replica.tier)
         gauge.inc()

@@ -186,6 +186,7 @@ class RawPath(Attempts):
 
             sink(conn.take_body())
             outcome.ttft_s = time.perf_counter() - t_start
+            outcome.first_token(replica)
             outcome.added_s = pre_s + (time.perf_counter() - t_first)
             conn.sink = sink
             await self._pump(request, conn)

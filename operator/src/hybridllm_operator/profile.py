@@ -172,7 +172,7 @@ def fit(answers: list[speed.Answer]) -> speed.ReplicaSpeed:
     """The gateway's speed model (`hybridllm_common.speed`) fitted on these answers alike
     (no forgetting: one sitting)."""
     fitted = speed.ReplicaSpeed(
-        ttft=speed.Rls(3, forgetting=1.0), tpot=speed.Rls(2, forgetting=1.0)
+        ttft=speed.Rls(3, forgetting=1.0), tpot=speed.Rls(3, forgetting=1.0)
     )
     for answer in answers:
         fitted.observe(answer)

@@ -51,10 +51,11 @@ import httpx
 from hybridllm_common import signing
 from hybridllm_edge import agent_kpis, agent_runtime
 from hybridllm_edge.agent_kpis import Kpis
+from hybridllm_edge.agent_poll import LongPoll, pause
+from hybridllm_edge.agent_poll import reason as _reason
 from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, serving_part
 from hybridllm_edge.agent_runtime import runtime_command as runtime_command  # named here too
 from hybridllm_edge.agent_site import SiteGateway, gateway_available, parse_listen
-from hybridllm_edge.agent_site import reason as _reason
 from hybridllm_edge.agent_tls import Certificate, write_file
 
 log = logging.getLogger("hybridllm_edge.agent")
@@ -239,35 +240,18 @@ class Agent:
                 log.error("%s", self.message)
 
     async def _pause(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+        await pause(self._stopping, seconds)
 
     # ------------------------------------------------------------------ configs
 
     async def follow(self) -> None:
         """Long-poll the config; apply each new one."""
-        delay = 1.0
         fleet_key = signing.public_key_from_text(self.identity["fleetPublicKey"])
+        poll = LongPoll("config", self._stopping)
+        path = f"/v1/devices/{self.identity['device']}/config"
         while not self._stopping.is_set():
-            path = f"/v1/devices/{self.identity['device']}/config?wait={self.poll_s:.0f}"
-            try:
-                r = await self._call("GET", path, headers={"If-None-Match": f'"{self.version}"'},
-                                     timeout=self.poll_s + 15)  # fmt: skip
-            except httpx.HTTPError as exc:
-                log.info("fleet server unreachable (%s); serving on, asking again in %.0f s",
-                         type(exc).__name__, delay)  # fmt: skip
-                await self._pause(delay)
-                delay = min(delay * 2, 60.0)
-                continue
-            delay = 1.0
-            if r.status_code == 304:
-                continue
-            if r.status_code != 200:
-                wait = float(r.headers.get("Retry-After", "10"))
-                log.warning(
-                    "config: %s %s; asking again in %.0f s", r.status_code, _reason(r), wait
-                )
-                await self._pause(wait)
+            r = await poll.ask(self._call, path, str(self.version), self.poll_s)
+            if r is None:
                 continue
             try:
                 payload = check_document(

@@ -20,19 +20,17 @@ restart; a gateway that exits is started again with back-off.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from hybridllm_common import signing
+from hybridllm_edge.agent_poll import Call, LongPoll, pause
 from hybridllm_edge.agent_tls import write_file
 
 log = logging.getLogger("hybridllm_edge.agent")
@@ -42,8 +40,6 @@ SIGNED = "site-routing.signed.json"  # the last good document, as the server sig
 TABLE = "site-routing.json"  # its table: what the gateway reads (and reloads)
 CLOCK_SKEW_S = 300.0
 STOP_GRACE_S = 10.0
-
-Call = Callable[..., Awaitable[httpx.Response]]
 
 
 class Rejected(ValueError):
@@ -137,26 +133,12 @@ class SiteGateway:
         stopping: asyncio.Event,
     ) -> None:  # fmt: skip
         """Long-poll the site's table; take each new one that checks out."""
-        delay = 1.0
+        poll = LongPoll("site table", stopping)
+        path = f"/v1/devices/{identity['device']}/site-routing"
         while not stopping.is_set():
-            wait = poll_s()
-            path = f"/v1/devices/{identity['device']}/site-routing?wait={wait:.0f}"
-            try:
-                r = await call("GET", path, headers={"If-None-Match": f'"{self.version}"'},
-                               timeout=wait + 15)  # fmt: skip
-            except httpx.HTTPError as exc:
-                log.info("site table: fleet server unreachable (%s); the gateway serves on",
-                         type(exc).__name__)  # fmt: skip
-                await _pause(stopping, delay)
-                delay = min(delay * 2, 60.0)
-                continue
-            delay = 1.0
-            if r.status_code == 304:
-                continue
-            if r.status_code != 200:
-                self.message = f"site table: {r.status_code} {reason(r)}"
-                log.warning("%s", self.message)
-                await _pause(stopping, float(r.headers.get("Retry-After", "10")))
+            r = await poll.ask(call, path, self.version, poll_s())
+            self.message = poll.refusal or self.message
+            if r is None:
                 continue
             try:
                 envelope = r.json()
@@ -165,7 +147,7 @@ class SiteGateway:
                 self.rejected += 1
                 self.message = f"rejected a site table: {exc}"
                 log.warning("%s", self.message)
-                await _pause(stopping, 5.0)
+                await pause(stopping, 5.0)
                 continue
             self._accept(envelope, payload)
             self.message = ""
@@ -185,7 +167,7 @@ class SiteGateway:
         log_file = self.state / "site-gateway.log"
         while not stopping.is_set():
             if not (self.state / TABLE).exists():
-                await _pause(stopping, 0.5)
+                await pause(stopping, 0.5)
                 continue
             with log_file.open("ab") as out:
                 self.process = await asyncio.create_subprocess_exec(
@@ -202,7 +184,7 @@ class SiteGateway:
             log.error("%s (its log: %s)", self.message, log_file)
             if time.monotonic() - started > 60:
                 delay = 1.0
-            await _pause(stopping, delay)
+            await pause(stopping, delay)
             delay = min(delay * 2, 60.0)
 
     async def stop(self) -> None:
@@ -215,16 +197,3 @@ class SiteGateway:
         except TimeoutError:
             process.kill()
             await process.wait()
-
-
-async def _pause(stopping: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stopping.wait(), seconds)
-
-
-def reason(r: httpx.Response) -> str:
-    """The message of the fleet server's error answer (or the start of its body)."""
-    try:
-        return str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return r.text[:200]

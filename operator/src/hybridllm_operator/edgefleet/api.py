@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -144,12 +145,10 @@ class DeviceAPI:
             return answers.error(403, f"device {device.name} awaits approval (hybridllm fleet approve "
                                f"{device.name} -n {self.server.namespace})", "not_approved",
                           **{"Retry-After": "10"})  # fmt: skip
-        try:
-            wait = min(float(request.query.get("wait", "0")), MAX_WAIT_S)
-        except ValueError:
-            return answers.error(400, "wait must be a number of seconds", "invalid_wait")
-        have = request.headers.get("If-None-Match", "").strip('"')
-        deadline = time.monotonic() + max(0.0, wait)
+        polled = _long_poll(request)
+        if isinstance(polled, web.Response):
+            return polled
+        deadline, have = polled
         while True:
             fleet = self.server.fleets.get(device.fleet)
             if fleet is None or fleet.spec is None:
@@ -181,12 +180,10 @@ class DeviceAPI:
         if not device.approved:
             return answers.error(403, f"device {device.name} awaits approval", "not_approved",
                                  **{"Retry-After": "10"})  # fmt: skip
-        try:
-            wait = min(float(request.query.get("wait", "0")), MAX_WAIT_S)
-        except ValueError:
-            return answers.error(400, "wait must be a number of seconds", "invalid_wait")
-        have = request.headers.get("If-None-Match", "").strip('"')
-        deadline = time.monotonic() + max(0.0, wait)
+        polled = _long_poll(request)
+        if isinstance(polled, web.Response):
+            return polled
+        deadline, have = polled
         while True:
             fleet = self.server.fleets.get(device.fleet)
             if fleet is None or fleet.spec is None:
@@ -270,6 +267,19 @@ class DeviceAPI:
             out["configVersion"] = want.version if want else None
             out["heartbeatSeconds"] = max(3, fleet.spec.heartbeat_timeout_seconds // 3)
         return web.json_response(out)
+
+
+def _long_poll(request: web.Request) -> tuple[float, str] | web.Response:
+    """A long poll's deadline (``?wait``, at most MAX_WAIT_S) and the version the caller
+    has (``If-None-Match``), or the 400 for a bad wait."""
+    try:
+        wait = min(float(request.query.get("wait", "0")), MAX_WAIT_S)
+    except ValueError:
+        return answers.error(400, "wait must be a number of seconds", "invalid_wait")
+    if not math.isfinite(wait):
+        return answers.error(400, "wait must be a finite number of seconds", "invalid_wait")
+    have = request.headers.get("If-None-Match", "").strip('"')
+    return time.monotonic() + max(0.0, wait), have
 
 
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {

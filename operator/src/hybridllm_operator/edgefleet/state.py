@@ -12,6 +12,7 @@ assignment says, and that config as a signed document.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -224,16 +225,9 @@ class FleetState:
     def content(self, fleet: Fleet) -> tuple[dict[str, Any] | None, str | None]:
         """What the fleet's devices should run, from its LLMService, or why there is none."""
         assert fleet.spec is not None
-        obj = self.services.get(fleet.spec.service)
-        if obj is None:
-            return None, f"LLMService {fleet.spec.service} not found"
-        try:
-            spec = crd.parse_spec(fleet.spec.service, dict(obj.get("spec") or {}))
-        except crd.InvalidSpec as exc:
-            return None, f"LLMService {fleet.spec.service} is invalid: {exc}"
-        raw_rollout = (obj.get("status") or {}).get("rollout")
-        state = crd.RolloutStatus.model_validate(raw_rollout) if raw_rollout else None
-        service = builders.Service(fleet.spec.service, self.namespace, "", spec, rollout=state)
+        service, why = self._service(fleet)
+        if service is None:
+            return None, why
         target = waves.devices_target(service)
         if target.model.sha256 is None:
             return None, (
@@ -250,13 +244,9 @@ class FleetState:
         routes as the cloud gateway does, from nearer."""
         assert fleet.spec is not None
         assert fleet.spec.sites is not None
-        obj = self.services.get(fleet.spec.service)
-        if obj is None:
-            return None, f"LLMService {fleet.spec.service} not found"
-        try:
-            spec = crd.parse_spec(fleet.spec.service, dict(obj.get("spec") or {}))
-        except crd.InvalidSpec as exc:
-            return None, f"LLMService {fleet.spec.service} is invalid: {exc}"
+        service, why = self._service(fleet)
+        if service is None:
+            return None, why
         if fleet.key is None:
             return None, f"fleet {fleet.name} has no signing key yet"
         label, timeout = fleet.spec.sites.label, fleet.spec.heartbeat_timeout_seconds
@@ -276,11 +266,7 @@ class FleetState:
                     fleet.device_ca(self.namespace)))  # fmt: skip
             else:  # the fleet allows plain-http endpoints (spec.enrollment)
                 rows.append(builders.ServingDevice(url, revision))
-        raw_rollout = (obj.get("status") or {}).get("rollout")
-        state = crd.RolloutStatus.model_validate(raw_rollout) if raw_rollout else None
-        service = builders.Service(
-            fleet.spec.service, self.namespace, "", spec, rollout=state, devices=tuple(sorted(rows))
-        )
+        service = dataclasses.replace(service, devices=tuple(sorted(rows)))
         table = builders.routing_config(service, {"cloud": [fleet.spec.sites.cloud_url]})
         table["tiers"]["cloud"]["remote"] = True  # across the WAN from the site
         return table, ""
@@ -308,6 +294,21 @@ class FleetState:
             "table": table,
         }
         return signing.sign_document(payload, fleet.key)
+
+    def _service(self, fleet: Fleet) -> tuple[builders.Service | None, str]:
+        """The fleet's LLMService as the builders take it (its rollout's state included),
+        or why there is none."""
+        assert fleet.spec is not None
+        obj = self.services.get(fleet.spec.service)
+        if obj is None:
+            return None, f"LLMService {fleet.spec.service} not found"
+        try:
+            spec = crd.parse_spec(fleet.spec.service, dict(obj.get("spec") or {}))
+        except crd.InvalidSpec as exc:
+            return None, f"LLMService {fleet.spec.service} is invalid: {exc}"
+        raw_rollout = (obj.get("status") or {}).get("rollout")
+        state = crd.RolloutStatus.model_validate(raw_rollout) if raw_rollout else None
+        return builders.Service(fleet.spec.service, self.namespace, "", spec, rollout=state), ""
 
     def desired(self, fleet: Fleet, device: Device) -> crd.FleetConfig | None:
         view = waves.DeviceView(
