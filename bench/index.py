@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -570,6 +571,36 @@ def autoscaling_servegen(r: Results) -> Headline:
     )
 
 
+def autoscaling_capacity(r: Results) -> Headline:
+    d = r.json("autoscaling-capacity.json")
+    c, m = d["capacity"], d["measured"]
+    prof = c["profile"]
+    cells, goals = [], []
+    for label, row in c["services"].items():
+        got, twin = row["learned"], label.removesuffix("+auto")
+        if got is None:
+            cells.append(f"{label}: not learned")
+            goals.append((f"{label} learned", False))
+            continue
+        pre, dec = got["prefill"] / prof["prefill"], got["decode"] / prof["decode"]
+        a, b = m[label], m[twin]
+        band = 1.96 * math.sqrt(
+            a["slo_attainment"] * (1 - a["slo_attainment"]) / max(a["requests"], 1)
+            + b["slo_attainment"] * (1 - b["slo_attainment"]) / max(b["requests"], 1)
+        )
+        cells.append(
+            f"{label}: learned prefill {x(pre)} and decode {x(dec)} of `hybridllm profile`'s; "
+            f"SLO attainment {pct(a['slo_attainment'])} (typed twin {pct(b['slo_attainment'])}), "
+            f"replica-seconds {x(a['replica_seconds'] / b['replica_seconds'])} the twin's"
+        )
+        goals += [
+            ("learned within 15%", abs(pre - 1) <= 0.15 and abs(dec - 1) <= 0.15),
+            ("SLO within the band",
+             abs(a["slo_attainment"] - b["slo_attainment"]) <= max(band, 0.005)),
+        ]  # fmt: skip
+    return Headline("; ".join(cells), verdict(goals))
+
+
 def autoscaling_operator(r: Results) -> Headline:
     d = r.json("autoscaling-operator.json")
     rise, day = d["rises"][-1], d["days"][-1]
@@ -1067,6 +1098,18 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         "",
         autoscaling_servegen,
         short="autoscaling, closed loop, ServeGen",
+    ),
+    Experiment(
+        "autoscaling, closed loop: capacity learned (`capacity` left out) against capacity "
+        "typed from `hybridllm profile`, on serial-prefill replicas",
+        "uv run python bench/autoscaling/replay.py --replica engine --slots 8 --peak-rps 6 "
+        "--days 2 --modes reactive,reactive+auto",
+        ("autoscaling-capacity.md",),
+        "the same service with `hybridllm profile`'s figures typed into `capacity`",
+        "learned within 15% of the profile's figures; SLO attainment and replica-seconds within "
+        "the noise of the typed twin (#52)",
+        autoscaling_capacity,
+        short="autoscaling, capacity learned vs typed",
     ),
     Experiment(
         "autoscaling in a cluster: the operator on a real control plane (kwok pods) and a real "

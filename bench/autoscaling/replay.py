@@ -38,7 +38,7 @@ learning service's SLO attainment and replica-seconds beside its twin's.
 
     uv run python bench/autoscaling/replay.py       # ~33 min: 3 days of 600 s
     # writes bench/results/autoscaling-replay.{md,json,png}
-    uv run python bench/autoscaling/replay.py --replica engine --slots 8 --peak-rps 12 \
+    uv run python bench/autoscaling/replay.py --replica engine --slots 8 --peak-rps 6 \
         --days 2 --modes reactive,reactive+auto                # ~22 min
     # writes bench/results/autoscaling-capacity.{md,json,png}
 """
