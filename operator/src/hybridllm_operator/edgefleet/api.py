@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from hybridllm_common import device_tls, signing
 from hybridllm_operator.edgefleet import answers
 from hybridllm_operator.edgefleet.enroll import EnrollAPI
-from hybridllm_operator.edgefleet.records import Device
+from hybridllm_operator.edgefleet.records import Device, Fleet
 
 if TYPE_CHECKING:
     from hybridllm_operator.edgefleet.server import FleetServer
@@ -136,7 +136,9 @@ class DeviceAPI:
             return answers.error(404, f"fleet {device.fleet} is gone", "unknown_fleet")
         return web.json_response(answers.identity(self.server, fleet, device))
 
-    async def config(self, request: web.Request) -> web.Response:
+    async def _start_poll(self, request: web.Request) -> tuple[Device, float, str] | web.Response:
+        """A long poll's caller, authenticated and approved, with its deadline and the
+        version it has; or the refusal."""
         device, refused = await self._authenticate(request, b"")
         if refused is not None:
             return refused
@@ -148,71 +150,78 @@ class DeviceAPI:
         polled = _long_poll(request)
         if isinstance(polled, web.Response):
             return polled
-        deadline, have = polled
+        return device, *polled
+
+    async def _poll(
+        self,
+        request: web.Request,
+        look: Callable[[Device, Fleet, str], tuple[web.Response | None, str]],
+        recheck_s: float = MAX_WAIT_S,
+    ) -> web.Response:
+        """A long poll: ``look(device, fleet, have)`` gives the answer to send now, or None
+        and the version the caller already has; then it waits for the fleet to change (or
+        ``recheck_s``) until the caller's ``?wait`` is up (304)."""
+        started = await self._start_poll(request)
+        if isinstance(started, web.Response):
+            return started
+        device, deadline, have = started
         while True:
             fleet = self.server.fleets.get(device.fleet)
             if fleet is None or fleet.spec is None:
                 return answers.error(
                     404, f"fleet {device.fleet} is gone or invalid", "unknown_fleet"
                 )
+            answer, version = look(device, fleet, have)
+            if answer is not None:
+                return answer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return web.Response(status=304, headers={"ETag": f'"{version}"'})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fleet.changed.wait(), min(left, recheck_s))
+
+    async def config(self, request: web.Request) -> web.Response:
+        def look(device: Device, fleet: Fleet, have: str) -> tuple[web.Response | None, str]:
             want = self.server.state.desired(fleet, device)
             if want is None or fleet.key is None:
                 why = self.server.state.content(fleet)[1] or "the fleet has no config yet"
-                return answers.error(503, why, "no_config", **{"Retry-After": "10"})
+                return answers.error(503, why, "no_config", **{"Retry-After": "10"}), ""
             if str(want.version) != have:
                 return web.json_response(
                     self.server.state.document(fleet, device, want),
                     headers={"ETag": f'"{want.version}"'},
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return web.Response(status=304, headers={"ETag": f'"{want.version}"'})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fleet.changed.wait(), left)
+                ), ""  # fmt: skip
+            return None, str(want.version)
+
+        return await self._poll(request, look)
 
     async def site_routing(self, request: web.Request) -> web.Response:
         """The routing table of the device's site, signed, for the site gateway the device
         runs (docs/sites.md); long poll like the config (``If-None-Match``, ``?wait``)."""
-        device, refused = await self._authenticate(request, b"")
-        if refused is not None:
-            return refused
-        assert device is not None
-        if not device.approved:
-            return answers.error(403, f"device {device.name} awaits approval", "not_approved",
-                                 **{"Retry-After": "10"})  # fmt: skip
-        polled = _long_poll(request)
-        if isinstance(polled, web.Response):
-            return polled
-        deadline, have = polled
-        while True:
-            fleet = self.server.fleets.get(device.fleet)
-            if fleet is None or fleet.spec is None:
-                return answers.error(
-                    404, f"fleet {device.fleet} is gone or invalid", "unknown_fleet"
-                )
+
+        def look(device: Device, fleet: Fleet, have: str) -> tuple[web.Response | None, str]:
+            assert fleet.spec is not None
             sites = fleet.spec.sites
             if sites is None:
                 return answers.error(404, f"fleet {fleet.name} declares no sites (spec.sites): "
-                                     "there is no site table to serve", "no_sites")  # fmt: skip
+                                     "there is no site table to serve", "no_sites"), ""  # fmt: skip
             site = device.labels.get(sites.label)
             if not site:
                 return answers.error(409, f"device {device.name} has no label {sites.label}: "
-                                     "it is at no site", "no_site")  # fmt: skip
+                                     "it is at no site", "no_site"), ""  # fmt: skip
             now = time.time()
             table, why = self.server.state.site_table(fleet, site, now)
             if table is None:
-                return answers.error(503, why, "no_table", **{"Retry-After": "10"})
+                return answers.error(503, why, "no_table", **{"Retry-After": "10"}), ""
             version = self.server.state.site_version(table)
             if version != have:
                 return web.json_response(
                     self.server.state.site_document(fleet, device, site, table, now),
                     headers={"ETag": f'"{version}"'},
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return web.Response(status=304, headers={"ETag": f'"{version}"'})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fleet.changed.wait(), min(left, SITE_RECHECK_S))
+                ), ""  # fmt: skip
+            return None, version
+
+        return await self._poll(request, look, SITE_RECHECK_S)
 
     async def certificate(self, request: web.Request) -> web.Response:
         """A TLS certificate for the device's own key, naming the device
