@@ -51,7 +51,7 @@ import httpx
 from hybridllm_common import signing
 from hybridllm_edge import agent_kpis, agent_runtime
 from hybridllm_edge.agent_kpis import Kpis
-from hybridllm_edge.agent_poll import LongPoll, pause
+from hybridllm_edge.agent_poll import LongPoll, Rejected, open_document, pause
 from hybridllm_edge.agent_poll import reason as _reason
 from hybridllm_edge.agent_runtime import START_ERRORS, Runtime, serving_part
 from hybridllm_edge.agent_runtime import runtime_command as runtime_command  # named here too
@@ -65,11 +65,6 @@ KEY = "device.key"
 CURRENT = "config.json"  # the last config accepted (running, or failed: see failed.json)
 LAST_GOOD = "last-good.json"  # the last config that passed its health check and served
 FAILED = "failed.json"
-CLOCK_SKEW_S = 300.0
-
-
-class Rejected(ValueError):
-    """A config document the agent refuses; the message says why."""
 
 
 def check_document(
@@ -80,22 +75,11 @@ def check_document(
     now: float,
 ) -> dict[str, Any]:
     """The payload of a config the agent may apply, or Rejected naming what is wrong."""
-    try:
-        payload = signing.open_document(envelope, fleet_key)
-    except signing.SignatureError as exc:
-        raise Rejected(f"tampered or foreign: {exc}") from None
-    if payload.get("kind") != "EdgeDeviceConfig":
-        raise Rejected(f"not a device config (kind {payload.get('kind')!r})")
-    for key in ("namespace", "fleet", "device"):
-        if payload.get(key) != identity.get(key):
-            raise Rejected(f"for {key} {payload.get(key)!r}, this device is {identity.get(key)!r}")
-    version, expires = payload.get("version"), payload.get("expiresAt")
-    if not isinstance(version, int) or not isinstance(expires, int | float):
+    payload = open_document(envelope, fleet_key, "EdgeDeviceConfig", "device config",
+                            identity, now)  # fmt: skip
+    version = payload["version"]
+    if not isinstance(version, int):
         raise Rejected("version or expiresAt missing")
-    if expires < now:
-        raise Rejected(f"expired {now - expires:.0f} s ago (version {version})")
-    if float(payload.get("issuedAt", 0)) > now + CLOCK_SKEW_S:
-        raise Rejected("issued in the future: check the device's clock")
     if version < running_version:
         raise Rejected(f"version {version} is older than the running {running_version} (replayed)")
     model = payload.get("model") or {}

@@ -1,6 +1,7 @@
-"""The agent's long polls of the fleet server (its config, its site's routing table): one
-call at a time with ``If-None-Match`` and ``?wait``, backing off while the server cannot be
-reached and waiting out a refusal's ``Retry-After``."""
+"""What the agent takes from the fleet server (its config, its site's routing table): the
+long polls (one call at a time with ``If-None-Match`` and ``?wait``, backing off while the
+server cannot be reached and waiting out a refusal's ``Retry-After``) and the checks every
+signed document passes before it is used."""
 
 from __future__ import annotations
 
@@ -8,13 +9,48 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
+
+from hybridllm_common import signing
 
 log = logging.getLogger("hybridllm_edge.agent")
 
 Call = Callable[..., Awaitable[httpx.Response]]
 MAX_BACKOFF_S = 60.0
+CLOCK_SKEW_S = 300.0
+
+
+class Rejected(ValueError):
+    """A document the agent refuses; the message says why."""
+
+
+def open_document(
+    envelope: Any, fleet_key: Any, kind: str, what: str, identity: dict[str, Any], now: float,
+    check_expiry: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The payload of a signed document of ``kind`` for this device, or Rejected naming
+    what is wrong: a signature not by the pinned fleet key, another kind, device, fleet or
+    namespace, no version or expiry, expired (unless ``check_expiry`` is off: a last good
+    one from disk), or issued in the future."""
+    try:
+        payload: dict[str, Any] = signing.open_document(envelope, fleet_key)
+    except signing.SignatureError as exc:
+        raise Rejected(f"tampered or foreign: {exc}") from None
+    if payload.get("kind") != kind:
+        raise Rejected(f"not a {what} (kind {payload.get('kind')!r})")
+    for key in ("namespace", "fleet", "device"):
+        if payload.get(key) != identity.get(key):
+            raise Rejected(f"for {key} {payload.get(key)!r}, this device is {identity.get(key)!r}")
+    version, expires = payload.get("version"), payload.get("expiresAt")
+    if not isinstance(version, int | str) or not isinstance(expires, int | float):
+        raise Rejected("version or expiresAt missing")
+    if check_expiry and expires < now:
+        raise Rejected(f"expired {now - expires:.0f} s ago (version {version})")
+    if float(payload.get("issuedAt", 0)) > now + CLOCK_SKEW_S:
+        raise Rejected("issued in the future: check the device's clock")
+    return payload
 
 
 def reason(r: httpx.Response) -> str:

@@ -29,8 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridllm_common import signing
-from hybridllm_edge.agent_poll import Call, LongPoll, pause
+from hybridllm_edge.agent_poll import Call, LongPoll, Rejected, open_document, pause
 from hybridllm_edge.agent_tls import write_file
 
 log = logging.getLogger("hybridllm_edge.agent")
@@ -38,33 +37,16 @@ log = logging.getLogger("hybridllm_edge.agent")
 KIND = "SiteRoutingTable"
 SIGNED = "site-routing.signed.json"  # the last good document, as the server signed it
 TABLE = "site-routing.json"  # its table: what the gateway reads (and reloads)
-CLOCK_SKEW_S = 300.0
 STOP_GRACE_S = 10.0
-
-
-class Rejected(ValueError):
-    """A site table the agent refuses; the message says why."""
 
 
 def check_site_document(envelope: Any, fleet_key: Any, identity: dict[str, Any], now: float,
                         check_expiry: bool = True) -> dict[str, Any]:  # fmt: skip
     """The payload of a site table the gateway may use, or Rejected naming what is wrong."""
-    try:
-        payload = signing.open_document(envelope, fleet_key)
-    except signing.SignatureError as exc:
-        raise Rejected(f"tampered or foreign: {exc}") from None
-    if payload.get("kind") != KIND:
-        raise Rejected(f"not a site routing table (kind {payload.get('kind')!r})")
-    for key in ("namespace", "fleet", "device"):
-        if payload.get(key) != identity.get(key):
-            raise Rejected(f"for {key} {payload.get(key)!r}, this device is {identity.get(key)!r}")
-    expires = payload.get("expiresAt")
-    if not isinstance(expires, int | float) or not isinstance(payload.get("version"), str):
+    payload = open_document(envelope, fleet_key, KIND, "site routing table", identity, now,
+                            check_expiry)  # fmt: skip
+    if not isinstance(payload["version"], str):
         raise Rejected("version or expiresAt missing")
-    if check_expiry and expires < now:
-        raise Rejected(f"expired {now - expires:.0f} s ago")
-    if float(payload.get("issuedAt", 0)) > now + CLOCK_SKEW_S:
-        raise Rejected("issued in the future: check the device's clock")
     table = payload.get("table")
     if not isinstance(table, dict) or not isinstance(table.get("tiers"), dict):
         raise Rejected("no routing table in it")
