@@ -85,11 +85,21 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     took, warm = config.stash[_verdict]
     state = "warm" if warm else "cold: models converted during the run, not held to it"
     line = f"::phase tests budget: {took:.0f} s of {BUDGET_S:.0f} s ({state})"
+    reports = [r for key in ("passed", "failed", "skipped", "error")
+               for r in terminalreporter.stats.get(key, []) if hasattr(r, "duration")]  # fmt: skip
+    # each worker's busy seconds: the larger is the run's critical path, the place to cut
+    busy: dict[str, float] = {}
+    for r in reports:
+        worker = getattr(getattr(r, "node", None), "gateway", None)
+        busy[getattr(worker, "id", "main")] = (
+            busy.get(getattr(worker, "id", "main"), 0.0) + r.duration
+        )
+    terminalreporter.write_line("::phase tests busy: " + ", ".join(
+        f"{w} {s:.0f} s" for w, s in sorted(busy.items())
+    ))  # fmt: skip
     if not (warm and took > BUDGET_S):
         terminalreporter.write_line(line)
         return
-    reports = [r for key in ("passed", "failed", "skipped", "error")
-               for r in terminalreporter.stats.get(key, []) if hasattr(r, "duration")]  # fmt: skip
     slowest = sorted(reports, key=lambda r: r.duration, reverse=True)[:15]
     terminalreporter.section("TEST BUDGET EXCEEDED", sep="!", red=True, bold=True)
     terminalreporter.write_line(
@@ -165,6 +175,31 @@ def _module(item: pytest.Item) -> str:
 def _uses_cluster(item: pytest.Item) -> bool:
     uses = set(getattr(item, "fixturenames", ()))
     return bool(uses & CLUSTER_FIXTURES) or item.get_closest_marker("k8s") is not None
+
+
+LOG_TAIL_LINES = 40
+LOG_TAIL_BYTES = 60_000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that ran processes shows the end of each log they wrote in its
+    ``tmp_path`` (the agents', the fleet server's, the operator's...): a failure in CI is
+    read from that report alone, whose temporary folders are gone with the machine."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when != "call" or not report.failed or not isinstance(tmp, Path):
+        return
+    left = LOG_TAIL_BYTES
+    for log in sorted(tmp.glob("**/*.log"), key=lambda p: p.stat().st_mtime)[-20:]:
+        with contextlib.suppress(OSError):
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            text = "\n".join(lines)[-left:]
+            left -= len(text)
+            report.sections.append((f"log tail {log.relative_to(tmp)}", text))
+        if left <= 0:
+            break
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids

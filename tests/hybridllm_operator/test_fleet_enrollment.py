@@ -4,9 +4,11 @@ itself, on the real control plane, is walked in test_k8s_fleet_replicas.py."""
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 
-from hybridllm_common import crd
+from hybridllm_common import cli, crd
 from hybridllm_operator.edgefleet import enrollment
 
 
@@ -27,6 +29,18 @@ def test_a_bootstrap_secret_is_read_strictly_and_written_back_the_same() -> None
     ):
         with pytest.raises(enrollment.EnrollmentError, match=problem):
             enrollment.BootstrapToken.from_secret(data)
+
+
+def test_a_new_token_is_read_as_the_agents_token_even_when_its_random_part_starts_with_a_dash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: "-" + "x" * 42)
+    token = enrollment.new_token()
+    assert token.startswith(enrollment.TOKEN_PREFIX)
+    args = cli.build_parser("edge").parse_args(
+        ["edge", "agent", "--server", "https://fleet:8443", "--fleet", "shops", "--token", token]
+    )  # a token read as an option would exit here ("expected one argument")
+    assert args.token == token
 
 
 def test_ttls_labels_and_expiry() -> None:

@@ -22,6 +22,7 @@ import base64
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -138,18 +139,27 @@ class Routing:
         self.thread.join(timeout=30)
 
 
+def _port_pair() -> int:
+    """A port whose next is free too (the agent alternates its runtime between them), below
+    the kernel's ephemeral range: a port from that range (a free port's) may be taken by any
+    outgoing connection before the agent binds it, which failed a rollout once."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(max(1024, low - 12_000), low - 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
 class Agent:
     def __init__(
         self, name: str, site: str, tmp: Path, server: str, token: str, ca: Path, *extra: str
     ) -> None:
-        self.name, self.port = name, _free_port()
-        while True:  # the agent alternates between port and port + 1
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", self.port + 1))
-                break
-            except OSError:
-                self.port = _free_port()
+        self.name, self.port = name, _port_pair()
         self.state, self.log = tmp / name, tmp / f"{name}.log"
         self.argv = [
             *CLI, "edge", "agent", "--server", server, "--fleet", "shops", "--name", name,

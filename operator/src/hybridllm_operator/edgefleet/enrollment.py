@@ -46,8 +46,14 @@ class Expired(EnrollmentError):
     """A credential past its expiry."""
 
 
+# Every token made here starts with this: never with '-' (of URL-safe base64's 64 letters,
+# one made a token in 64 an option to `hybridllm edge agent --token $TOKEN`, which then
+# refused to start), and a secret scanner can tell a leaked fleet token by it.
+TOKEN_PREFIX = "hlf_"
+
+
 def new_token() -> str:
-    return secrets.token_urlsafe(TOKEN_BYTES)
+    return TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
 
 
 def token_sha256(token: str) -> str:
