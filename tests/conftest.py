@@ -87,13 +87,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     line = f"::phase tests budget: {took:.0f} s of {BUDGET_S:.0f} s ({state})"
     reports = [r for key in ("passed", "failed", "skipped", "error")
                for r in terminalreporter.stats.get(key, []) if hasattr(r, "duration")]  # fmt: skip
-    # each worker's busy seconds: the larger is the run's critical path, the place to cut
+    # each worker's busy seconds (set-ups and teardowns too): the larger is the run's
+    # critical path, the place to cut
     busy: dict[str, float] = {}
-    for r in reports:
-        worker = getattr(getattr(r, "node", None), "gateway", None)
-        busy[getattr(worker, "id", "main")] = (
-            busy.get(getattr(worker, "id", "main"), 0.0) + r.duration
-        )
+    for r in reports + [r for r in terminalreporter.stats.get("", []) if hasattr(r, "duration")]:
+        worker = str(getattr(r, "worker_id", None) or "main")
+        busy[worker] = busy.get(worker, 0.0) + r.duration
     terminalreporter.write_line("::phase tests busy: " + ", ".join(
         f"{w} {s:.0f} s" for w, s in sorted(busy.items())
     ))  # fmt: skip

@@ -138,3 +138,41 @@ def test_a_site_table_is_the_devices_own_signed_and_current_or_refused(
     for bad in ("8080", "host:", "host:99999"):
         with pytest.raises(ValueError, match="expected HOST:PORT"):
             agent_site.parse_listen(bad)
+
+
+def test_stranded_demand_is_kept_by_the_minute_through_a_restart_until_a_heartbeat_lands(
+    tmp_path: Any,
+) -> None:
+    """The site gateway's stranded counters, read every few seconds, become minutes; the
+    closed ones ride the heartbeats (oldest first, a bounded number) and leave the ledger
+    only once one was answered; the ledger is on disk; a restarted gateway counts from 0."""
+    from hybridllm_common import metrics as names
+    from hybridllm_edge import agent_stranded
+
+    page = (
+        f'{names.GATEWAY_STRANDED_PROMPT_TOKENS_TOTAL}{{tier="cloud"}} %s\n'
+        f'{names.GATEWAY_STRANDED_PROMPT_TOKENS_TOTAL}{{tier="edge"}} 99\n'
+        f'{names.GATEWAY_STRANDED_COMPLETION_TOKENS_TOTAL}{{tier="cloud"}} %s\n'
+    )
+    assert agent_stranded.read_counters(page % (120, 8)) == (120.0, 8.0)
+    ledger = agent_stranded.StrandedLedger(tmp_path)
+    t = 6000.0  # a minute's start
+    ledger.observe((0.0, 0.0), t + 5)  # the cut has not begun
+    ledger.observe((100.0, 10.0), t + 15)
+    ledger.observe((150.0, 12.0), t + 65)  # the next minute
+    sent = ledger.due(t + 70)
+    assert sent == [[6000, 100.0, 10.0], [6060, 50.0, 2.0]]  # 6060's minute so far
+    ledger.taken(sent, t + 70)  # answered: the closed minute is the server's, not the open one
+    assert ledger.due(t + 70) == [[6060, 50.0, 2.0]]
+    ledger = agent_stranded.StrandedLedger(tmp_path)  # the agent restarted: the gateway too
+    ledger.observe((30.0, 1.0), t + 75)  # counted from zero again
+    sent = ledger.due(t + 130)
+    assert sent == [[6060, 80.0, 3.0]]
+    ledger.taken(sent, t + 130)
+    assert agent_stranded.StrandedLedger(tmp_path).due(t + 130) == []
+    ledger = agent_stranded.StrandedLedger(tmp_path)
+    for i in range(agent_stranded.PER_HEARTBEAT + 5):  # a long cut: minutes past one heartbeat
+        ledger.observe((i + 1, 1.0), t + 120 + 60 * i)
+    assert len(ledger.due(t + 10**5)) == agent_stranded.PER_HEARTBEAT
+    ledger.observe((10**6, 1.0), t + 120 + agent_stranded.crd.STRANDED_KEEP_S)
+    assert min(s for s, *_ in ledger.due(t + 10**6)) >= t + 120  # a day later: the old dropped

@@ -168,32 +168,38 @@ def test_scrapes_keep_one_connection_per_gateway_and_a_refusal_is_an_error(procs
         demand.scrape(url)
 
 
-def test_offered_completion_estimate_is_the_recent_mean_capped_by_max_tokens_times_n():
+def test_offered_and_stranded_completion_estimates_are_the_recent_mean_capped_by_max_tokens_times_n():
     from prometheus_client import CollectorRegistry, Counter
 
     from hybridllm_gateway.metrics import OfferedDemand, completion_cap
 
     r = CollectorRegistry()
     offered = OfferedDemand(
-        Counter("p", "p", ["tier"], registry=r), Counter("c", "c", ["tier"], registry=r), window=4
+        *(Counter(n, n, ["tier"], registry=r) for n in ("p", "c", "sp", "sc")), window=4
     )
 
-    def completion() -> float:
-        return r.get_sample_value("c_total", {"tier": "cloud"}) or 0.0
+    def completion(name: str = "c") -> float:
+        return r.get_sample_value(f"{name}_total", {"tier": "cloud"}) or 0.0
 
     offered.offer("cloud", 5, None)
     offered.offer("cloud", 5, 2)
-    assert completion() == 0.0  # no answer yet: held until one gives the mean
+    offered.offer("cloud", 3, None)  # then refused: the cloud unreachable from here
+    offered.strand("cloud", 3, None)
+    assert completion() == completion("sc") == 0.0  # no answer yet: held until one gives the mean
     offered.answered("cloud", 10)
-    assert completion() == 10.0 + 2.0  # mean 10; the second capped at 2
+    assert completion() == 10.0 + 2.0 + 10.0  # mean 10; the second capped at 2
+    assert completion("sc") == 10.0  # the stranded one: counted again, as stranded
+    assert r.get_sample_value("sp_total", {"tier": "cloud"}) == 3.0
+    offered.strand("cloud", 4, 1)
+    assert completion("sc") == 11.0
     for tokens in (20, 20, 20, 20):  # the window keeps the last four: the 10 drops out
         offered.answered("cloud", tokens)
     offered.offer("cloud", 5, None)
-    assert completion() == 12.0 + 20.0
+    assert completion() == 22.0 + 20.0
     offered.answered("edge", 7)  # another tier's answers are not this tier's mean
     offered.offer("cloud", 5, 64)
-    assert completion() == 52.0
-    assert r.get_sample_value("p_total", {"tier": "cloud"}) == 20.0
+    assert completion() == 62.0
+    assert r.get_sample_value("p_total", {"tier": "cloud"}) == 23.0
 
     assert completion_cap({"max_tokens": 8, "n": 3}) == 24
     assert completion_cap({"max_completion_tokens": 8, "max_tokens": 100}) == 8

@@ -62,6 +62,13 @@ def reachable(url: str) -> list[float]:
             if line.startswith(prefix)]  # fmt: skip
 
 
+def cloud_tokens(url: str, series: str) -> float:
+    """One of the site gateway's per-tier token counters, for the cloud tier."""
+    prefix = series + '{tier="cloud"} '
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return sum(float(line.removeprefix(prefix)) for line in lines if line.startswith(prefix))
+
+
 def test_a_site_answers_from_its_edge_and_fails_fast_when_the_wan_is_cut(
     procs, table, tmp_path: Path
 ) -> None:
@@ -134,9 +141,20 @@ def test_a_site_answers_from_its_edge_and_fails_fast_when_the_wan_is_cut(
             while reachable(site.url) != [0.0]:  # a request sent now would wait out its timeout
                 assert time.monotonic() < deadline, reachable(site.url)
                 time.sleep(0.1)
+            # the huge one was sent before the cut: the cloud gateway counted it, not stranded
+            assert cloud_tokens(site.url, names.GATEWAY_STRANDED_PROMPT_TOKENS_TOTAL) == 0.0
+            offered = cloud_tokens(site.url, names.GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL)
             r, took = ask(long)
             assert r.status_code == 503
             assert r.json()["error"]["code"] == "tier_unreachable"
+            # offered, never sent: the demand the cloud's autoscaler hears of from the site
+            stranded = cloud_tokens(site.url, names.GATEWAY_STRANDED_PROMPT_TOKENS_TOTAL)
+            assert stranded > 2000
+            assert (
+                stranded
+                == cloud_tokens(site.url, names.GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL) - offered
+            )
+            assert cloud_tokens(site.url, names.GATEWAY_STRANDED_COMPLETION_TOKENS_TOTAL) == 4.0
             assert "the cloud tier is unreachable from this gateway" in r.json()["error"]["message"]
             assert across not in r.text  # no address in the message
             assert r.headers["Retry-After"] == "5"

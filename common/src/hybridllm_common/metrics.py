@@ -113,6 +113,12 @@ GATEWAY_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_completion_tokens_total"
 # mean of the tier's recent answers, capped by the request's max_tokens x n.
 GATEWAY_OFFERED_PROMPT_TOKENS_TOTAL = "hybridllm_gateway_offered_prompt_tokens_total"
 GATEWAY_OFFERED_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_offered_completion_tokens_total"
+# The part of that demand refused because its tier was unreachable from this gateway (a
+# site gateway while its WAN is down; label: tier): the tier's own gateways never saw it.
+# The site's agent sends it up in its heartbeats, back-dated to the minute it was offered,
+# and the autoscaler adds it to the tier's demand history (docs/sites.md).
+GATEWAY_STRANDED_PROMPT_TOKENS_TOTAL = "hybridllm_gateway_stranded_prompt_tokens_total"
+GATEWAY_STRANDED_COMPLETION_TOKENS_TOTAL = "hybridllm_gateway_stranded_completion_tokens_total"
 # Requests waiting for a replica of a tier scaled to zero (gauge), and those that found
 # none (counter): what wakes a pool at zero (label: tier).
 GATEWAY_HELD_REQUESTS = "hybridllm_gateway_held_requests"
@@ -172,6 +178,10 @@ FLEET_REVISION_TTFT_P95_SECONDS = "hybridllm_fleet_revision_ttft_p95_seconds"
 FLEET_PENDING_WRITES = "hybridllm_fleet_pending_writes"
 FLEET_REJECTED_TOTAL = "hybridllm_fleet_rejected_total"
 FLEET_HEARTBEAT_AGE_SECONDS = "hybridllm_fleet_heartbeat_age_seconds"  # label: quantile
+# Prompt tokens a site's gateways refused over the last day because the cloud tier was
+# unreachable from the site, as their agents reported once the WAN was back (labels:
+# fleet, site): how much a WAN cut cost a site (docs/sites.md)
+FLEET_SITE_STRANDED_PROMPT_TOKENS = "hybridllm_fleet_site_stranded_prompt_tokens"
 FLEET_API_WRITES_TOTAL = "hybridllm_fleet_api_writes_total"
 FLEET_LEADER = "hybridllm_fleet_leader"
 FLEET_DIGEST_DEVICES = "hybridllm_fleet_digest_devices"

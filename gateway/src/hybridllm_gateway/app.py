@@ -312,6 +312,17 @@ async def _handle(
         if outcome.delivered:
             account(outcome, outcome.num_chunks)
         raise
+    except APIError as exc:
+        reservation.settle(0)  # refused before any answer: nothing was generated
+        first = pools.get(request.get(router.ROUTE_TIER, ""))
+        if (
+            exc.code == oai.TIER_UNREACHABLE and not outcome.attempts
+            and first is not None and first.unreachable()
+        ):  # fmt: skip
+            # offered to a tier across a WAN that is down and never sent: the tier's own
+            # gateways never see it (one sent before the cut they counted on its arrival)
+            m.offered.strand(first.name, features.prompt_tokens, cap)
+        raise
     except BaseException:
         reservation.settle(0)  # refused or failed before any answer: nothing was generated
         raise

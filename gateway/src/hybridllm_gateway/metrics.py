@@ -105,6 +105,18 @@ class GatewayMetrics:
                 "recent answers (capped by max_tokens x n).",
                 ["tier"], registry=r,
             ),
+            Counter(
+                names.GATEWAY_STRANDED_PROMPT_TOKENS_TOTAL,
+                "Prompt tokens (estimated) offered to a tier and refused because the tier "
+                "was unreachable from this gateway.",
+                ["tier"], registry=r,
+            ),
+            Counter(
+                names.GATEWAY_STRANDED_COMPLETION_TOKENS_TOTAL,
+                "Completion tokens (estimated as offered ones are) offered to a tier and "
+                "refused because the tier was unreachable from this gateway.",
+                ["tier"], registry=r,
+            ),
         )  # fmt: skip
 
         self.held = Gauge(
@@ -180,6 +192,8 @@ class GatewayMetrics:
             self.completion_tokens.labels(tier=tier)
             self.offered.prompt.labels(tier=tier)
             self.offered.completion.labels(tier=tier)
+            self.offered.stranded_prompt.labels(tier=tier)
+            self.offered.stranded_completion.labels(tier=tier)
             self.outstanding.labels(tier=tier)
             self.ttft.labels(tier=tier)
             self.held.labels(tier=tier)
@@ -280,14 +294,23 @@ class OfferedDemand:
     the mean of the tier's last `OFFERED_WINDOW` answers and capped by the request's
     ``max_tokens`` x ``n``. A request that arrives before its tier has answered any is
     counted when the first answer gives the mean.
+
+    An offered request refused because its tier is unreachable from here (a site gateway
+    with its WAN down) is counted again, the same way, as *stranded*: the demand the tier's
+    own gateways never saw, which the site's agent sends up once the WAN is back.
     """
 
-    def __init__(self, prompt: Counter, completion: Counter, window: int = OFFERED_WINDOW):
+    def __init__(
+        self, prompt: Counter, completion: Counter, stranded_prompt: Counter,
+        stranded_completion: Counter, window: int = OFFERED_WINDOW,
+    ) -> None:  # fmt: skip
         self.prompt, self.completion = prompt, completion
+        self.stranded_prompt, self.stranded_completion = stranded_prompt, stranded_completion
         self.window = window
         self.recent: dict[str, deque[int]] = {}
         self.sums: dict[str, int] = {}
-        self.pending: dict[str, Tally[int | None]] = {}  # tier -> {cap: requests}
+        # (tier, completion counter) -> {cap: requests} not counted yet for want of a mean
+        self.pending: dict[tuple[str, Counter], Tally[int | None]] = {}
 
     def mean(self, tier: str) -> float | None:
         recent = self.recent.get(tier)
@@ -295,12 +318,21 @@ class OfferedDemand:
 
     def offer(self, tier: str, prompt_tokens: int, cap: int | None) -> None:
         """A request routed to ``tier``; ``cap`` bounds its completion tokens (None: none)."""
-        self.prompt.labels(tier=tier).inc(prompt_tokens)
+        self._count(tier, prompt_tokens, cap, self.prompt, self.completion)
+
+    def strand(self, tier: str, prompt_tokens: int, cap: int | None) -> None:
+        """An offered request refused because ``tier`` is unreachable from this gateway."""
+        self._count(tier, prompt_tokens, cap, self.stranded_prompt, self.stranded_completion)
+
+    def _count(
+        self, tier: str, prompt_tokens: int, cap: int | None, prompt: Counter, completion: Counter
+    ) -> None:
+        prompt.labels(tier=tier).inc(prompt_tokens)
         mean = self.mean(tier)
         if mean is None:
-            self.pending.setdefault(tier, Tally())[cap] += 1
+            self.pending.setdefault((tier, completion), Tally())[cap] += 1
         else:
-            self.completion.labels(tier=tier).inc(mean if cap is None else min(mean, cap))
+            completion.labels(tier=tier).inc(mean if cap is None else min(mean, cap))
 
     def answered(self, tier: str, completion_tokens: int) -> None:
         """A whole answer of ``tier`` (2xx) with its completion tokens."""
@@ -309,12 +341,13 @@ class OfferedDemand:
         self.sums[tier] = self.sums.get(tier, 0) + completion_tokens
         if len(recent) > self.window:
             self.sums[tier] -= recent.popleft()
-        pending = self.pending.pop(tier, None)
         mean = self.mean(tier)
-        if pending and mean is not None:
-            self.completion.labels(tier=tier).inc(
-                sum(n * (mean if cap is None else min(mean, cap)) for cap, n in pending.items())
-            )
+        for counter in (self.completion, self.stranded_completion):
+            pending = self.pending.pop((tier, counter), None)
+            if pending and mean is not None:
+                counter.labels(tier=tier).inc(
+                    sum(n * (mean if cap is None else min(mean, cap)) for cap, n in pending.items())
+                )
 
 
 STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",

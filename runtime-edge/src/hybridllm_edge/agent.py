@@ -349,10 +349,14 @@ class Agent:
 
     async def heartbeat(self) -> None:
         site = self.site
+        if site is not None:
+            await site.read_stranded()
+        sent_at = time.time()
+        stranded = site.stranded.due(sent_at) if site else []
         body = await agent_kpis.heartbeat_body(
             self.running, self.kpis, self.version, self.failed_version,
             "; ".join(m for m in (self.message, site.message if site else "") if m),
-            site.url if site else None,
+            site.url if site else None, stranded,
         )  # fmt: skip
         try:
             r = await self._call("POST", f"/v1/devices/{self.identity['device']}/heartbeat", body,
@@ -362,6 +366,8 @@ class Agent:
             return
         if r.status_code == 200:
             self.heartbeat_s = float(r.json().get("heartbeatSeconds") or self.heartbeat_s)
+            if site is not None:
+                site.stranded.taken(stranded, sent_at)  # the fleet server has them
         else:
             log.warning("heartbeat refused (%s): %s", r.status_code, _reason(r))
 
@@ -376,7 +382,10 @@ class Agent:
                 signing.public_key_from_text(self.identity["fleetPublicKey"]), self.identity
             )
         supervisor = asyncio.create_task(self.supervise())
-        tasks = [asyncio.create_task(site.supervise(self._stopping))] if site else []
+        tasks = [
+            asyncio.create_task(site.supervise(self._stopping)),
+            asyncio.create_task(site.count_stranded(self._stopping)),
+        ] if site else []  # fmt: skip
         try:
             enrolled = asyncio.create_task(self.enroll())
             await asyncio.wait([enrolled, asyncio.create_task(self._stopping.wait())],

@@ -71,10 +71,12 @@ async def heartbeat_body(
     failed_version: int | None,
     message: str,
     site_gateway: str | None = None,
+    stranded: list[list[float]] | None = None,
 ) -> bytes:
     """The heartbeat's JSON: the config running (or none), the one that failed, the agent's
-    message, the site gateway it runs (its address), and, from the running runtime, its
-    revision, endpoint, health and KPIs."""
+    message, the site gateway it runs (its address) and the minutes of demand it stranded
+    (``agent_stranded``), and, from the running runtime, its revision, endpoint, health and
+    KPIs."""
     report: dict[str, Any] = {
         "configVersion": version or None,
         "failedVersion": failed_version,
@@ -83,6 +85,8 @@ async def heartbeat_body(
     }
     if site_gateway:
         report["siteGateway"] = site_gateway
+    if stranded:
+        report["strandedDemand"] = stranded
     if running is not None:
         report["revision"] = running.payload["revision"]
         report["endpoint"] = running.url

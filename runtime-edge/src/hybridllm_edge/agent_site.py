@@ -29,7 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from hybridllm_edge.agent_poll import Call, LongPoll, Rejected, open_document, pause
+from hybridllm_edge.agent_stranded import SCRAPE_S, StrandedLedger, read_counters
 from hybridllm_edge.agent_tls import write_file
 
 log = logging.getLogger("hybridllm_edge.agent")
@@ -81,6 +84,7 @@ class SiteGateway:
         self.rejected = 0
         self.message = ""
         self.process: asyncio.subprocess.Process | None = None
+        self.stranded = StrandedLedger(state)
 
     @property
     def url(self) -> str | None:
@@ -136,6 +140,27 @@ class SiteGateway:
             edge = (payload["table"]["tiers"].get("edge") or {}).get("backends") or []
             log.info("site gateway: site %s table %s (%d edge backend(s))",
                      self.site, self.version, len(edge))  # fmt: skip
+
+    async def count_stranded(self, stopping: asyncio.Event) -> None:
+        """Read the gateway's stranded-demand counters into the ledger every SCRAPE_S (and
+        before each heartbeat: ``read_stranded``)."""
+        while not stopping.is_set():
+            await pause(stopping, SCRAPE_S)
+            await self.read_stranded()
+
+    async def read_stranded(self) -> None:
+        if self.url is None:
+            return
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                r = await http.get(f"http://{host}:{self.port}/metrics")
+            r.raise_for_status()
+            counters = read_counters(r.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("site gateway metrics not read: %s", exc)
+            return
+        self.stranded.observe(counters, time.time())
 
     def command(self) -> list[str]:
         return [

@@ -47,6 +47,8 @@ from hybridllm_common.crd.edgedevice import (
     EdgeDeviceStatus,
 )
 from hybridllm_common.crd.edgefleet import (
+    STRANDED_BIN_S,
+    STRANDED_KEEP_S,
     EdgeFleetSpec,
     EdgeFleetStatus,
     FleetConfig,
@@ -59,6 +61,7 @@ from hybridllm_common.crd.edgefleet import (
     HealthCheck,
     OfflineDevices,
     SiteStatus,
+    StrandedBin,
     WaveWindow,
 )
 from hybridllm_common.crd.policies import (
@@ -133,6 +136,8 @@ __all__ = [
     "GROUP",
     "MAX_SERVICE_NAME_LENGTH",
     "SCALING_MODES",
+    "STRANDED_BIN_S",
+    "STRANDED_KEEP_S",
     "VERDICT_FAIL",
     "VERDICT_INCONCLUSIVE",
     "VERDICT_NA",
@@ -202,6 +207,7 @@ __all__ = [
     "SLOSpec",
     "SessionAffinity",
     "SiteStatus",
+    "StrandedBin",
     "TierPrices",
     "WaveWindow",
     "cel",

@@ -344,6 +344,27 @@ class SiteStatus(_Model):
         max_length=64,
         description="Online devices serving the site's gateway (their reported address).",
     )
+    stranded_prompt_tokens: float = Field(
+        default=0.0,
+        ge=0,
+        description="Prompt tokens the site's gateways refused over the last day because the "
+        "cloud tier was unreachable from the site (reported once the WAN was back).",
+    )
+
+
+STRANDED_BIN_S = 60  # the minutes a site's stranded demand is counted in
+STRANDED_KEEP_S = 86_400  # how far back the fleet's status keeps it
+
+
+class StrandedBin(_Model):
+    """One minute of the demand the fleet's site gateways refused because the cloud tier
+    was unreachable from their site (``hybridllm_gateway_stranded_*_tokens_total``)."""
+
+    start: int = Field(ge=0, description="The minute's start, in Unix seconds.")
+    prompt_tokens: float = Field(ge=0, le=1e12, description="Prompt tokens offered (estimated).")
+    completion_tokens: float = Field(
+        ge=0, le=1e12, description="Completion tokens offered (estimated from recent answers)."
+    )
 
 
 class EdgeFleetStatus(_Model):
@@ -377,6 +398,16 @@ class EdgeFleetStatus(_Model):
     rollout: FleetRolloutStatus | None = Field(default=None, description="The fleet's rollout.")
     sites: list[SiteStatus] = Field(
         default_factory=list, max_length=1000, description="Each site (with spec.sites)."
+    )
+    stranded_demand: list[StrandedBin] = Field(
+        default_factory=list,
+        max_length=STRANDED_KEEP_S // STRANDED_BIN_S,
+        description=(
+            "The cloud-bound demand the sites' gateways refused while the cloud tier was "
+            "unreachable from them, by minute, over the last day (minutes with none left "
+            "out): their agents send it once the WAN is back, and the autoscaler of the "
+            "fleet's LLMService adds it to its cloud tier's demand history."
+        ),
     )
     rollout_summary: str | None = Field(default=None, description="Rollout, for kubectl get.")
     signing_key_id: str | None = Field(

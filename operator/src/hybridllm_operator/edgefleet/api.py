@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hybridllm_common import device_tls, signing
+from hybridllm_common import crd, device_tls, signing
 from hybridllm_operator.edgefleet import answers
 from hybridllm_operator.edgefleet.enroll import EnrollAPI
 from hybridllm_operator.edgefleet.records import Device, Fleet
@@ -294,7 +294,9 @@ def _long_poll(request: web.Request) -> tuple[float, str] | web.Response:
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "revision": (str,), "configVersion": (int,), "failedVersion": (int,), "healthy": (bool,),
     "endpoint": (str,), "message": (str,), "kpis": (dict,), "siteGateway": (str,),
+    "strandedDemand": (list,),
 }  # fmt: skip
+MAX_STRANDED_BINS = 240  # minutes of stranded demand one heartbeat may carry
 _KPIS = ("tokensPerSecond", "ttftP95Seconds", "errorRate", "queueDepth", "requests")
 
 
@@ -314,8 +316,35 @@ def check_report(report: dict[str, Any]) -> dict[str, Any]:
         if key in out and not re.match(r"^https?://[^\s/]+(:\d+)?/?$", out[key]):
             raise ValueError(f"{key} must be http(s)://host:port")
     out["message"] = out.get("message", "")[:512]
+    if "strandedDemand" in out:
+        out["strandedDemand"] = check_stranded(out["strandedDemand"], time.time())
     kpis = out.get("kpis") or {}
     for key, value in kpis.items():
         if key not in _KPIS or not isinstance(value, int | float) or isinstance(value, bool):
             raise ValueError(f"kpis.{key} is not a known number ({', '.join(_KPIS)})")
+    return out
+
+
+def check_stranded(bins: list[Any], now: float) -> list[tuple[int, float, float]]:
+    """A heartbeat's ``strandedDemand``: at most MAX_STRANDED_BINS minutes, each
+    ``[start, promptTokens, completionTokens]``, the start a whole minute of the last
+    ``crd.STRANDED_KEEP_S`` (the current one at most), the tokens finite and not negative."""
+    if len(bins) > MAX_STRANDED_BINS:
+        raise ValueError(f"strandedDemand has {len(bins)} minutes (at most {MAX_STRANDED_BINS})")
+    out = []
+    for i, item in enumerate(bins):
+        if (
+            not isinstance(item, list) or len(item) != 3
+            or any(isinstance(x, bool) or not isinstance(x, int | float) for x in item)
+        ):  # fmt: skip
+            raise ValueError(f"strandedDemand[{i}] is not [start, promptTokens, completionTokens]")
+        start, prompt, completion = item
+        if not float(start).is_integer() or int(start) % crd.STRANDED_BIN_S:
+            raise ValueError(f"strandedDemand[{i}]: start is not a whole minute")
+        if not now - crd.STRANDED_KEEP_S <= start <= now + crd.STRANDED_BIN_S:  # clock skew
+            raise ValueError(f"strandedDemand[{i}]: start is not in the last "
+                             f"{crd.STRANDED_KEEP_S // 3600} h")  # fmt: skip
+        if not all(math.isfinite(x) and 0 <= x <= 1e12 for x in (prompt, completion)):
+            raise ValueError(f"strandedDemand[{i}]: tokens must be finite, 0 to 1e12")
+        out.append((int(start), float(prompt), float(completion)))
     return out

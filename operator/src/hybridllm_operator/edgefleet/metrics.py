@@ -60,6 +60,12 @@ class Metrics:
             "Seconds since the online devices of a fleet last heartbeat: the median "
             "(quantile 0.5) and the oldest (quantile 1).", ["fleet", "quantile"], registry=r,
         )  # fmt: skip
+        self.site_stranded = Gauge(
+            names.FLEET_SITE_STRANDED_PROMPT_TOKENS,
+            "Prompt tokens a site's gateways refused over the last day because the cloud "
+            "tier was unreachable from the site (reported once the WAN was back).",
+            ["fleet", "site"], registry=r,
+        )  # fmt: skip
         self.leader = Gauge(
             names.FLEET_LEADER, "1 on the replica that holds the Lease (plans waves, writes "
             "records, exports the fleet's gauges), 0 on the others.", registry=r,

@@ -223,14 +223,18 @@ class StatusBuilder:
     def __init__(self, state: FleetState, metrics: Metrics) -> None:
         self.state, self.metrics = state, metrics
         self._kpi_revisions: dict[str, set[str]] = {}
+        self._sites: dict[str, set[str]] = {}  # each fleet's sites on /metrics
 
     def forget(self) -> None:
         """Hand-over: the new leader exports the gauges."""
         m = self.metrics
         for gauge in (m.devices, m.revision_devices, m.revision_tokens, m.revision_errors,
-                      m.revision_ttft, m.heartbeat_age):  # fmt: skip
+                      m.revision_ttft, m.heartbeat_age, m.site_stranded):  # fmt: skip
             gauge.clear()
         self._kpi_revisions.clear()
+        self._sites.clear()
+        for fleet in self.state.fleets.values():  # a next takeover starts from the status
+            fleet.stranded = None
 
     def count(self, fleet: Fleet, st: crd.EdgeFleetStatus, now: float) -> None:
         assert fleet.spec is not None
@@ -258,7 +262,11 @@ class StatusBuilder:
             )
 
         st.ready_devices = sum(1 for d in online if ready(d))
+        st.stranded_demand = self.stranded(fleet, members, now)
         st.sites = []
+        stranded: dict[str, float] = {}  # device -> its prompt tokens stranded, last day
+        for (name, _), (prompt, _) in (fleet.stranded or {}).items():
+            stranded[name] = stranded.get(name, 0.0) + prompt
         if fleet.spec.sites is not None:  # each site: its devices, ready ones, gateways
             label, live = fleet.spec.sites.label, {d.name for d in online}
             for site in sorted({d.labels[label] for d in approved if d.labels.get(label)})[:1000]:
@@ -269,7 +277,9 @@ class StatusBuilder:
                     name=site, devices=len(here),
                     ready_devices=sum(1 for d in here if d.name in live and ready(d)),
                     gateways=sorted(gateways)[:64],
+                    stranded_prompt_tokens=round(sum(stranded.get(d.name, 0.0) for d in here), 3),
                 ))  # fmt: skip
+        self._site_gauges(fleet.name, st.sites)
         self._kpis(fleet.name, online)
         ages = [now - d.last_seen for d in online if d.last_seen is not None]
         st.oldest_heartbeat_seconds = round(max(ages), 1) if ages else None
@@ -284,6 +294,48 @@ class StatusBuilder:
             self.metrics.devices.labels(fleet=fleet.name, phase=phase.value).set(
                 sum(1 for d in members if d.status.get("phase") == phase.value)
             )
+
+    def stranded(self, fleet: Fleet, members: list[Device], now: float) -> list[crd.StrandedBin]:
+        """The minutes of demand the fleet's site gateways stranded (``strandedDemand`` in
+        their heartbeats), summed over devices. Folding is idempotent: a device's minute is
+        replaced, never added to, so a report read again (from a follower's digest) counts
+        once. A new leader starts from the status its predecessor wrote; a report it holds
+        from before (heard by the predecessor too) is taken as already in that status."""
+        if fleet.stranded is None:
+            fleet.stranded = {
+                ("", b.start): (b.prompt_tokens, b.completion_tokens)
+                for b in fleet.status.stranded_demand
+            }
+            fleet.stranded_folded = {d.name: d.heard_at or 0.0 for d in members}
+        for d in members:
+            heard = d.heard_at or 0.0
+            if heard <= fleet.stranded_folded.get(d.name, -1.0):
+                continue
+            fleet.stranded_folded[d.name] = heard
+            for start, prompt, completion in d.report.get("strandedDemand") or ():
+                fleet.stranded[(d.name, int(start))] = (float(prompt), float(completion))
+        oldest = now - crd.STRANDED_KEEP_S
+        for key in [k for k in fleet.stranded if k[1] < oldest]:
+            del fleet.stranded[key]
+        minutes: dict[int, list[float]] = {}
+        for (_, start), (prompt, completion) in fleet.stranded.items():
+            total = minutes.setdefault(start, [0.0, 0.0])
+            total[0] += prompt
+            total[1] += completion
+        return [
+            crd.StrandedBin(start=start, prompt_tokens=round(p, 3), completion_tokens=round(c, 3))
+            for start, (p, c) in sorted(minutes.items())
+            if p > 0 or c > 0
+        ][-(crd.STRANDED_KEEP_S // crd.STRANDED_BIN_S) :]
+
+    def _site_gauges(self, fleet: str, sites: list[crd.SiteStatus]) -> None:
+        gauge = self.metrics.site_stranded
+        for gone in self._sites.get(fleet, set()) - {s.name for s in sites}:
+            with contextlib.suppress(KeyError):
+                gauge.remove(fleet, gone)
+        for site in sites:
+            gauge.labels(fleet=fleet, site=site.name).set(site.stranded_prompt_tokens)
+        self._sites[fleet] = {s.name for s in sites}
 
     def _kpis(self, fleet: str, online: list[Device]) -> None:
         """The devices' heartbeat KPIs per revision, on /metrics (not in any record)."""

@@ -48,6 +48,11 @@ class Fleet:
     demand: dict[str, waves.DemandHistory] = field(default_factory=dict)
     sampled_at: float = 0.0
     handled_action: str | None = None  # the hand command acted on (until it is removed)
+    # the sites' stranded demand (`StatusBuilder.stranded`): (device, minute) -> (prompt,
+    # completion) tokens, "" for what an earlier leader wrote in the status; and the
+    # heartbeat of each device last folded in (its time)
+    stranded: dict[tuple[str, int], tuple[float, float]] | None = None
+    stranded_folded: dict[str, float] = field(default_factory=dict)
 
     def device_ca(self, namespace: str) -> str:
         """The fleet's CA certificate (``device_tls``), made once per signing key."""

@@ -179,12 +179,32 @@ PERSIST_EVERY_S = 60.0  # the autoscaler's state is saved at least this often wh
 
 def _demand_source(memo: kopf.Memo, state: ServiceState) -> demand.DemandSource:
     key = state.key
+    source: demand.DemandSource
     if memo.prometheus_url:
-        return demand.PrometheusDemand(
+        source = demand.PrometheusDemand(
             memo.prometheus_url, key[0], key[1], bin_s=memo.forecast_bin_s,
             rate_window_s=memo.rate_window_s, batch=memo.prometheus_batch,
         )  # fmt: skip
-    return demand.GatewayScrape(state.gateway_urls, bin_s=memo.forecast_bin_s)
+    else:
+        source = demand.GatewayScrape(state.gateway_urls, bin_s=memo.forecast_bin_s)
+    return demand.WithStranded(source, memo.forecast_bin_s, lambda: _stranded(memo, state))
+
+
+def _stranded(memo: kopf.Memo, state: ServiceState) -> list[demand.StrandedMinute]:
+    """The minutes of cloud-bound demand the sites of the service's EdgeFleet refused while
+    the cloud was unreachable from them (the fleet's status, as the fleet server wrote it)."""
+    spec = state.parsed[1] if state.parsed else None
+    devices = spec.edge.devices if spec is not None else None
+    if devices is None:
+        return []
+    status = memo.fleets.get((state.key[0], devices.fleet)) or {}
+    out = []
+    for b in status.get("strandedDemand") or ():
+        try:
+            out.append((int(b["start"]), float(b["promptTokens"]), float(b["completionTokens"])))
+        except (KeyError, TypeError, ValueError):
+            continue  # the CRD's schema admits none such; a hand-edited status is skipped
+    return out
 
 
 def _visible(scaling: Any) -> Any:

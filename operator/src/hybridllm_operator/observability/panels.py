@@ -432,6 +432,18 @@ FLEET = Dashboard(
             unit="s",
         ),
         Panel(
+            "Demand stranded at sites (last day)",
+            "Prompt tokens each site's gateways refused because the cloud tier was "
+            "unreachable from the site, over the last day, reported once its WAN was back.",
+            (
+                _q(
+                    f"sum by (site) ({n.FLEET_SITE_STRANDED_PROMPT_TOKENS}{{sel}})",
+                    "{{site}}",
+                    FLEET_SEL,
+                ),
+            ),
+        ),
+        Panel(
             "Tokens per second by revision",
             "What the online devices of each revision generate, summed.",
             (

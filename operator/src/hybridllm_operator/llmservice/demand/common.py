@@ -9,8 +9,8 @@ bins, and, per tier, why a value is missing. The series names and tiers are the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from hybridllm_common import metrics as names
 from hybridllm_common.speed import TierSpeed
@@ -51,6 +51,46 @@ class Snapshot:
 class DemandSource:
     def read(self, now_s: float) -> Snapshot:
         raise NotImplementedError
+
+
+StrandedMinute = tuple[int, float, float]  # (start s, prompt tokens, completion tokens)
+
+
+def add_stranded(
+    snapshot: Snapshot, bin_s: float, minutes: Iterable[StrandedMinute], width_s: float = 60.0
+) -> Snapshot:
+    """``snapshot`` with the demand a fleet's sites stranded (``EdgeFleet.status.
+    strandedDemand``: minutes of tokens refused at a site because the cloud tier was
+    unreachable from it) added to the cloud tier's history, each minute's tokens spread
+    over the bins it overlaps. Minutes outside the history change nothing; without a cloud
+    history there is nothing to add them to."""
+    bins = snapshot.bins.get("cloud")
+    if not bins:
+        return snapshot
+    out = [[p, c] for p, c in bins]
+    t0 = snapshot.bins_start_s
+    for start, prompt, completion in minutes:
+        end = start + width_s
+        first = max(0, int((start - t0) // bin_s))
+        for i in range(first, min(len(out), math.ceil((end - t0) / bin_s))):
+            lo, hi = t0 + i * bin_s, t0 + (i + 1) * bin_s
+            share = (min(hi, end) - max(lo, start)) / width_s
+            if share > 0:
+                out[i][0] += prompt * share / bin_s
+                out[i][1] += completion * share / bin_s
+    return replace(snapshot, bins={**snapshot.bins, "cloud": [(p, c) for p, c in out]})
+
+
+class WithStranded(DemandSource):
+    """A reader whose cloud history also holds what the sites stranded (`add_stranded`)."""
+
+    def __init__(
+        self, inner: DemandSource, bin_s: float, minutes: Callable[[], Iterable[StrandedMinute]]
+    ) -> None:
+        self.inner, self.bin_s, self.minutes = inner, bin_s, minutes
+
+    def read(self, now_s: float) -> Snapshot:
+        return add_stranded(self.inner.read(now_s), self.bin_s, self.minutes())
 
 
 # --------------------------------------------------------------------------- histogram
