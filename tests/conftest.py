@@ -65,8 +65,33 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_started] = (time.monotonic(), _warm())
 
 
+# --- every collected test reports --------------------------------------------------------
+# With workers, the controller sees each worker's collection and each test's reports; a
+# test collected and never reported (a worker gone quietly, a scheduler that stopped
+# early) must fail the run, not leave it green with fewer tests: pytest would say only
+# "N passed", N smaller than last time.
+_collected: set[str] = set()
+_reported: set[str] = set()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: called only with workers
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    _collected.update(ids)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" or report.outcome != "passed":
+        _reported.add(report.nodeid)
+
+
+def _unreported() -> list[str]:
+    return sorted(_collected - _reported)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
+    if _unreported() and not hasattr(config, "workerinput"):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if _started not in config.stash or not _whole_suite(config) or hasattr(config, "workerinput"):
         return
     t0, warm = config.stash[_started]
@@ -80,6 +105,14 @@ _verdict = pytest.StashKey[tuple[float, bool]]()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if missing := _unreported():
+        terminalreporter.section("TESTS NEVER RUN", sep="!", red=True, bold=True)
+        terminalreporter.write_line(
+            f"{len(missing)} of the {len(_collected)} tests the workers collected never "
+            "reported a result:", red=True, bold=True,
+        )  # fmt: skip
+        for nodeid in missing[:50]:
+            terminalreporter.write_line(f"  {nodeid}", red=True)
     if _verdict not in config.stash:
         return
     took, warm = config.stash[_verdict]
