@@ -251,8 +251,9 @@ def test_no_prefill_worker_reachable_falls_back_local(
 
 
 def test_prefill_dies_mid_transfer_retried_on_another(
-    mono: llm_engine.LLMEngine, tiny_model_dir: Path, loop: LoopThread, decode_factory: Any
-) -> None:
+    mono: llm_engine.LLMEngine, tiny_model_dir: Path, loop: LoopThread, decode_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     a, b = PrefillWorker(tiny_model_dir, loop), PrefillWorker(tiny_model_dir, loop)
     try:
         decode, client, stats = decode_factory([a.endpoint, b.endpoint])
@@ -260,6 +261,18 @@ def test_prefill_dies_mid_transfer_retried_on_another(
         first = min([a, b], key=lambda w: w.endpoint)
         second = b if first is a else a
         killed = threading.Event()
+        # The first transfer's server holds after its first KV frame until it is killed: its
+        # whole transfer (20 kB) otherwise fits the socket's buffers before the kill lands,
+        # and on a busy machine the client read it all, DONE included (one attempt).
+        send, held = protocol.Conn.send, []
+
+        async def send_then_hold(conn: protocol.Conn, frame: protocol.Frame) -> None:
+            await send(conn, frame)
+            if frame.type == protocol.FrameType.KV and not held:
+                held.append(frame)
+                await asyncio.Event().wait()  # cancelled by the kill
+
+        monkeypatch.setattr(protocol.Conn, "send", send_then_hold)
 
         def on_frame(frame: protocol.Frame) -> None:
             if not killed.is_set():
@@ -270,6 +283,7 @@ def test_prefill_dies_mid_transfer_retried_on_another(
         prompt = [PROMPTS[-1]]
         assert tokens(decode, prompt) == tokens(mono, prompt)
         assert killed.is_set()
+        assert len(held) == 1
         (st,) = stats
         assert st.outcome == "ok"
         assert st.attempts == 2
