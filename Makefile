@@ -3,11 +3,10 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 # PYTEST_WORKERS=2 runs two pytest-xdist workers: the control-plane tests as one unit
-# beside the model-bound modules (tests/conftest.py groups them). Measured 42.5 min on
-# 2026-11-28 against about 47 in one process, with four failures that only two busy
-# workers cause (since fixed: the real node's store, a fleet rollback's wait, the
-# gateway's books of a stream its client closed at once); one process stays the default
-# until a whole two-worker run has passed.
+# beside the model-bound modules (tests/conftest.py groups them). Measured 18.2 min on
+# 2026-11-29 against 28.6 in one process, all passed; but memory peaked at 20.7 of the
+# machine's 23 GiB, so one process stays the default until the workers keep less
+# (docs/testing.md).
 PYTEST_WORKERS ?= 0
 
 .PHONY: help setup setup-python up down demo test lint crds bench-index cluster-up cluster-down testenv dashboard-screenshot

@@ -176,3 +176,51 @@ def test_stranded_demand_is_kept_by_the_minute_through_a_restart_until_a_heartbe
     assert len(ledger.due(t + 10**5)) == agent_stranded.PER_HEARTBEAT
     ledger.observe((10**6, 1.0), t + 120 + agent_stranded.crd.STRANDED_KEEP_S)
     assert min(s for s, *_ in ledger.due(t + 10**6)) >= t + 120  # a day later: the old dropped
+
+
+def test_a_heartbeat_carries_the_stranded_minutes_and_a_server_that_refuses_them_gets_the_rest(
+    tmp_path: Any,
+) -> None:
+    """The minutes ride the heartbeat; answered 200, the closed ones leave the ledger; a
+    server that refuses them by name (an older one: an unknown field) must not cost the
+    device its heartbeats, so they are dropped; any other refusal keeps them."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from hybridllm_common import cli
+
+    args = cli.build_parser("edge").parse_args([
+        "edge", "agent", "--server", "https://fleet:8443", "--fleet", "shops",
+        "--state-dir", str(tmp_path), "--site-gateway", "127.0.0.1:9", "--plain-http",
+    ])  # fmt: skip
+    a = agent.Agent(args)
+    a.identity = {"device": "dev-1"}
+    assert a.site is not None
+    now = time.time()
+    closed, open_ = int(now // 60 * 60) - 120, int(now // 60 * 60)
+    sent: list[dict[str, Any]] = []
+    answers: list[httpx.Response] = []
+
+    async def call(method: str, path: str, body: bytes, headers: Any) -> httpx.Response:
+        sent.append(json.loads(body))
+        return answers.pop(0)
+
+    a._call = call  # type: ignore[method-assign]
+
+    def beat(answer: httpx.Response) -> list[int]:
+        answers.append(answer)
+        asyncio.run(a.heartbeat())
+        assert a.site is not None
+        return sorted(a.site.stranded.bins)
+
+    a.site.stranded.bins = {closed: [100.0, 10.0], open_: [5.0, 1.0]}
+    assert beat(httpx.Response(200, json={"heartbeatSeconds": 5})) == [open_]
+    assert sent[-1]["strandedDemand"] == [[closed, 100.0, 10.0], [open_, 5.0, 1.0]]
+    other = "heartbeat: unknown field 'x' (known: revision, strandedDemand)"
+    assert beat(httpx.Response(400, json={"error": {"message": other}})) == [open_]
+    older = "heartbeat: unknown field 'strandedDemand' (known: revision, siteGateway)"
+    assert beat(httpx.Response(400, json={"error": {"message": older}})) == []
+    beat(httpx.Response(200, json={}))
+    assert "strandedDemand" not in sent[-1]  # nothing stranded: not in the heartbeat

@@ -369,7 +369,15 @@ class Agent:
             if site is not None:
                 site.stranded.taken(stranded, sent_at)  # the fleet server has them
         else:
-            log.warning("heartbeat refused (%s): %s", r.status_code, _reason(r))
+            reason = _reason(r)
+            log.warning("heartbeat refused (%s): %s", r.status_code, reason)
+            named = "strandedDemand" in reason.split("(known:")[0]  # not in a list of fields
+            if site is not None and stranded and r.status_code == 400 and named:
+                # a server that cannot take them (an older one, say) must not cost the
+                # device its heartbeats: the minutes go, said so
+                site.stranded.taken(stranded, float("inf"))
+                log.warning("dropped %d minute(s) of stranded demand the fleet server refused",
+                            len(stranded))  # fmt: skip
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -35,6 +35,7 @@ _RECORDED = ("phase", "revision", "configVersion", "assignedVersion", "assignedW
              "failedVersion", "endpoint", "healthy", "message")  # fmt: skip
 
 DEMAND_BIN_S = 600.0  # the bins of each device group's demand history
+STRANDED_SKEW_S = 300  # a stranded minute this far past the server's clock still counts
 DEMAND_SAMPLE_S = 15.0  # how often a group's request rate is sampled (at most)
 
 
@@ -314,8 +315,10 @@ class StatusBuilder:
             fleet.stranded_folded[d.name] = heard
             for start, prompt, completion in d.report.get("strandedDemand") or ():
                 fleet.stranded[(d.name, int(start))] = (float(prompt), float(completion))
-        oldest = now - crd.STRANDED_KEEP_S
-        for key in [k for k in fleet.stranded if k[1] < oldest]:
+        # the last day's minutes: older ones go, and so do ones a device's clock put more
+        # than a few minutes ahead of this server's
+        oldest, newest = now - crd.STRANDED_KEEP_S, now + STRANDED_SKEW_S
+        for key in [k for k in fleet.stranded if not oldest <= k[1] <= newest]:
             del fleet.stranded[key]
         minutes: dict[int, list[float]] = {}
         for (_, start), (prompt, completion) in fleet.stranded.items():
