@@ -85,6 +85,7 @@ class SiteGateway:
         self.message = ""
         self.process: asyncio.subprocess.Process | None = None
         self.stranded = StrandedLedger(state)
+        self._metrics: httpx.AsyncClient | None = None  # reads the gateway's counters
 
     @property
     def url(self) -> str | None:
@@ -152,9 +153,10 @@ class SiteGateway:
         if self.url is None:
             return
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        if self._metrics is None:  # one kept connection for every read
+            self._metrics = httpx.AsyncClient(timeout=2.0)
         try:
-            async with httpx.AsyncClient(timeout=2.0) as http:
-                r = await http.get(f"http://{host}:{self.port}/metrics")
+            r = await self._metrics.get(f"http://{host}:{self.port}/metrics")
             r.raise_for_status()
             counters = read_counters(r.text)
         except (httpx.HTTPError, ValueError) as exc:
@@ -195,6 +197,9 @@ class SiteGateway:
             delay = min(delay * 2, 60.0)
 
     async def stop(self) -> None:
+        if self._metrics is not None:
+            await self._metrics.aclose()
+            self._metrics = None
         process = self.process
         if process is None or process.returncode is not None:
             return
